@@ -1,0 +1,3 @@
+from fbtrain.cli import main
+
+main()

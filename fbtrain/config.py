@@ -1,0 +1,436 @@
+"""Typed, self-checking configuration: defaults < YAML file < ``--set section.key=value``.
+
+Every section is a dataclass whose fields carry their help text and allowed values in
+``metadata``; :func:`load_config` maps YAML key for key onto them and reports *every*
+problem at once as one line each (file, key, value, what is allowed) in a
+:class:`ConfigError`. The CLI turns that into exit code 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+TINY_SHAKESPEARE_URL = (
+    "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
+)
+TINY_SHAKESPEARE_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
+
+MODEL_KINDS = ("feedback", "feedback_kv", "transformer")
+
+
+class ConfigError(ValueError):
+    """One or more configuration problems; ``problems`` holds one line per problem."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        super().__init__("\n".join(problems))
+
+
+def _f(default: Any, help: str, **checks: Any) -> Any:
+    """A dataclass field with its help text and checks (choices, min, max, gt) as metadata."""
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: _copy(default), metadata={"help": help, **checks})
+    return field(default=default, metadata={"help": help, **checks})
+
+
+def _copy(value: Any) -> Any:
+    return yaml.safe_load(yaml.safe_dump(value))
+
+
+@dataclass
+class RunConfig:
+    name: str = _f("tiny_shakespeare", "Run name: the run directory is <out_dir>/<name>.")
+    out_dir: str = _f("runs", "Folder that holds run directories.")
+    seed: int = _f(1337, "Seed for Python, torch and the batch sampler.", min=0)
+    device: str = _f("auto", "auto (CUDA when available, else CPU), cpu, cuda or cuda:N.")
+    precision: str = _f(
+        "auto", "auto (bf16 autocast on CUDA, fp32 on CPU), fp32, bf16 or fp16.",
+        choices=("auto", "fp32", "bf16", "fp16"),
+    )
+
+
+@dataclass
+class DataConfig:
+    dataset: str = _f("tinyshakespeare", "Name of the corpus (used for the cache file name).")
+    url: str = _f(TINY_SHAKESPEARE_URL, "Where to download the corpus from.")
+    sha256: str | None = _f(TINY_SHAKESPEARE_SHA256,
+                            "Expected sha256 of the download (null: skip).")
+    path: str | None = _f(None, "Local UTF-8 text file to use instead of downloading.")
+    cache_dir: str | None = _f(
+        None, "Download cache; default $FBTRAIN_CACHE, else ~/.cache/fbtrain."
+    )
+    val_fraction: float = _f(0.1, "Last fraction of the text held out for validation.",
+                             gt=0, max=0.5)
+
+
+@dataclass
+class ModelConfig:
+    kind: str = _f(
+        "feedback_kv",
+        "feedback (per-layer key/value), feedback_kv (shared key/value) or transformer.",
+        choices=MODEL_KINDS,
+    )
+    d_model: int = _f(128, "Width of the residual stream.", min=1)
+    n_heads: int = _f(4, "Attention heads; must divide d_model.", min=1)
+    d_ff: int = _f(512, "Hidden width of the feed-forward block.", min=1)
+    n_layers: int = _f(4, "Number of layers.", min=1)
+    dropout: float = _f(0.0, "Dropout on attention weights, residual branches and FF hidden.",
+                        min=0, max=0.9)
+    max_rel_pos: int = _f(4096, "Rows of the relative-position tables: the longest offset.", min=1)
+    mem_len: int | None = _f(
+        None, "Memory slots kept when decoding/carrying state (default max_rel_pos).", min=1
+    )
+
+    def problems(self) -> list[tuple[str, Any, str]]:
+        out = _field_problems(self)
+        ints = isinstance(self.d_model, int) and isinstance(self.n_heads, int)
+        if ints and self.n_heads > 0 and self.d_model % self.n_heads:
+            out.append(("d_model", self.d_model, f"must be divisible by n_heads ({self.n_heads})"))
+        ints = isinstance(self.mem_len, int) and isinstance(self.max_rel_pos, int)
+        if ints and self.mem_len > self.max_rel_pos:
+            out.append(("mem_len", self.mem_len,
+                        f"must be at most max_rel_pos ({self.max_rel_pos})"))
+        return out
+
+    @property
+    def memory_window(self) -> int:
+        return self.mem_len if self.mem_len is not None else self.max_rel_pos
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = _f(2000, "Optimizer steps to train for.", min=1)
+    batch_size: int = _f(16, "Sequences per optimizer step (per rank, before accumulation).", min=1)
+    grad_accum: int = _f(1, "Micro-batches accumulated per optimizer step.", min=1)
+    lr: float = _f(1e-3, "Peak learning rate (AdamW).", gt=0)
+    min_lr: float = _f(1e-4, "Learning rate at the end of the cosine decay.", min=0)
+    schedule: str = _f("cosine", "cosine (warm-up, then cosine to min_lr) or constant.",
+                       choices=("cosine", "constant"))
+    warmup_steps: int = _f(100, "Linear warm-up steps.", min=0)
+    weight_decay: float = _f(0.1, "AdamW weight decay (matrices only).", min=0)
+    beta1: float = _f(0.9, "AdamW beta1.", min=0, max=0.9999)
+    beta2: float = _f(0.99, "AdamW beta2.", min=0, max=0.9999)
+    grad_clip: float = _f(1.0, "Clip the global gradient norm to this (0: off).", min=0)
+    constant_tokens: bool = _f(
+        False, "Scale each curriculum stage's batch so tokens per step match the last stage."
+    )
+    eval_every: int = _f(250, "Evaluate on the fixed validation windows every N steps.", min=1)
+    eval_windows: int = _f(64, "Fixed validation windows per evaluation.", min=1)
+    log_every: int = _f(10, "Log train metrics every N steps.", min=1)
+    sample_every: int = _f(0, "Log a generated sample every N steps (0: never).", min=0)
+    sample_length: int = _f(200, "Characters in each logged sample.", min=1)
+    init_from: str | None = _f(None, "Warm start: a transformer checkpoint (or run dir).")
+
+
+@dataclass
+class CurriculumStage:
+    seq_len: int
+    until_step: int | None = None
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = _f(500, "Save a numbered checkpoint and last.pt every N steps.", min=1)
+    keep_last: int = _f(3, "Numbered checkpoints to keep (oldest deleted first).", min=1)
+
+
+@dataclass
+class LoggingConfig:
+    tensorboard: bool = _f(True, "Write TensorBoard events under <run>/tb.")
+    progress: bool = _f(True, "Show a progress bar on a terminal (plain lines otherwise).")
+
+
+DEFAULT_CURRICULUM = [{"until_step": 300, "seq_len": 32}, {"seq_len": 64}]
+
+
+@dataclass
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    curriculum: list[CurriculumStage] = field(
+        default_factory=lambda: [CurriculumStage(**s) for s in DEFAULT_CURRICULUM]
+    )
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["curriculum"] = [
+            {k: v for k, v in s.items() if v is not None} for s in out["curriculum"]
+        ]
+        return out
+
+    def seq_len_at(self, step: int) -> int:
+        """Sequence length of the curriculum stage that holds ``step`` (0-based)."""
+        return self.stage_at(step).seq_len
+
+    def stage_at(self, step: int) -> CurriculumStage:
+        for stage in self.curriculum:
+            if stage.until_step is None or step < stage.until_step:
+                return stage
+        return self.curriculum[-1]
+
+    def batch_size_at(self, step: int) -> int:
+        """Batch size at ``step``: scaled up for short stages when ``constant_tokens`` is on."""
+        if not self.train.constant_tokens:
+            return self.train.batch_size
+        tokens = self.train.batch_size * self.curriculum[-1].seq_len
+        return max(1, tokens // self.seq_len_at(step))
+
+    @property
+    def max_seq_len(self) -> int:
+        return max(s.seq_len for s in self.curriculum)
+
+
+SECTIONS = {
+    "run": RunConfig, "data": DataConfig, "model": ModelConfig, "train": TrainConfig,
+    "checkpoint": CheckpointConfig, "logging": LoggingConfig,
+}
+
+
+# ----------------------------------------------------------------------------- checking
+
+
+def _allowed_types(tp: Any) -> tuple[type, ...]:
+    """The runtime types a field annotated ``tp`` accepts (``int | None`` -> (int, NoneType))."""
+    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
+        return tuple(t for a in typing.get_args(tp) for t in _allowed_types(a))
+    return (tp,)
+
+
+def _type_name(types_: tuple[type, ...]) -> str:
+    return " or ".join("null" if t is type(None) else t.__name__ for t in types_)
+
+
+def _coerce(value: Any, allowed: tuple[type, ...]) -> tuple[bool, Any]:
+    """Accept ``value`` for a field of the given types; ints are fine where floats are."""
+    if value is None:
+        return type(None) in allowed, None
+    if isinstance(value, bool):
+        return bool in allowed, value
+    if isinstance(value, int) and int not in allowed and float in allowed:
+        return True, float(value)
+    return isinstance(value, tuple(t for t in allowed if t is not type(None))), value
+
+
+def _field_problems(section: Any) -> list[tuple[str, Any, str]]:
+    """Range/choice checks from field metadata, for values of the right type."""
+    out = []
+    for f in dataclasses.fields(section):
+        value, meta = getattr(section, f.name), f.metadata
+        if value is None or isinstance(value, bool) or not isinstance(value, (int, float, str)):
+            continue
+        if "choices" in meta and value not in meta["choices"]:
+            close = difflib.get_close_matches(str(value), meta["choices"], n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            out.append((f.name, value, f"must be one of {', '.join(meta['choices'])}{hint}"))
+        if isinstance(value, str):
+            continue
+        if "min" in meta and value < meta["min"]:
+            out.append((f.name, value, f"must be >= {meta['min']}"))
+        if "gt" in meta and value <= meta["gt"]:
+            out.append((f.name, value, f"must be > {meta['gt']}"))
+        if "max" in meta and value > meta["max"]:
+            out.append((f.name, value, f"must be <= {meta['max']}"))
+    return out
+
+
+def _build_section(cls: type, raw: Any, name: str, where: str, problems: list[str]) -> Any:
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        problems.append(f"{where}: {name} = {raw!r}: must be a mapping of keys to values")
+        return cls()
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    values = {}
+    for key, value in raw.items():
+        if key not in names:
+            close = difflib.get_close_matches(str(key), names, n=1)
+            hint = f" (did you mean {name}.{close[0]}?)" if close else ""
+            problems.append(
+                f"{where}: unknown key {name}.{key}{hint}; allowed: {', '.join(names)}"
+            )
+            continue
+        allowed_types = _allowed_types(hints[key])
+        ok, coerced = _coerce(value, allowed_types)
+        if not ok:
+            problems.append(
+                f"{where}: {name}.{key} = {value!r}: must be {_type_name(allowed_types)}"
+            )
+            continue
+        values[key] = coerced
+    section = cls(**values)
+    checker = getattr(section, "problems", None)
+    found = checker() if checker else _field_problems(section)
+    for key, value, message in found:
+        problems.append(f"{where}: {name}.{key} = {value!r}: {message}")
+    return section
+
+
+def _build_curriculum(raw: Any, where: str, problems: list[str]) -> list[CurriculumStage]:
+    shape = "a list of stages like [{until_step: 1000, seq_len: 32}, {seq_len: 64}]"
+    if raw is None:
+        raw = DEFAULT_CURRICULUM
+    if isinstance(raw, int) and not isinstance(raw, bool):
+        raw = [{"seq_len": raw}]
+    if not isinstance(raw, list) or not raw:
+        problems.append(f"{where}: curriculum = {raw!r}: must be {shape}")
+        return [CurriculumStage(**s) for s in DEFAULT_CURRICULUM]
+    stages: list[CurriculumStage] = []
+    previous = 0
+    for i, item in enumerate(raw):
+        key = f"curriculum[{i}]"
+        if not isinstance(item, dict) or "seq_len" not in item:
+            problems.append(f"{where}: {key} = {item!r}: must be {{seq_len: N[, until_step: S]}}")
+            continue
+        unknown = set(item) - {"seq_len", "until_step"}
+        if unknown:
+            problems.append(f"{where}: unknown key {key}.{sorted(unknown)[0]}; "
+                            "allowed: seq_len, until_step")
+        seq_len, until = item["seq_len"], item.get("until_step")
+        if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 1:
+            problems.append(f"{where}: {key}.seq_len = {seq_len!r}: must be an integer >= 1")
+            continue
+        last = i == len(raw) - 1
+        if until is None and not last:
+            problems.append(f"{where}: {key}.until_step is missing: every stage but the last "
+                            "needs one")
+            continue
+        if until is not None:
+            if not isinstance(until, int) or isinstance(until, bool) or until <= previous:
+                problems.append(f"{where}: {key}.until_step = {until!r}: must be an integer "
+                                f"> {previous} (stages run in order)")
+                continue
+            previous = until
+        stages.append(CurriculumStage(seq_len=seq_len, until_step=until))
+    return stages or [CurriculumStage(**s) for s in DEFAULT_CURRICULUM]
+
+
+def _cross_checks(cfg: Config, where: str) -> list[str]:
+    out = []
+    for i, stage in enumerate(cfg.curriculum):
+        if stage.seq_len > cfg.model.max_rel_pos:
+            out.append(f"{where}: curriculum[{i}].seq_len = {stage.seq_len}: must be <= "
+                       f"model.max_rel_pos ({cfg.model.max_rel_pos})")
+    if cfg.train.min_lr > cfg.train.lr:
+        out.append(f"{where}: train.min_lr = {cfg.train.min_lr}: must be <= train.lr "
+                   f"({cfg.train.lr})")
+    device = cfg.run.device
+    if not (device in ("auto", "cpu", "cuda") or
+            (device.startswith("cuda:") and device[5:].isdigit())):
+        out.append(f"{where}: run.device = {device!r}: must be auto, cpu, cuda or cuda:N")
+    return out
+
+
+def config_from_dict(raw: Any, where: str = "<config>") -> Config:
+    """Build and check a :class:`Config` from a nested dict; raise ConfigError listing all."""
+    problems: list[str] = []
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError([f"{where}: the top level must be a mapping of sections, "
+                           f"got {type(raw).__name__}"])
+    allowed = [*SECTIONS, "curriculum"]
+    for key in raw:
+        if key not in allowed:
+            close = difflib.get_close_matches(str(key), allowed, n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            problems.append(f"{where}: unknown section {key}{hint}; allowed: {', '.join(allowed)}")
+    sections = {
+        name: _build_section(cls, raw.get(name), name, where, problems)
+        for name, cls in SECTIONS.items()
+    }
+    curriculum = _build_curriculum(raw.get("curriculum"), where, problems)
+    cfg = Config(curriculum=curriculum, **sections)
+    problems += _cross_checks(cfg, where)
+    if problems:
+        raise ConfigError(problems)
+    return cfg
+
+
+def read_yaml(path: str | Path) -> Any:
+    """Read a YAML file; unreadable files and syntax errors become a one-line ConfigError."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError([f"{path}: config file not found"]) from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError([f"{path}: cannot read config file: {e}"]) from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        line = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError([f"{path}:{line}: malformed YAML: {problem}"]) from None
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply ``section.key=value`` strings (values parsed as YAML scalars) to a nested dict."""
+    problems = []
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            problems.append(f"--set {item!r}: must look like section.key=value")
+            continue
+        try:
+            value = yaml.safe_load(text) if text.strip() else None
+        except yaml.YAMLError:
+            problems.append(f"--set {item!r}: value {text!r} is not valid YAML")
+            continue
+        parts = key.split(".")
+        if parts == ["curriculum"]:
+            raw["curriculum"] = value
+            continue
+        if len(parts) != 2:
+            problems.append(f"--set {item!r}: key must be section.key (or curriculum)")
+            continue
+        section = raw.setdefault(parts[0], {})
+        if not isinstance(section, dict):
+            problems.append(f"--set {item!r}: {parts[0]} is not a section")
+            continue
+        section[parts[1]] = value
+    if problems:
+        raise ConfigError(problems)
+    return raw
+
+
+def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Defaults < YAML file at ``path`` (optional) < ``overrides``; raises ConfigError."""
+    raw = read_yaml(path) if path is not None else {}
+    if raw is None:
+        raw = {}
+    where = str(path) if path is not None else "<defaults>"
+    if not isinstance(raw, dict):
+        raise ConfigError([f"{where}: the top level must be a mapping of sections"])
+    raw = apply_overrides(_copy(raw), list(overrides))
+    return config_from_dict(raw, where + (" (with --set)" if overrides else ""))
+
+
+def save_config(cfg: Config, path: Path) -> None:
+    from fbtrain.io import atomic_write_text
+
+    atomic_write_text(path, yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+
+
+def describe_fields() -> str:
+    """Markdown reference of every config key (used to keep the README honest)."""
+    lines = []
+    for name, cls in SECTIONS.items():
+        for f in dataclasses.fields(cls):
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            lines.append(f"| `{name}.{f.name}` | `{default!r}` | {f.metadata.get('help', '')} |")
+    return "\n".join(lines)

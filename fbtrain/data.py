@@ -1,0 +1,409 @@
+"""Data: get the text, tokenize it by character, split it, and draw batches.
+
+Text comes either from a local file (``data.path``, never touches the network) or from
+``data.url``, downloaded once into a cache folder and verified by sha256. Everything
+the user can get wrong here raises :class:`DataError` with a one-line message that says
+which file or URL is at fault and what to do; the CLI turns it into exit code 2.
+
+Shapes: token ids are 1-D ``LongTensor`` s; batches are ``[batch, seq_len]`` (batch first).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import re
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import IO, Any
+
+import requests
+import torch
+
+from fbtrain.config import DataConfig
+from fbtrain.io import atomic_write, atomic_write_text
+
+log = logging.getLogger(__name__)
+
+OFFLINE_HINT = "or work offline with --set data.path=FILE pointing at a local copy of the text"
+VOCAB_FILE = "vocab.json"
+_CHUNK = 1 << 16  # bytes per streamed read: large enough to be fast, small enough to stay live
+_MAX_LISTED = 10  # unknown characters named in an error; more would not fit on one line
+# Failures worth another attempt: the network, not the request, is at fault.
+_TRANSIENT = (
+    requests.ConnectionError,  # includes ConnectTimeout and mid-body read timeouts
+    requests.Timeout,
+    requests.exceptions.ChunkedEncodingError,  # connection dropped mid-body
+    requests.exceptions.ContentDecodingError,
+)
+
+
+class DataError(Exception):
+    """A user-facing data problem; the message is one line naming the file/URL and the fix."""
+
+
+# ----------------------------------------------------------------------------- getting text
+
+
+def cache_dir(data_cfg: DataConfig) -> Path:
+    """The download cache: ``data.cache_dir``, else ``$FBTRAIN_CACHE``, else ~/.cache/fbtrain."""
+    chosen = data_cfg.cache_dir or os.environ.get("FBTRAIN_CACHE") or "~/.cache/fbtrain"
+    return Path(chosen).expanduser()
+
+
+def _sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _one_line(text: str, limit: int = 200) -> str:
+    text = " ".join(str(text).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _describe(exc: BaseException, timeout: float) -> str:
+    """A short reason for a network failure (requests' own messages run to several clauses)."""
+    if isinstance(exc, requests.ConnectTimeout):
+        return f"connection timed out after {timeout:g}s"
+    if isinstance(exc, requests.Timeout) or "Read timed out" in str(exc):
+        # A stall mid-body surfaces as ConnectionError(ReadTimeoutError), hence the text test.
+        return f"no data received for {timeout:g}s (read timed out)"
+    errno = re.search(r"\[Errno -?\d+\] [^'\")\]]+", str(exc))
+    if errno:
+        return errno.group(0).strip()
+    return _one_line(f"{type(exc).__name__}: {exc}")
+
+
+def _write_verified(
+    response: requests.Response, f: IO[bytes], url: str, sha256: str | None
+) -> None:
+    """Stream the body into ``f``, hashing as we go; raise DataError on a checksum mismatch."""
+    digest = hashlib.sha256()
+    for chunk in response.iter_content(chunk_size=_CHUNK):
+        digest.update(chunk)
+        f.write(chunk)
+    actual = digest.hexdigest()
+    if sha256 is not None and actual != sha256:
+        # Raised inside atomic_write, which deletes the temp file: nothing bad is left behind.
+        raise DataError(
+            f"sha256 mismatch for {url}: expected {sha256}, got {actual}; nothing was saved. "
+            f"Fix data.sha256, skip the check with --set data.sha256=null, {OFFLINE_HINT}"
+        )
+
+
+def download(
+    url: str,
+    dest: Path,
+    sha256: str | None,
+    *,
+    timeout: float = 30.0,
+    retries: int = 3,
+    backoff: float = 1.0,
+) -> Path:
+    """Download ``url`` to ``dest`` atomically, verifying ``sha256`` (None: skip) and return it.
+
+    The body is streamed to a temp file in ``dest``'s folder, fsynced and moved into place
+    with ``os.replace``, so ``dest`` is either absent, the old file, or the complete verified
+    download. ``timeout`` applies to connecting and to each read. ``retries`` is the total
+    number of attempts; connection errors, timeouts, 5xx, 408 and 429 are retried after
+    ``backoff * 2**k`` seconds (``backoff=0`` in tests), other 4xx fail at once. A checksum
+    mismatch is not retried: the same URL would give the same bytes.
+    """
+    dest = Path(dest)
+    expected = sha256.strip().lower() if sha256 else None
+    attempts = max(1, int(retries))
+    reason = "no attempt made"
+    for attempt in range(1, attempts + 1):
+        try:
+            log.info("downloading %s -> %s (attempt %d/%d)", url, dest, attempt, attempts)
+            with requests.get(url, stream=True, timeout=(timeout, timeout)) as response:
+                status = response.status_code
+                if 200 <= status < 300:
+                    atomic_write(dest, lambda f: _write_verified(response, f, url, expected))
+                    return dest
+                reason = f"HTTP {status} {response.reason or ''}".strip()
+                if not (status >= 500 or status in (408, 429)):
+                    raise DataError(
+                        f"could not download {url}: {reason}; check data.url, {OFFLINE_HINT}"
+                    )
+        except _TRANSIENT as e:
+            reason = _describe(e, timeout)
+        except requests.RequestException as e:  # bad URL, too many redirects: retrying won't help
+            raise DataError(
+                f"could not download {url}: {_describe(e, timeout)}; check data.url, "
+                f"{OFFLINE_HINT}"
+            ) from None
+        except OSError as e:  # after the requests errors: RequestException is an OSError too
+            raise DataError(
+                f"cannot write {dest}: {_one_line(str(e))}; set data.cache_dir or FBTRAIN_CACHE "
+                "to a writable folder"
+            ) from None
+        if attempt < attempts and backoff > 0:
+            time.sleep(backoff * 2 ** (attempt - 1))
+    raise DataError(
+        f"could not download {url}: {reason} (after {attempts} attempt"
+        f"{'s' if attempts != 1 else ''}); check your connection, {OFFLINE_HINT}"
+    )
+
+
+def _decode(raw: bytes, path: Path, what: str) -> str:
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(
+            f"{what} {path} is not valid UTF-8 (byte {e.start}); convert it to UTF-8 text"
+        ) from None
+    if not text:
+        raise DataError(f"{what} {path} is empty; point it at a text file with content")
+    return text
+
+
+def _read_local(path_str: str) -> str:
+    path = Path(path_str).expanduser()
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise DataError(f"data.path {path}: file not found; check the path") from None
+    except IsADirectoryError:
+        raise DataError(f"data.path {path} is a folder; point it at a text file") from None
+    except OSError as e:
+        raise DataError(
+            f"data.path {path}: cannot read it ({e.strerror or _one_line(str(e))})"
+        ) from None
+    return _decode(raw, path, "data.path")
+
+
+def load_text(data_cfg: DataConfig) -> str:
+    """The corpus as a string: ``data.path`` if set, else the cached (or fresh) download.
+
+    A cached file is hashed on every call (about 1 MB, milliseconds) and reused when it
+    matches ``data.sha256`` (or the check is off); a mismatch means a corrupt or stale
+    cache, so it is downloaded again.
+    """
+    if data_cfg.path:
+        return _read_local(data_cfg.path)
+    name = str(data_cfg.dataset)
+    if not name or Path(name).name != name or name in (".", ".."):
+        raise DataError(f"data.dataset = {name!r} must be a plain name (it names the cache file)")
+    dest = cache_dir(data_cfg) / f"{name}.txt"
+    expected = data_cfg.sha256.strip().lower() if data_cfg.sha256 else None
+    raw: bytes | None = None
+    try:
+        raw = dest.read_bytes()
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        log.warning("cannot read cached %s (%s); downloading again", dest, e)
+    if raw is not None and expected is not None and _sha256_bytes(raw) != expected:
+        log.warning("cached %s does not match data.sha256; downloading again", dest)
+        raw = None
+    if raw is None:
+        download(data_cfg.url, dest, expected)
+        try:
+            raw = dest.read_bytes()
+        except OSError as e:
+            raise DataError(f"cannot read downloaded {dest}: {_one_line(str(e))}") from None
+    return _decode(raw, dest, "cached download")
+
+
+# ----------------------------------------------------------------------------- tokenizer
+
+
+class CharTokenizer:
+    """Maps each character of a fixed vocabulary to its index in ``chars``."""
+
+    def __init__(self, chars: Sequence[str]):
+        chars = list(chars)
+        bad = [c for c in chars if not isinstance(c, str) or len(c) != 1]
+        if bad:
+            raise DataError(f"vocabulary entries must be single characters, got {bad[:3]!r}")
+        if len(set(chars)) != len(chars):
+            raise DataError("vocabulary has repeated characters; it must list each one once")
+        self.chars: list[str] = chars
+        self._index = {c: i for i, c in enumerate(chars)}
+
+    @classmethod
+    def from_text(cls, text: str) -> CharTokenizer:
+        """Vocabulary of the sorted distinct characters of ``text`` (65 for Tiny Shakespeare)."""
+        return cls(sorted(set(text)))
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.chars)
+
+    def encode(self, text: str) -> torch.Tensor:
+        """``text`` -> LongTensor ``[len(text)]``; unknown characters raise DataError."""
+        try:
+            ids = [self._index[c] for c in text]
+        except KeyError:
+            missing = sorted(set(text) - self._index.keys())
+            shown = ", ".join(repr(c) for c in missing[:_MAX_LISTED])
+            more = f" and {len(missing) - _MAX_LISTED} more" if len(missing) > _MAX_LISTED else ""
+            raise DataError(
+                f"{len(missing)} character(s) not in the vocabulary: {shown}{more}; "
+                "the vocabulary comes from the training text"
+            ) from None
+        return torch.tensor(ids, dtype=torch.long)
+
+    def decode(self, ids: torch.Tensor | Sequence[int]) -> str:
+        """Ids (list or 1-D tensor) -> text."""
+        values = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
+        n = len(self.chars)
+        # Checked up front: a negative id would otherwise index from the end silently.
+        bad = [i for i in values if not isinstance(i, int) or not 0 <= i < n]
+        if bad:
+            raise DataError(f"token id {bad[0]!r} is outside the vocabulary (0..{n - 1})")
+        return "".join(self.chars[i] for i in values)
+
+    def to_dict(self) -> dict[str, list[str]]:
+        return {"chars": list(self.chars)}
+
+    @classmethod
+    def from_dict(cls, d: Any) -> CharTokenizer:
+        if not isinstance(d, dict) or not isinstance(d.get("chars"), list):
+            raise DataError('a vocabulary must look like {"chars": ["\\n", " ", ...]}')
+        return cls(d["chars"])
+
+    def save(self, path: str | Path) -> Path:
+        """Write ``vocab.json`` atomically; ``path`` is the file or a folder to put it in."""
+        path = Path(path)
+        if path.is_dir():
+            path = path / VOCAB_FILE
+        atomic_write_text(path, json.dumps(self.to_dict(), ensure_ascii=False) + "\n")
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> CharTokenizer:
+        """Read a vocabulary written by :meth:`save` (the file, or the folder holding it)."""
+        path = Path(path)
+        if path.is_dir():
+            path = path / VOCAB_FILE
+        try:
+            d = json.loads(path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise DataError(f"{path}: vocabulary file not found") from None
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise DataError(f"{path}: cannot read vocabulary ({_one_line(str(e))})") from None
+        try:
+            return cls.from_dict(d)
+        except DataError as e:
+            raise DataError(f"{path}: {e}") from None
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, CharTokenizer) and self.chars == other.chars
+
+    def __repr__(self) -> str:
+        return f"CharTokenizer(vocab_size={self.vocab_size})"
+
+
+# ----------------------------------------------------------------------------- split, batches
+
+
+def split(ids: torch.Tensor, val_fraction: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """First ``int(n * (1 - val_fraction))`` ids for training, the rest for validation.
+
+    Tiny Shakespeare (1,115,394 chars) with 0.1 gives 1,003,854 / 111,540. The tiny epsilon
+    keeps float noise (e.g. 0.7 * 10 = 6.9999...) from losing a token; it never rounds up
+    a genuine fraction, which is what the documented split relies on.
+    """
+    if not 0 < val_fraction < 1:
+        raise DataError(f"data.val_fraction = {val_fraction}: must be between 0 and 1")
+    n = len(ids)
+    n_train = min(n, max(0, math.floor(n * (1 - val_fraction) + 1e-9)))
+    train, val = ids[:n_train], ids[n_train:]
+    if len(train) < 2 or len(val) < 2:
+        raise DataError(
+            f"text too short to split: {n} tokens with data.val_fraction = {val_fraction} "
+            f"gives {len(train)} train / {len(val)} validation; each needs at least 2"
+        )
+    return train, val
+
+
+def _check_data(data: torch.Tensor) -> None:
+    if not isinstance(data, torch.Tensor) or data.dim() != 1:
+        raise TypeError("data must be a 1-D tensor of token ids")
+
+
+def _too_short(n: int, seq_len: int, what: str) -> DataError:
+    return DataError(
+        f"{what} too short for seq_len {seq_len}: {n} tokens, need at least {seq_len + 1}; "
+        "use a shorter curriculum seq_len or a longer text"
+    )
+
+
+class BatchSampler:
+    """Random training windows from one split, reproducible from ``(seed, rank)``.
+
+    It owns a CPU ``torch.Generator`` (not the global RNG), so model code that draws random
+    numbers (dropout) cannot shift which batches come next, and saving its state is enough
+    to resume the exact batch sequence.
+    """
+
+    def __init__(self, data: torch.Tensor, seed: int, rank: int = 0):
+        _check_data(data)
+        self.data = data.long()
+        self.seed = int(seed)
+        self.rank = int(rank)
+        self.generator = torch.Generator(device="cpu")
+        self.generator.manual_seed(self._mix(self.seed, self.rank))
+
+    @staticmethod
+    def _mix(seed: int, rank: int) -> int:
+        # Hashing gives unrelated streams per rank; seed + rank would make rank 1 of seed s
+        # replay rank 0 of seed s + 1.
+        digest = hashlib.sha256(f"fbtrain:{seed}:{rank}".encode()).digest()
+        return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+    def sample(
+        self, batch_size: int, seq_len: int, device: torch.device | str = "cpu"
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inputs x and targets y, LongTensors ``[batch_size, seq_len]``; y is x shifted by one."""
+        if batch_size < 1 or seq_len < 1:
+            raise ValueError(f"batch_size and seq_len must be >= 1, got {batch_size}, {seq_len}")
+        n = len(self.data)
+        if n < seq_len + 1:
+            raise _too_short(n, seq_len, "training text")
+        starts = torch.randint(0, n - seq_len, (batch_size,), generator=self.generator)
+        windows = self.data[starts[:, None] + torch.arange(seq_len + 1)]
+        # One host->device copy; x and y are made contiguous on the device so that callers
+        # may .view() them (e.g. flattening targets for cross-entropy).
+        windows = windows.to(device, non_blocking=True)
+        return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Generator state (uint8 tensor) plus seed/rank: safe for ``torch.load(weights_only)``."""
+        return {"generator": self.generator.get_state(), "seed": self.seed, "rank": self.rank}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`; the next batches equal those after it was taken."""
+        gen = state["generator"]
+        if not isinstance(gen, torch.Tensor):
+            raise DataError("batch sampler state is corrupt: 'generator' is not a tensor")
+        # A checkpoint loaded with map_location='cuda' moves it; the generator needs CPU bytes.
+        self.generator.set_state(gen.detach().to("cpu", torch.uint8))
+
+
+def fixed_windows(
+    data: torch.Tensor, seq_len: int, count: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Deterministic evaluation windows: x, y ``[count', seq_len]`` spread evenly over ``data``.
+
+    ``count' = min(count, (len(data) - 1) // seq_len)``: the number of windows whose inputs
+    do not overlap. Starts run from the first token to the last possible one, so the
+    windows sample the whole split and every call (and every run) sees the same ones.
+    """
+    _check_data(data)
+    if count < 1 or seq_len < 1:
+        raise ValueError(f"count and seq_len must be >= 1, got {count}, {seq_len}")
+    n = len(data)
+    if n < seq_len + 1:
+        raise _too_short(n, seq_len, "validation text")
+    k = min(count, (n - 1) // seq_len)
+    last = n - seq_len - 1
+    # Integer spacing: floor(i * last / (k - 1)); consecutive starts differ by >= seq_len.
+    starts = torch.tensor([i * last // (k - 1) for i in range(k)] if k > 1 else [0])
+    windows = data.long()[starts[:, None] + torch.arange(seq_len + 1)]
+    return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()

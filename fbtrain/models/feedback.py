@@ -1,0 +1,103 @@
+"""The Feedback Transformer (Fan et al. 2020): every layer at step t attends to m_0..m_{t-1}.
+
+``m_t = sum_l softmax(w)_l h_t^l`` mixes the embedding and all layer outputs of step t, so
+the lowest layer sees the highest representations of the past. ``kind: feedback`` gives every
+layer its own key/value projection of memory (computed for all layers in one matmul when the
+slot is created); ``kind: feedback_kv`` shares one pair, so each step adds one key/value.
+The step loop itself is in ``feedback_core.py``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from fbtrain.config import ModelConfig
+from fbtrain.models.feedback_core import (
+    CoreSpec,
+    FeedbackCoreFunction,
+    core_forward,
+    flatten_layers,
+)
+from fbtrain.models.layers import Layer, init_weights
+from fbtrain.models.state import MemoryState
+
+
+class FeedbackTransformer(nn.Module):
+    def __init__(self, cfg: ModelConfig, vocab_size: int):
+        super().__init__()
+        self.cfg = cfg
+        self.shared_kv = cfg.kind == "feedback_kv"
+        d = cfg.d_model
+        self.embed = nn.Embedding(vocab_size, d)
+        self.layers = nn.ModuleList(
+            Layer(d, cfg.n_heads, cfg.d_ff, cfg.max_rel_pos, own_kv=not self.shared_kv)
+            for _ in range(cfg.n_layers)
+        )
+        if self.shared_kv:
+            self.key = nn.Linear(d, d, bias=False)
+            self.value = nn.Linear(d, d, bias=False)
+        self.mem_weights = nn.Parameter(torch.ones(cfg.n_layers + 1))
+        self.ln_f = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab_size)
+        init_weights(self)
+
+    def memory_weights(self) -> Tensor:
+        """softmax(w): [n_layers + 1], the share of the embedding and each layer in memory."""
+        return torch.softmax(self.mem_weights, dim=0)
+
+    def empty_state(self, batch: int, like: Tensor) -> MemoryState:
+        n_sets = 1 if self.shared_kv else self.cfg.n_layers
+        dk = self.cfg.d_model // self.cfg.n_heads
+        empty = like.new_zeros(n_sets, batch * self.cfg.n_heads, 0, dk)
+        return MemoryState(empty, empty, 0)
+
+    def core_params(self, n_pos: int) -> tuple[list[dict[str, Tensor]], Tensor, Tensor | None]:
+        """Per-layer tensors for the core (constants folded; see RelativeAttention.folded),
+        the memory key/value projection ``wkv`` [D, 2*n_sets*D] and its bias (or None)."""
+        layers = []
+        for layer in self.layers:
+            fa = layer.attn.folded(n_pos)
+            layers.append({
+                "ln1_w": layer.ln1.weight, "ln1_b": layer.ln1.bias,
+                "wq": fa.wq, "uq": fa.uq, "rt": fa.rt, "c": fa.c,
+                "wo_t": layer.attn.out.weight.t(), "bo": layer.attn.out.bias,
+                "ln2_w": layer.ln2.weight, "ln2_b": layer.ln2.bias,
+                "w1_t": layer.ff1.weight.t(), "b1": layer.ff1.bias,
+                "w2_t": layer.ff2.weight.t(), "b2": layer.ff2.bias,
+            })
+        if self.shared_kv:
+            return layers, torch.cat([self.key.weight.t(), self.value.weight.t()], 1), None
+        attns = [layer.attn for layer in self.layers]
+        wkv = torch.cat([a.key.weight.t() for a in attns] + [a.value.weight.t() for a in attns], 1)
+        no_key_bias = wkv.new_zeros(len(attns) * self.cfg.d_model)
+        return layers, wkv, torch.cat([no_key_bias, *(a.value.bias for a in attns)])
+
+    def forward(self, tokens: Tensor, state: MemoryState | None = None
+                ) -> tuple[Tensor, MemoryState]:
+        """tokens: [B, T] -> logits [B, T, vocab] and the memory after the last token.
+
+        Feeding a sequence in chunks, carrying ``state``, gives the logits of one call.
+        """
+        batch, steps = tokens.shape
+        x0 = self.embed(tokens)
+        if state is None:
+            state = self.empty_state(batch, x0)
+        window = self.cfg.memory_window
+        n_pos = max(1, min(state.slots + steps, window))
+        layers, wkv, bkv = self.core_params(n_pos)
+        spec = CoreSpec(
+            n_layers=self.cfg.n_layers, n_heads=self.cfg.n_heads, shared_kv=self.shared_kv,
+            window=window, dropout=self.cfg.dropout if self.training else 0.0,
+        )
+        mem_k, mem_v = state.keys.to(x0.dtype), state.values.to(x0.dtype)
+        if torch.is_grad_enabled():
+            top, keys, values = FeedbackCoreFunction.apply(
+                spec, x0, mem_k, mem_v, self.memory_weights(), wkv, bkv, *flatten_layers(layers))
+        else:
+            hidden, _, keys, values = core_forward(
+                spec, x0, mem_k, mem_v, layers, self.memory_weights(), wkv, bkv)
+            top = hidden[:, -1].transpose(0, 1)
+            keys, values = keys[:, :, -window:], values[:, :, -window:]
+        logits = self.head(self.ln_f(top))
+        return logits, MemoryState(keys, values, state.steps + steps)

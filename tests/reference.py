@@ -1,0 +1,69 @@
+"""A slow Feedback Transformer written straight from the equations, with plain autograd.
+
+It follows the seed design's algorithm on purpose: a Python list of memory vectors,
+``torch.stack`` of the whole memory at every step, the position tables sliced inside the
+step loop, and (``feedback``) every layer re-projecting all of memory at every step, or
+(``feedback_kv``) one key/value per step kept in lists and stacked anew each step. It reads
+the parameters of a real fbtrain model, so both compute with the same weights; the tests
+check the fast core against it, and ``scripts/benchmark.py`` times it as the baseline.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from fbtrain.models import FeedbackTransformer
+
+
+def reference_forward(model: FeedbackTransformer, tokens: Tensor) -> Tensor:
+    """tokens [B, T] -> logits [B, T, vocab], one token at a time, from empty memory."""
+    cfg = model.cfg
+    B, T = tokens.shape
+    D, H, L = cfg.d_model, cfg.n_heads, cfg.n_layers
+    dk, P, window = D // H, cfg.max_rel_pos, cfg.memory_window
+    drop = cfg.dropout if model.training else 0.0
+    emb = model.embed(tokens)  # [B, T, D]
+    mix = torch.softmax(model.mem_weights, dim=0)  # [L + 1]
+    memory: list[Tensor] = []  # m_0 .. m_{t-1}, each [B, D]
+    shared_k: list[Tensor] = []  # feedback_kv: k_j, v_j computed once per step
+    shared_v: list[Tensor] = []
+    logits = []
+    for t in range(T):
+        x = emb[:, t]
+        outputs = [x]  # h_t^0 .. h_t^L
+        for layer in model.layers:
+            attn = layer.attn
+            if memory:
+                if model.shared_kv:
+                    k = torch.stack(shared_k[-window:], dim=1)  # [B, n, D]
+                    v = torch.stack(shared_v[-window:], dim=1)
+                else:
+                    mem = torch.stack(memory[-window:], dim=1)  # [B, n, D]
+                    k, v = attn.key(mem), attn.value(mem)
+                n = k.shape[1]
+                k, v = k.view(B, n, H, dk), v.view(B, n, H, dk)
+                q = attn.query(layer.ln1(x)).view(B, H, dk)
+                r = attn.r[P - n:]  # offsets n .. 1 for slots t-n .. t-1: [n, H, dk]
+                b = attn.b[P - n:]  # [n, H]
+                scores = (
+                    torch.einsum("bhd,bjhd->bhj", q + attn.u, k)
+                    + torch.einsum("bhd,jhd->bhj", q, r)
+                    + b.t()
+                ) / math.sqrt(dk)
+                p = F.dropout(torch.softmax(scores, dim=-1), drop, model.training)
+                o = torch.einsum("bhj,bjhd->bhd", p, v).reshape(B, D)
+                x = x + F.dropout(attn.out(o), drop, model.training)
+            h = F.dropout(F.relu(layer.ff1(layer.ln2(x))), drop, model.training)
+            x = x + F.dropout(layer.ff2(h), drop, model.training)
+            outputs.append(x)
+        m = sum(mix[i] * outputs[i] for i in range(L + 1))
+        memory.append(m)
+        if model.shared_kv:
+            shared_k.append(model.key(m))
+            shared_v.append(model.value(m))
+        logits.append(model.head(model.ln_f(x)))
+    return torch.stack(logits, dim=1)

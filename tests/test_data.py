@@ -1,0 +1,391 @@
+"""Tests for fbtrain.data: download/cache against a real local HTTP server, tokenizer,
+split and batches. Offline and fast: the server runs on 127.0.0.1 in a thread."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import socket
+import threading
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+import torch
+
+from fbtrain.config import DataConfig
+from fbtrain.data import (
+    BatchSampler,
+    CharTokenizer,
+    DataError,
+    cache_dir,
+    download,
+    fixed_windows,
+    load_text,
+    split,
+)
+
+TEXT = "".join(f"Line {i}: To be, or not to be, that is the question.\n" for i in range(200))
+BODY = TEXT.encode("utf-8")
+SHA = hashlib.sha256(BODY).hexdigest()
+
+
+@dataclass
+class Server:
+    """A local HTTP server; ``hits[path]`` counts requests, ``release`` ends stalls."""
+
+    base: str
+    hits: Counter = field(default_factory=Counter)
+    release: threading.Event = field(default_factory=threading.Event)
+    flaky_failures: int = 1  # /flaky answers 500 this many times, then the text
+
+    def url(self, path: str) -> str:
+        return self.base + path
+
+
+@pytest.fixture
+def server(monkeypatch: pytest.MonkeyPatch) -> Iterator[Server]:
+    # A proxy from the environment would swallow requests to 127.0.0.1.
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
+    monkeypatch.setenv("no_proxy", "127.0.0.1,localhost")
+    lock = threading.Lock()
+    state: dict[str, Server] = {}
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args: object) -> None:  # keep pytest output clean
+            pass
+
+        def _send(self, code: int, body: bytes = b"") -> None:
+            self.send_response(code)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_GET(self) -> None:
+            srv = state["srv"]
+            with lock:
+                srv.hits[self.path] += 1
+                count = srv.hits[self.path]
+            if self.path == "/text.txt":
+                self._send(200, BODY)
+            elif self.path == "/error":
+                self._send(500, b"boom")
+            elif self.path == "/flaky":
+                self._send(500 if count <= srv.flaky_failures else 200, BODY)
+            elif self.path == "/stall":  # never sends headers
+                srv.release.wait(5)
+            elif self.path == "/stall-body":  # headers and half the body, then nothing
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(BODY)))
+                self.end_headers()
+                self.wfile.write(BODY[: len(BODY) // 2])
+                self.wfile.flush()
+                srv.release.wait(5)
+            else:
+                self._send(404, b"not here")
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    httpd.daemon_threads = True
+    httpd.block_on_close = False
+    state["srv"] = srv = Server(base=f"http://127.0.0.1:{httpd.server_address[1]}")
+    # A short poll interval keeps shutdown() (hence each test's teardown) quick.
+    thread = threading.Thread(target=httpd.serve_forever, args=(0.02,), daemon=True)
+    thread.start()
+    try:
+        yield srv
+    finally:
+        srv.release.set()
+        httpd.shutdown()
+        httpd.server_close()
+        thread.join(5)
+
+
+@pytest.fixture
+def refused_url() -> str:
+    """A URL on a port where nothing listens (bound, then closed)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return f"http://127.0.0.1:{port}/text.txt"
+
+
+def cfg(tmp_path: Path, url: str, sha256: str | None = SHA, **kw: object) -> DataConfig:
+    return DataConfig(dataset="tiny", url=url, sha256=sha256,
+                      cache_dir=str(tmp_path / "cache"), **kw)
+
+
+# ----------------------------------------------------------------------------- download
+
+
+def test_download_then_cache_hit(tmp_path: Path, server: Server) -> None:
+    c = cfg(tmp_path, server.url("/text.txt"))
+    assert load_text(c) == TEXT
+    assert server.hits["/text.txt"] == 1
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == ["tiny.txt"]
+    assert load_text(c) == TEXT  # served from the cache: no second request
+    assert server.hits["/text.txt"] == 1
+
+
+def test_cache_without_checksum_is_reused(tmp_path: Path, server: Server) -> None:
+    c = cfg(tmp_path, server.url("/text.txt"), sha256=None)
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / "tiny.txt").write_text("already here\n", encoding="utf-8")
+    assert load_text(c) == "already here\n"
+    assert server.hits["/text.txt"] == 0
+
+
+def test_corrupt_cache_is_downloaded_again(tmp_path: Path, server: Server) -> None:
+    c = cfg(tmp_path, server.url("/text.txt"))
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / "tiny.txt").write_text("truncated", encoding="utf-8")
+    assert load_text(c) == TEXT
+    assert server.hits["/text.txt"] == 1
+    assert (tmp_path / "cache" / "tiny.txt").read_bytes() == BODY
+
+
+def test_checksum_mismatch_names_both_hashes_and_leaves_nothing(
+    tmp_path: Path, server: Server
+) -> None:
+    wrong = "0" * 64
+    with pytest.raises(DataError, match=f"expected {wrong}, got {SHA}") as info:
+        load_text(cfg(tmp_path, server.url("/text.txt"), sha256=wrong))
+    assert "\n" not in str(info.value)
+    assert list((tmp_path / "cache").iterdir()) == []  # no file, no temp file
+    assert server.hits["/text.txt"] == 1  # a mismatch is not retried
+
+
+def test_404_fails_at_once(tmp_path: Path, server: Server) -> None:
+    with pytest.raises(DataError, match=r"could not download .*/nope: HTTP 404.*data\.path"):
+        download(server.url("/nope"), tmp_path / "x.txt", None, retries=3, backoff=0)
+    assert server.hits["/nope"] == 1
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_500_is_retried_then_fails(tmp_path: Path, server: Server) -> None:
+    with pytest.raises(DataError, match=r"HTTP 500.*after 3 attempts.*--set data\.path=FILE"):
+        download(server.url("/error"), tmp_path / "x.txt", None, retries=3, backoff=0.01)
+    assert server.hits["/error"] == 3
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_transient_500_then_success(tmp_path: Path, server: Server) -> None:
+    dest = download(server.url("/flaky"), tmp_path / "x.txt", SHA, retries=3, backoff=0)
+    assert dest.read_bytes() == BODY
+    assert server.hits["/flaky"] == 2
+    assert list(tmp_path.iterdir()) == [dest]
+
+
+def test_connection_refused(tmp_path: Path, refused_url: str) -> None:
+    with pytest.raises(DataError, match=r"could not download .*refused.*--set data\.path=FILE"):
+        download(refused_url, tmp_path / "x.txt", None, retries=2, backoff=0)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("path", ["/stall", "/stall-body"])
+def test_stalled_server_times_out(tmp_path: Path, server: Server, path: str) -> None:
+    with pytest.raises(DataError, match=r"timed out.*after 2 attempts"):
+        download(server.url(path), tmp_path / "x.txt", None, timeout=0.2, retries=2, backoff=0)
+    assert server.hits[path] == 2
+    assert list(tmp_path.iterdir()) == []  # the half-written temp file is gone
+
+
+def test_bad_url_fails_at_once(tmp_path: Path) -> None:
+    with pytest.raises(DataError, match="could not download not-a-url"):
+        download("not-a-url", tmp_path / "x.txt", None, backoff=0)
+
+
+# ----------------------------------------------------------------------------- local files, cache
+
+
+def test_local_path_never_touches_network(tmp_path: Path, server: Server) -> None:
+    local = tmp_path / "mine.txt"
+    local.write_text("hello world\n", encoding="utf-8")
+    c = cfg(tmp_path, server.url("/text.txt"), path=str(local))
+    assert load_text(c) == "hello world\n"
+    assert sum(server.hits.values()) == 0
+    assert not (tmp_path / "cache").exists()
+
+
+def test_local_path_with_unreachable_url(tmp_path: Path, refused_url: str) -> None:
+    local = tmp_path / "mine.txt"
+    local.write_text("offline\n", encoding="utf-8")
+    assert load_text(cfg(tmp_path, refused_url, path=str(local))) == "offline\n"
+
+
+@pytest.mark.parametrize(
+    ("content", "match"),
+    [(None, "file not found"), (b"", "is empty"), (b"ok\xff\xfe", "not valid UTF-8"),
+     ("dir", "is a folder")],
+)
+def test_local_path_problems_name_the_file(
+    tmp_path: Path, refused_url: str, content: bytes | str | None, match: str
+) -> None:
+    local = tmp_path / "input.txt"
+    if content == "dir":
+        local.mkdir()
+    elif content is not None:
+        local.write_bytes(content)
+    with pytest.raises(DataError, match=f"data.path {local}.*{match}"):
+        load_text(cfg(tmp_path, refused_url, path=str(local)))
+
+
+def test_cache_dir_precedence(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("FBTRAIN_CACHE", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert cache_dir(DataConfig()) == tmp_path / "home" / ".cache" / "fbtrain"
+    monkeypatch.setenv("FBTRAIN_CACHE", str(tmp_path / "env"))
+    assert cache_dir(DataConfig()) == tmp_path / "env"
+    assert cache_dir(DataConfig(cache_dir=str(tmp_path / "cfg"))) == tmp_path / "cfg"
+
+
+def test_fbtrain_cache_env_is_used_for_downloads(
+    tmp_path: Path, server: Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FBTRAIN_CACHE", str(tmp_path / "env"))
+    c = DataConfig(dataset="tiny", url=server.url("/text.txt"), sha256=SHA)
+    assert load_text(c) == TEXT
+    assert (tmp_path / "env" / "tiny.txt").read_bytes() == BODY
+
+
+# ----------------------------------------------------------------------------- tokenizer
+
+
+def test_tokenizer_round_trip() -> None:
+    tok = CharTokenizer.from_text(TEXT)
+    assert tok.chars == sorted(set(TEXT))
+    assert tok.vocab_size == len(set(TEXT))
+    ids = tok.encode(TEXT)
+    assert ids.dtype == torch.long and ids.shape == (len(TEXT),)
+    assert tok.decode(ids) == TEXT
+    assert tok.decode(ids.tolist()[:10]) == TEXT[:10]
+
+
+def test_unknown_characters_are_named() -> None:
+    tok = CharTokenizer.from_text("abc")
+    with pytest.raises(DataError, match=r"2 character\(s\) not in the vocabulary: 'é', 'ü'"):
+        tok.encode("abcéüé")
+    many = "".join(chr(0x4E00 + i) for i in range(15))
+    with pytest.raises(DataError, match="and 5 more"):
+        tok.encode(many)
+
+
+def test_decode_rejects_out_of_range_ids() -> None:
+    tok = CharTokenizer.from_text("abc")
+    with pytest.raises(DataError, match="token id -1"):
+        tok.decode([0, -1])
+
+
+def test_vocab_save_load(tmp_path: Path) -> None:
+    tok = CharTokenizer.from_text("hello\nworld é")
+    written = tok.save(tmp_path)  # a folder: vocab.json inside it
+    assert written == tmp_path / "vocab.json"
+    assert json.loads(written.read_text(encoding="utf-8")) == {"chars": tok.chars}
+    assert CharTokenizer.load(tmp_path) == tok
+    assert CharTokenizer.load(written).chars == tok.chars
+    assert CharTokenizer.from_dict(tok.to_dict()) == tok
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["vocab.json"]  # no temp file left
+
+
+def test_vocab_load_problems(tmp_path: Path) -> None:
+    with pytest.raises(DataError, match="vocabulary file not found"):
+        CharTokenizer.load(tmp_path / "vocab.json")
+    (tmp_path / "vocab.json").write_text('{"chars": ["a", "a"]}', encoding="utf-8")
+    with pytest.raises(DataError, match="repeated characters"):
+        CharTokenizer.load(tmp_path / "vocab.json")
+
+
+# ----------------------------------------------------------------------------- split
+
+
+def test_split_sizes() -> None:
+    ids = torch.arange(1000)
+    train, val = split(ids, 0.1)
+    assert (len(train), len(val)) == (900, 100)
+    assert torch.equal(torch.cat([train, val]), ids)
+    for frac in (0.05, 0.2, 0.25, 0.3, 0.5):
+        train, val = split(torch.arange(1000), frac)
+        assert (len(train), len(val)) == (round(1000 * (1 - frac)), round(1000 * frac))
+
+
+def test_split_tiny_shakespeare_arithmetic() -> None:
+    train, val = split(torch.zeros(1_115_394, dtype=torch.long), 0.1)
+    assert (len(train), len(val)) == (1_003_854, 111_540)
+
+
+def test_split_too_short() -> None:
+    with pytest.raises(DataError, match="text too short to split: 10 tokens"):
+        split(torch.arange(10), 0.1)
+
+
+# ----------------------------------------------------------------------------- batches
+
+
+def test_batch_shapes_and_shift() -> None:
+    data = torch.arange(500)
+    x, y = BatchSampler(data, seed=0).sample(8, 16, "cpu")
+    assert x.shape == y.shape == (8, 16)
+    assert x.dtype == y.dtype == torch.long
+    assert torch.equal(y, x + 1)  # contiguous windows of arange, shifted by one
+    assert int(y.max()) < 500
+
+
+def test_batches_deterministic_and_rank_specific() -> None:
+    data = torch.arange(10_000)
+
+    def draw(seed: int, rank: int = 0) -> list[torch.Tensor]:
+        s = BatchSampler(data, seed=seed, rank=rank)
+        return [s.sample(4, 8, "cpu")[0] for _ in range(3)]
+
+    a, b = draw(1), draw(1)
+    assert all(torch.equal(p, q) for p, q in zip(a, b, strict=True))
+    assert not torch.equal(draw(1)[0], draw(2)[0])
+    assert not torch.equal(draw(1, rank=0)[0], draw(1, rank=1)[0])
+
+
+def test_sampler_state_restores_next_batches(tmp_path: Path) -> None:
+    data = torch.arange(10_000)
+    s = BatchSampler(data, seed=3)
+    s.sample(4, 8, "cpu")
+    torch.save(s.state_dict(), tmp_path / "state.pt")
+    expected = [s.sample(4, 8, "cpu") for _ in range(3)]
+    other = BatchSampler(data, seed=99)
+    other.load_state_dict(torch.load(tmp_path / "state.pt", weights_only=True))
+    for (x, y), (ex, ey) in zip((other.sample(4, 8, "cpu") for _ in range(3)), expected,
+                                strict=True):
+        assert torch.equal(x, ex) and torch.equal(y, ey)
+
+
+def test_sampler_does_not_use_global_rng() -> None:
+    data = torch.arange(1000)
+    torch.manual_seed(0)
+    a = BatchSampler(data, seed=5).sample(4, 8, "cpu")[0]
+    torch.manual_seed(123)
+    torch.rand(10)
+    b = BatchSampler(data, seed=5).sample(4, 8, "cpu")[0]
+    assert torch.equal(a, b)
+
+
+def test_sampler_text_too_short() -> None:
+    s = BatchSampler(torch.arange(16), seed=0)
+    s.sample(2, 15, "cpu")  # 16 tokens are exactly enough for seq_len 15
+    with pytest.raises(DataError, match="too short for seq_len 16"):
+        s.sample(2, 16, "cpu")
+
+
+def test_fixed_windows() -> None:
+    data = torch.arange(1000)
+    x, y = fixed_windows(data, 10, 5)
+    x2, y2 = fixed_windows(data, 10, 5)
+    assert torch.equal(x, x2) and torch.equal(y, y2)
+    assert x.shape == y.shape == (5, 10)
+    assert torch.equal(y, x + 1)
+    starts = x[:, 0].tolist()
+    assert starts[0] == 0 and int(y[-1, -1]) == 999  # spans the whole split
+    assert all(b - a >= 10 for a, b in zip(starts[:-1], starts[1:], strict=True))  # no overlap
+    x, _ = fixed_windows(data, 100, 1000)  # asks for more than fit
+    assert x.shape == (9, 100)  # (1000 - 1) // 100
+    with pytest.raises(DataError, match="too short for seq_len 1000"):
+        fixed_windows(data, 1000, 1)

@@ -1,0 +1,183 @@
+"""Models against the slow reference (float64, same weights), and the model contract."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from reference import reference_forward
+
+from fbtrain.config import ModelConfig
+from fbtrain.models import build_model, count_parameters
+
+FEEDBACK_KINDS = ["feedback_kv", "feedback"]
+ALL_KINDS = [*FEEDBACK_KINDS, "transformer"]
+
+
+def small(kind: str, **kw) -> ModelConfig:
+    base = dict(kind=kind, d_model=16, n_heads=2, d_ff=24, n_layers=3, max_rel_pos=32)
+    return ModelConfig(**{**base, **kw})
+
+
+def randomized(cfg: ModelConfig, vocab: int = 11, seed: int = 0) -> torch.nn.Module:
+    """A float64 model whose zero/one-initialised parameters (r, b, u, memory weights,
+    LayerNorm) are randomised too, so no term of the equations can hide behind a zero."""
+    torch.manual_seed(seed)
+    model = build_model(cfg, vocab).double()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    return model
+
+
+def loss_of(logits: torch.Tensor, seed: int = 1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (logits * torch.randn(logits.shape, generator=g, dtype=logits.dtype)).sum()
+
+
+def grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("kind", FEEDBACK_KINDS)
+@pytest.mark.parametrize("mem_len", [None, 5])
+def test_fast_core_matches_reference_float64(kind, mem_len):
+    model = randomized(small(kind, mem_len=mem_len))
+    tokens = torch.randint(0, 11, (3, 12))
+    ref_logits = reference_forward(model, tokens)
+    loss_of(ref_logits).backward()
+    ref_grads = grads(model)
+    model.zero_grad(set_to_none=True)
+    logits, _ = model(tokens)
+    loss_of(logits).backward()
+    fast_grads = grads(model)
+    torch.testing.assert_close(logits, ref_logits, rtol=0, atol=1e-9)
+    assert fast_grads.keys() == ref_grads.keys()
+    for name in ref_grads:
+        torch.testing.assert_close(fast_grads[name], ref_grads[name], rtol=0, atol=1e-9,
+                                   msg=lambda m, n=name: f"{n}: {m}")
+    assert fast_grads["mem_weights"].abs().sum() > 0  # the memory weights do learn
+
+
+@pytest.mark.parametrize("kind", FEEDBACK_KINDS)
+@pytest.mark.parametrize("carry", [False, True])
+def test_gradient_with_dropout_and_carried_memory_matches_finite_differences(kind, carry):
+    """The hand-written backward in the cases the reference does not cover (dropout masks,
+    memory carried in from an earlier call): the directional derivative along a random
+    direction must equal a central finite difference. Same seed -> same dropout masks."""
+    model = randomized(small(kind, dropout=0.3 if not carry else 0.0, n_layers=2))
+    model.train()
+    tokens = torch.randint(0, 11, (2, 7))
+    state = None
+    if carry:
+        with torch.no_grad():
+            _, state = model(torch.randint(0, 11, (2, 4)))
+    params = list(model.parameters())
+    direction = [torch.randn_like(p) for p in params]
+
+    def loss() -> torch.Tensor:
+        torch.manual_seed(123)
+        return loss_of(model(tokens, state)[0])
+
+    model.zero_grad()
+    loss().backward()
+    analytic = sum((p.grad * d).sum() for p, d in zip(params, direction, strict=True))
+    eps = 1e-6
+    with torch.no_grad():
+        for p, d in zip(params, direction, strict=True):
+            p.add_(d, alpha=eps)
+        up = loss()
+        for p, d in zip(params, direction, strict=True):
+            p.add_(d, alpha=-2 * eps)
+        down = loss()
+    numeric = (up - down) / (2 * eps)
+    assert abs(analytic.item() - numeric.item()) < 1e-6 * max(1.0, abs(numeric.item()))
+
+
+@pytest.mark.parametrize("kind", ALL_KINDS)
+@pytest.mark.parametrize("grad", [False, True])
+def test_chunked_equals_whole(kind, grad):
+    model = randomized(small(kind, mem_len=6)).eval()
+    tokens = torch.randint(0, 11, (2, 15))
+    with torch.set_grad_enabled(grad):
+        whole, _ = model(tokens)
+        for chunks in ([1] * 15, [4, 1, 7, 3], [10, 5]):
+            state, parts, start = None, [], 0
+            for size in chunks:
+                out, state = model(tokens[:, start:start + size], state)
+                parts.append(out)
+                start += size
+            torch.testing.assert_close(torch.cat(parts, 1), whole, rtol=0, atol=1e-10)
+            assert state.slots == 6 and state.steps == 15
+
+
+@pytest.mark.parametrize("kind", ALL_KINDS)
+def test_causal(kind):
+    model = randomized(small(kind)).eval()
+    tokens = torch.randint(0, 11, (2, 10))
+    changed = tokens.clone()
+    changed[:, 6:] = (changed[:, 6:] + 1) % 11
+    with torch.no_grad():
+        a, _ = model(tokens)
+        b, _ = model(changed)
+    torch.testing.assert_close(a[:, :6], b[:, :6], rtol=0, atol=0)
+    assert not torch.allclose(a[:, 6:], b[:, 6:])
+
+
+@pytest.mark.parametrize(("kind", "count"), [("feedback_kv", 2_873_414),
+                                             ("feedback", 2_972_230)])
+def test_parameter_counts_match_reference_design(kind, count):
+    cfg = ModelConfig(kind=kind, d_model=128, n_heads=4, d_ff=512, n_layers=4, max_rel_pos=4096)
+    assert count_parameters(build_model(cfg, 65)) == count
+
+
+@pytest.mark.parametrize("kind", ALL_KINDS)
+def test_eval_mode_is_deterministic_with_dropout(kind):
+    model = build_model(small(kind, dropout=0.5), 11).eval()
+    tokens = torch.randint(0, 11, (2, 9))
+    with torch.no_grad():
+        a, _ = model(tokens)
+        b, _ = model(tokens)
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+    model.train()
+    with torch.no_grad():
+        c, _ = model(tokens)
+    assert not torch.allclose(a, c)
+
+
+@pytest.mark.parametrize("kind", ALL_KINDS)
+@pytest.mark.parametrize("shape", [(1, 1), (1, 5), (4, 1)])
+def test_batch_one_and_seq_one(kind, shape):
+    model = build_model(small(kind), 11)
+    tokens = torch.randint(0, 11, shape)
+    logits, state = model(tokens)
+    assert logits.shape == (*shape, 11)
+    logits.sum().backward()
+    assert torch.isfinite(logits).all()
+
+
+def test_transformer_first_position_ignores_attention():
+    """Position 0 has no earlier position: like the feedback model, attention is skipped."""
+    model = randomized(small("transformer")).eval()
+    tokens = torch.randint(0, 11, (2, 4))
+    with torch.no_grad():
+        full, _ = model(tokens)
+        for layer in model.layers:
+            layer.attn.out.bias.add_(1.0)
+        shifted, _ = model(tokens)
+    torch.testing.assert_close(full[:, 0], shifted[:, 0], rtol=0, atol=0)
+
+
+def test_invalid_model_config_is_a_clear_error():
+    with pytest.raises(ValueError, match=r"model.d_model = 10: must be divisible by n_heads"):
+        build_model(ModelConfig(d_model=10, n_heads=4), 11)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.cuda
+@pytest.mark.parametrize("kind", FEEDBACK_KINDS)
+def test_cuda_matches_cpu(kind):
+    model = randomized(small(kind)).float()
+    tokens = torch.randint(0, 11, (2, 9))
+    cpu, _ = model(tokens)
+    gpu, _ = model.cuda()(tokens.cuda())
+    torch.testing.assert_close(gpu.cpu(), cpu, rtol=1e-4, atol=1e-4)
