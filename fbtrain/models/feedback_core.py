@@ -220,7 +220,9 @@ def core_backward(
                 k_win, v_win = keys[kv, :, lo:slot], values[kv, :, lo:slot]
                 prob, prob_used = att["prob"][ai], att["prob_used"][ai]
                 d_prob = torch.bmm(do, v_win.transpose(1, 2)).view(B, H, ell)
-                d_values[kv, :, lo:slot].baddbmm_(prob_used.view(BH, 1, ell).transpose(1, 2), do)
+                # Rank-1 updates, broadcast in place (baddbmm_ into a strided view falls back
+                # to one small matmul per batch row).
+                d_values[kv, :, lo:slot].addcmul_(prob_used.view(BH, ell, 1), do)
                 if drop:
                     d_prob = d_prob * att["m_prob"][ai]
                 d_scores = _softmax_backward(d_prob, prob, -1, prob.dtype)  # [B, H, ell]
@@ -228,8 +230,7 @@ def core_backward(
                 dqu = torch.bmm(d_scores.view(BH, 1, ell), k_win).view(B, H, dk)
                 rt_win = p["rt"][:, :, n_pos - ell:]
                 dqu += torch.bmm(d_scores.transpose(0, 1), rt_win.transpose(1, 2)).transpose(0, 1)
-                d_keys[kv, :, lo:slot].baddbmm_(d_scores.view(BH, 1, ell).transpose(1, 2),
-                                                qu.view(BH, 1, dk))
+                d_keys[kv, :, lo:slot].addcmul_(d_scores.view(BH, ell, 1), qu.view(BH, 1, dk))
                 d_scores_all[li][ai, :, :, n_pos - ell:] = d_scores
                 dqu = dqu.view(B, D)
                 da = torch.mm(dqu, p["wq"].t())

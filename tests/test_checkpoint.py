@@ -1,0 +1,327 @@
+"""Checkpoints: round trip, refusal of bad files, atomicity, purge, lookup, RNG state."""
+
+from __future__ import annotations
+
+import io
+import pickle
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from fbtrain import checkpoint as ck
+from fbtrain.checkpoint import (
+    FORMAT,
+    CheckpointError,
+    CheckpointManager,
+    capture_rng,
+    load_checkpoint,
+    resolve_checkpoint,
+    restore_rng,
+    save_checkpoint,
+)
+
+
+def _training_state() -> dict:
+    """A payload shaped like the trainer's: model, AdamW, scheduler, scalars, RNG."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10))
+    for _ in range(3):  # populate AdamW's exp_avg/exp_avg_sq and the scheduler's counters
+        model(torch.randn(5, 4)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+    return {
+        "model": model.state_dict(),
+        "optimizer": opt.state_dict(),
+        "scheduler": sched.state_dict(),
+        "step": 3,
+        "tokens_seen": 12_345_678_901,
+        "best_val_loss": 1.2345,
+        "run_name": "unit",
+        "config": {"model": {"kind": "feedback_kv", "d_model": 16}, "curriculum": [
+            {"seq_len": 8, "until_step": 2}, {"seq_len": 16}]},
+        "vocab": ["\n", " ", "a", "b"],
+        "rng": capture_rng({"generator": torch.Generator().manual_seed(7).get_state(),
+                            "epoch": 2}),
+    }
+
+
+def _assert_same(a, b) -> None:
+    """Deep equality that understands tensors."""
+    if torch.is_tensor(a):
+        assert torch.is_tensor(b) and a.dtype == b.dtype and torch.equal(a, b)
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys()
+        for k in a:
+            _assert_same(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b)
+        for x, y in zip(a, b, strict=True):
+            _assert_same(x, y)
+    else:
+        assert a == b and type(a) is type(b)
+
+
+# ----------------------------------------------------------------------------- save / load
+
+
+def test_round_trip_full_training_state(tmp_path: Path) -> None:
+    payload = _training_state()
+    path = tmp_path / "ck.pt"
+    save_checkpoint(path, payload)
+    assert "format" not in payload  # the caller's dict is left alone
+    loaded = load_checkpoint(path)
+    assert loaded.pop("format") == FORMAT
+    _assert_same(payload, loaded)
+    # The states must actually load back into fresh objects.
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+    model.load_state_dict(loaded["model"])
+    opt = torch.optim.AdamW(model.parameters())
+    opt.load_state_dict(loaded["optimizer"])
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    sched.load_state_dict(loaded["scheduler"])
+    assert sched.last_epoch == 3
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match=r"nope\.pt: checkpoint file not found"):
+        load_checkpoint(tmp_path / "nope.pt")
+
+
+@pytest.mark.parametrize("keep", [0.5, 0.1, 0.99])
+def test_truncated_file(tmp_path: Path, keep: float) -> None:
+    path = tmp_path / "last.pt"
+    save_checkpoint(path, _training_state())
+    data = path.read_bytes()
+    path.write_bytes(data[: int(len(data) * keep)])
+    with pytest.raises(CheckpointError, match=r"last\.pt: checkpoint file is truncated or corrupt"):
+        load_checkpoint(path)
+
+
+def test_empty_file(tmp_path: Path) -> None:
+    path = tmp_path / "last.pt"
+    path.write_bytes(b"")
+    with pytest.raises(CheckpointError, match=r"last\.pt: checkpoint file is empty"):
+        load_checkpoint(path)
+
+
+@pytest.mark.parametrize("content", [b"hello, I am a text file\n", pickle.dumps({"a": 1})])
+def test_not_a_torch_file(tmp_path: Path, content: bytes) -> None:
+    path = tmp_path / "notes.pt"
+    path.write_bytes(content)
+    with pytest.raises(CheckpointError, match=r"notes\.pt: not a PyTorch checkpoint file"):
+        load_checkpoint(path)
+
+
+def test_torch_file_without_marker(tmp_path: Path) -> None:
+    path = tmp_path / "plain.pt"
+    torch.save({"model": {"w": torch.zeros(2)}}, path)
+    with pytest.raises(CheckpointError,
+                       match=r"plain\.pt: not an fbtrain checkpoint \(no 'format' key\)"):
+        load_checkpoint(path)
+
+
+def test_torch_file_holding_a_tensor(tmp_path: Path) -> None:
+    path = tmp_path / "t.pt"
+    torch.save(torch.zeros(2), path)
+    with pytest.raises(CheckpointError, match=r"not an fbtrain checkpoint \(holds a Tensor"):
+        load_checkpoint(path)
+
+
+def test_wrong_format_version(tmp_path: Path) -> None:
+    path = tmp_path / "v0.pt"
+    torch.save({"format": "fbtrain-checkpoint-v0"}, path)
+    with pytest.raises(CheckpointError, match=r"unsupported checkpoint format"):
+        load_checkpoint(path)
+
+
+class _Arbitrary:
+    """A class the weights_only unpickler must refuse to rebuild."""
+
+
+def test_refuses_arbitrary_objects(tmp_path: Path) -> None:
+    path = tmp_path / "evil.pt"
+    torch.save({"format": FORMAT, "obj": _Arbitrary()}, path)
+    with pytest.raises(CheckpointError,
+                       match=r"evil\.pt: refusing to load: it holds a .*_Arbitrary object"):
+        load_checkpoint(path)
+
+
+def test_directory_is_not_a_file(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match=r"is a directory"):
+        load_checkpoint(tmp_path)
+
+
+# ----------------------------------------------------------------------------- atomicity
+
+
+def test_failed_save_keeps_previous_last(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    mgr = CheckpointManager(tmp_path / "run", keep_last=3)
+    mgr.save(1, {"step": 1, "w": torch.arange(10)})
+    real_save = torch.save
+
+    def half_then_crash(obj, f, *args, **kwargs):
+        buf = io.BytesIO()
+        real_save(obj, buf, *args, **kwargs)
+        f.write(buf.getvalue()[: buf.tell() // 2])  # some bytes reach the temp file...
+        raise OSError("disk full")  # ...then the write dies
+
+    monkeypatch.setattr(ck.torch, "save", half_then_crash)
+    with pytest.raises(OSError, match="disk full"):
+        mgr.save(2, {"step": 2, "w": torch.arange(20)}, best=True)
+    monkeypatch.undo()
+
+    assert load_checkpoint(mgr.last_path)["step"] == 1
+    assert [p.name for p in mgr.numbered()] == ["step-00000001.pt"]
+    assert not mgr.best_path.exists()
+    leftovers = [p.name for p in mgr.dir.iterdir() if p.name.endswith(".tmp")]
+    assert leftovers == []
+
+
+def test_failed_copy_keeps_previous_best(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    mgr = CheckpointManager(tmp_path / "run", keep_last=3)
+    mgr.save(1, {"step": 1}, best=True)
+
+    def crash(src, dst, length=0):
+        dst.write(src.read(10))
+        raise OSError("copy interrupted")
+
+    monkeypatch.setattr(ck.shutil, "copyfileobj", crash)
+    with pytest.raises(OSError, match="copy interrupted"):
+        mgr.save(2, {"step": 2}, best=True)
+    monkeypatch.undo()
+    assert load_checkpoint(mgr.best_path)["step"] == 1
+    assert not any(p.name.endswith(".tmp") for p in mgr.dir.iterdir())
+
+
+# ----------------------------------------------------------------------------- manager
+
+
+def test_manager_writes_last_best_numbered(tmp_path: Path) -> None:
+    mgr = CheckpointManager(tmp_path / "run", keep_last=2)
+    assert mgr.dir == tmp_path / "run" / "checkpoints"
+    written = mgr.save(7, {"step": 7}, best=True)
+    assert written == mgr.dir / "step-00000007.pt"
+    for p in (mgr.last_path, mgr.best_path, written):
+        assert load_checkpoint(p)["step"] == 7
+    assert mgr.save(8, {"step": 8}, numbered=False) == mgr.last_path
+    assert load_checkpoint(mgr.last_path)["step"] == 8
+    assert load_checkpoint(mgr.best_path)["step"] == 7
+    assert [p.name for p in mgr.numbered()] == ["step-00000007.pt"]
+
+
+def test_keep_last_purges_oldest_numbered(tmp_path: Path) -> None:
+    mgr = CheckpointManager(tmp_path / "run", keep_last=3)
+    # Steps whose string order differs from numeric order would break a name sort w/o padding.
+    for step in (5, 10, 50, 100, 1000, 20000):
+        mgr.save(step, {"step": step}, best=step == 10)
+    assert [p.name for p in mgr.numbered()] == [
+        "step-00000100.pt", "step-00001000.pt", "step-00020000.pt"]
+    assert load_checkpoint(mgr.last_path)["step"] == 20000
+    assert load_checkpoint(mgr.best_path)["step"] == 10
+    names = sorted(p.name for p in mgr.dir.iterdir())
+    assert names == ["best.pt", "last.pt", "step-00000100.pt", "step-00001000.pt",
+                     "step-00020000.pt"]
+
+
+def test_purge_never_deletes_the_file_just_written(tmp_path: Path) -> None:
+    # Resumed from step 100 while stale snapshots of steps 200 and 300 remain.
+    mgr = CheckpointManager(tmp_path / "run", keep_last=2)
+    for step in (100, 200, 300):
+        mgr.save(step, {"step": step})
+    written = mgr.save(150, {"step": 150})
+    assert written.exists()
+    assert load_checkpoint(mgr.last_path)["step"] == 150
+
+
+def test_manager_numbered_empty_before_first_save(tmp_path: Path) -> None:
+    assert CheckpointManager(tmp_path / "run", keep_last=1).numbered() == []
+
+
+# ----------------------------------------------------------------------------- lookup
+
+
+def test_resolve_file_and_run_dir(tmp_path: Path) -> None:
+    run = tmp_path / "runs" / "x"
+    mgr = CheckpointManager(run, keep_last=2)
+    mgr.save(1, {"step": 1})
+    # No best.pt yet: both preferences fall to last.pt.
+    assert resolve_checkpoint(run) == mgr.last_path
+    assert resolve_checkpoint(str(run)) == mgr.last_path
+    assert resolve_checkpoint(mgr.dir) == mgr.last_path
+    mgr.save(2, {"step": 2}, best=True)
+    assert resolve_checkpoint(run) == mgr.best_path
+    assert resolve_checkpoint(mgr.dir, prefer="best") == mgr.best_path
+    assert resolve_checkpoint(run, prefer="last") == mgr.last_path
+    numbered = mgr.numbered()[0]
+    assert resolve_checkpoint(numbered) == numbered
+
+
+def test_resolve_missing(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match=r"no such checkpoint file or run directory"):
+        resolve_checkpoint(tmp_path / "runs" / "ghost")
+    empty = tmp_path / "runs" / "empty"
+    (empty / "checkpoints").mkdir(parents=True)
+    with pytest.raises(CheckpointError,
+                       match=r"no checkpoint found \(looked for .*best\.pt, .*last\.pt\)"):
+        resolve_checkpoint(empty)
+    with pytest.raises(CheckpointError, match=r"looked for .*last\.pt\)"):
+        resolve_checkpoint(empty, prefer="last")
+    with pytest.raises(ValueError, match="prefer"):
+        resolve_checkpoint(empty, prefer="newest")
+
+
+# ----------------------------------------------------------------------------- RNG
+
+
+def _draws() -> list:
+    import numpy as np
+
+    return [
+        [random.random() for _ in range(3)],
+        random.gauss(0, 1),  # leaves a cached gauss_next in Python's state
+        torch.rand(4).tolist(),
+        torch.randint(0, 1000, (3,)).tolist(),
+        np.random.rand(3).tolist(),
+        np.random.randn(),  # numpy's cached gaussian
+    ]
+
+
+def test_capture_restore_rng_reproduces_draws() -> None:
+    random.seed(1)
+    torch.manual_seed(1)
+    random.gauss(0, 1)  # start from a state with gauss_next set
+    state = capture_rng()
+    first = _draws()
+    _draws()  # move everything on
+    restore_rng(state)
+    assert _draws() == first
+
+
+def test_rng_state_survives_weights_only_load(tmp_path: Path) -> None:
+    """The point of the conversion: the saved RNG dict must pass the safe unpickler."""
+    random.gauss(0, 1)
+    sampler = {"generator": torch.Generator().manual_seed(3).get_state(), "offset": 17}
+    state = capture_rng(sampler)
+    path = tmp_path / "rng.pt"
+    torch.save({"rng": state}, path)  # plain torch.save/torch.load, no fbtrain in between
+    loaded = torch.load(path, weights_only=True)["rng"]
+    _assert_same(state, loaded)
+    assert loaded["sampler"]["offset"] == 17
+    first = _draws()
+    restore_rng(loaded)
+    assert _draws() == first
+    if torch.cuda.is_available():
+        assert len(loaded["cuda"]) == torch.cuda.device_count()
+
+
+def test_rng_round_trip_through_checkpoint(tmp_path: Path) -> None:
+    state = capture_rng()
+    expected = _draws()
+    save_checkpoint(tmp_path / "c.pt", {"rng": state})
+    restore_rng(load_checkpoint(tmp_path / "c.pt")["rng"])
+    assert _draws() == expected

@@ -1,0 +1,211 @@
+"""MetricsLogger: JSONL lines, TensorBoard events read back, console output, null backend."""
+
+from __future__ import annotations
+
+import io
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from fbtrain.metrics import MetricsLogger
+
+
+def _events(tb_dir: Path) -> EventAccumulator:
+    acc = EventAccumulator(str(tb_dir), size_guidance={"scalars": 0, "tensors": 0})
+    acc.Reload()
+    return acc
+
+
+def _records(run_dir: Path) -> list[dict]:
+    lines = (run_dir / "metrics.jsonl").read_text(encoding="utf-8").splitlines()
+    return [json.loads(line) for line in lines]
+
+
+def test_jsonl_lines_parse_and_hold_values(tmp_path: Path) -> None:
+    with MetricsLogger(tmp_path, tensorboard=False, console=False) as m:
+        m.log(10, {"loss": 2.5, "bpc": 3.6, "lr": 1e-3, "seq_len": 32,
+                   "grad_norm": torch.tensor(0.75), "mem_weight/0": 0.25})
+        # Flushed at once: readable while the logger is still open (a killed run keeps it).
+        assert _records(tmp_path)[0]["loss"] == 2.5
+        m.log(20, {"loss": 1.5, "bpc": 2.2}, prefix="val/")
+    records = _records(tmp_path)
+    assert records == [
+        {"step": 10, "loss": 2.5, "bpc": 3.6, "lr": 1e-3, "seq_len": 32, "grad_norm": 0.75,
+         "mem_weight/0": 0.25},
+        {"step": 20, "val/loss": 1.5, "val/bpc": 2.2},
+    ]
+    assert not (tmp_path / "tb").exists()
+
+
+def test_jsonl_survives_odd_values(tmp_path: Path) -> None:
+    with MetricsLogger(tmp_path, console=False) as m:
+        m.log(1, {"hist": torch.tensor([1.0, 2.0]), "device": "cpu", "path": tmp_path})
+    assert _records(tmp_path) == [{"step": 1, "hist": [1.0, 2.0], "device": "cpu",
+                                   "path": str(tmp_path)}]
+
+
+def test_jsonl_appends_across_loggers(tmp_path: Path) -> None:
+    with MetricsLogger(tmp_path, tensorboard=False, console=False) as m:
+        m.log(1, {"loss": 3.0})
+    with (tmp_path / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 2, "lo')  # a line cut short by a kill
+    with MetricsLogger(tmp_path, tensorboard=False, console=False, initial_step=1) as m:
+        m.log(2, {"loss": 2.0})
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert json.loads(lines[0]) == {"step": 1, "loss": 3.0}
+    assert json.loads(lines[-1]) == {"step": 2, "loss": 2.0}  # not glued to the broken line
+
+
+def test_tensorboard_scalars_and_text_read_back(tmp_path: Path) -> None:
+    with MetricsLogger(tmp_path, console=False) as m:
+        for step in (1, 2, 3):
+            m.log(step, {"loss": 4.0 - step, "tokens_per_sec": 1000.0 * step,
+                         "mem_weight/0": 0.1 * step, "note": "not a number"})
+        m.log(3, {"loss": 0.5}, prefix="val/")
+        m.log_text(3, "sample", "ROMEO:\nO, she doth teach the torches to burn bright!")
+    acc = _events(tmp_path / "tb")
+    scalars = set(acc.Tags()["scalars"])
+    assert {"train/loss", "train/tokens_per_sec", "mem_weight/0", "val/loss"} <= scalars
+    assert not any("note" in tag for tag in scalars)
+    loss = acc.Scalars("train/loss")
+    assert [(e.step, e.value) for e in loss] == [(1, 3.0), (2, 2.0), (3, 1.0)]
+    assert acc.Scalars("val/loss")[0].value == 0.5
+    text_tags = [t for t in acc.Tags()["tensors"] if t.startswith("sample")]
+    assert text_tags, acc.Tags()["tensors"]
+    event = acc.Tensors(text_tags[0])[0]
+    assert event.step == 3
+    assert b"O, she doth teach" in event.tensor_proto.string_val[0]
+
+
+def test_resume_purges_later_tensorboard_steps(tmp_path: Path) -> None:
+    with MetricsLogger(tmp_path, console=False) as m:
+        for step in range(1, 6):
+            m.log(step, {"loss": float(step)})
+    # Resume from a checkpoint at step 3: steps 4, 5 are logged again with new values.
+    with MetricsLogger(tmp_path, console=False, initial_step=3) as m:
+        m.truncate_after(3)
+        for step in (4, 5):
+            m.log(step, {"loss": 10.0 * step})
+    events = _events(tmp_path / "tb").Scalars("train/loss")
+    assert [(e.step, e.value) for e in events] == [
+        (1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0), (5, 50.0)]
+    assert [(r["step"], r["loss"]) for r in _records(tmp_path)] == [
+        (1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0), (5, 50.0)]
+
+
+def test_truncate_after(tmp_path: Path) -> None:
+    with MetricsLogger(tmp_path, tensorboard=False, console=False) as m:
+        for step in (10, 20, 30, 40):
+            m.log(step, {"loss": step / 10})
+        m.truncate_after(20)
+        assert [r["step"] for r in _records(tmp_path)] == [10, 20]
+        m.log(30, {"loss": 9.0})  # keeps appending after the rewrite
+    assert [(r["step"], r["loss"]) for r in _records(tmp_path)] == [
+        (10, 1.0), (20, 2.0), (30, 9.0)]
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_truncate_after_without_file(tmp_path: Path) -> None:
+    with MetricsLogger(tmp_path, tensorboard=False, console=False) as m:
+        m.truncate_after(5)
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_hparams_written_and_readable(tmp_path: Path) -> None:
+    from tensorboard.plugins.hparams import plugin_data_pb2
+
+    hparams = {"model": {"kind": "feedback_kv", "d_model": 16, "mem_len": None},
+               "train": {"lr": 1e-3, "constant_tokens": False},
+               "curriculum": [{"seq_len": 8}, {"seq_len": 16}]}
+    with MetricsLogger(tmp_path, console=False) as m:
+        m.log(5, {"loss": 1.0})
+        m.log_hparams(hparams, {"val/bpc": 2.5, "val/loss": torch.tensor(1.7)})
+    acc = _events(tmp_path / "tb")
+    content = acc.PluginTagToContent("hparams")
+    assert content  # experiment, session start and session end summaries
+    got = {}
+    for raw in content.values():
+        data = plugin_data_pb2.HParamsPluginData.FromString(raw)
+        if data.HasField("session_start_info"):
+            for key, value in data.session_start_info.hparams.items():
+                got[key] = value.WhichOneof("kind") and getattr(value, value.WhichOneof("kind"))
+    assert got["model.kind"] == "feedback_kv"
+    assert got["model.d_model"] == 16
+    assert got["train.lr"] == pytest.approx(1e-3)
+    assert got["train.constant_tokens"] == 0  # torch stores bools as numbers (bool is an int)
+    assert got["model.mem_len"] == "None"
+    assert got["curriculum"] == str(hparams["curriculum"])
+    scalars = acc.Tags()["scalars"]
+    assert "hparam/val/bpc" in scalars
+    assert acc.Scalars("hparam/val/bpc")[0].value == 2.5
+    # One writer, one events file.
+    assert len(list((tmp_path / "tb").glob("events.out.tfevents.*"))) == 1
+
+
+def test_disabled_logger_is_silent_and_writes_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = tmp_path / "run"
+    with MetricsLogger(run, enabled=False, total_steps=10) as m:
+        m.log(1, {"loss": 1.0})
+        m.log_text(1, "sample", "hi")
+        m.progress(1, {"loss": 1.0})
+        m.info("hello")
+        m.truncate_after(0)
+        m.log_hparams({"a": 1}, {"loss": 1.0})
+    assert not run.exists()
+    assert capsys.readouterr() == ("", "")
+
+
+def test_plain_progress_lines_when_not_a_tty(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with MetricsLogger(tmp_path, tensorboard=False, total_steps=2000, initial_step=100) as m:
+        m.info("training on cpu")
+        m.progress(120, {"loss": 2.10344, "bpc": 3.03466, "seq_len": 64,
+                         "tokens_per_sec": 12345.4})
+        m.log_text(120, "sample", "To be")
+    out = capsys.readouterr().out
+    assert "training on cpu" in out
+    line = next(ln for ln in out.splitlines() if ln.startswith("step "))
+    assert line.startswith("step 120/2000 | loss 2.1034 | bpc 3.0347 | seq_len 64 | 12,345 tok/s")
+    assert " | eta " in line
+    assert "To be" in out
+
+
+def test_console_off_prints_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with MetricsLogger(tmp_path, tensorboard=False, console=False, total_steps=5) as m:
+        m.progress(1, {"loss": 1.0})
+        m.info("quiet")
+        m.log(1, {"loss": 1.0})
+    assert capsys.readouterr().out == ""
+    assert _records(tmp_path) == [{"step": 1, "loss": 1.0}]
+
+
+class _FakeTTY(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_bar_on_a_tty(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = _FakeTTY()
+    monkeypatch.setattr(sys, "stdout", fake)
+    m = MetricsLogger(None, total_steps=50, initial_step=10)
+    m.progress(20, {"loss": 1.23456, "seq_len": 16, "tokens_per_sec": 999.0})
+    assert m._bar is not None and m._bar.n == 20 and m._bar.total == 50
+    m.info("message above the bar")
+    m.close()
+    out = fake.getvalue()
+    assert "loss 1.2346" in out and "999 tok/s" in out and "message above the bar" in out
+    assert "step 20/50 |" not in out  # no plain lines when the bar is shown
+
+
+def test_console_only_logger_without_run_dir(capsys: pytest.CaptureFixture[str]) -> None:
+    with MetricsLogger(None, total_steps=0) as m:
+        m.log(1, {"loss": 1.0})
+        m.progress(1, {"loss": 1.0})
+    assert "step 1 | loss 1.0000" in capsys.readouterr().out
