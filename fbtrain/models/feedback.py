@@ -91,13 +91,21 @@ class FeedbackTransformer(nn.Module):
             window=window, dropout=self.cfg.dropout if self.training else 0.0,
         )
         mem_k, mem_v = state.keys.to(x0.dtype), state.values.to(x0.dtype)
-        if torch.is_grad_enabled():
-            top, keys, values = FeedbackCoreFunction.apply(
-                spec, x0, mem_k, mem_v, self.memory_weights(), wkv, bkv, *flatten_layers(layers))
-        else:
-            hidden, _, keys, values = core_forward(
-                spec, x0, mem_k, mem_v, layers, self.memory_weights(), wkv, bkv)
-            top = hidden[:, -1].transpose(0, 1)
-            keys, values = keys[:, :, -window:], values[:, :, -window:]
+        # The core runs in the embedding's dtype even under autocast: its hand-written
+        # backward and the memory it accumulates over many steps want one precision.
+        with torch.autocast(device_type=x0.device.type, enabled=False):
+            top, keys, values = self._core(spec, x0, mem_k, mem_v, layers, wkv, bkv)
         logits = self.head(self.ln_f(top))
         return logits, MemoryState(keys, values, state.steps + steps)
+
+    def _core(self, spec: CoreSpec, x0: Tensor, mem_k: Tensor, mem_v: Tensor,
+              layers: list[dict[str, Tensor]], wkv: Tensor, bkv: Tensor | None
+              ) -> tuple[Tensor, Tensor, Tensor]:
+        """Last layer's output [B, T, D] and the newest ``window`` memory keys/values."""
+        if torch.is_grad_enabled():
+            return FeedbackCoreFunction.apply(
+                spec, x0, mem_k, mem_v, self.memory_weights(), wkv, bkv, *flatten_layers(layers))
+        hidden, _, keys, values = core_forward(
+            spec, x0, mem_k, mem_v, layers, self.memory_weights(), wkv, bkv)
+        window = spec.window
+        return hidden[:, -1].transpose(0, 1), keys[:, :, -window:], values[:, :, -window:]
