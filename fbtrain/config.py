@@ -107,10 +107,10 @@ class ModelConfig:
 
 @dataclass
 class TrainConfig:
-    max_steps: int = _f(2000, "Optimizer steps to train for.", min=1)
+    max_steps: int = _f(1500, "Optimizer steps to train for.", min=1)
     batch_size: int = _f(16, "Sequences per optimizer step (per rank, before accumulation).", min=1)
     grad_accum: int = _f(1, "Micro-batches accumulated per optimizer step.", min=1)
-    lr: float = _f(1e-3, "Peak learning rate (AdamW).", gt=0)
+    lr: float = _f(2e-3, "Peak learning rate (AdamW).", gt=0)
     min_lr: float = _f(1e-4, "Learning rate at the end of the cosine decay.", min=0)
     schedule: str = _f("cosine", "cosine (warm-up, then cosine to min_lr) or constant.",
                        choices=("cosine", "constant"))
@@ -120,11 +120,11 @@ class TrainConfig:
     beta2: float = _f(0.99, "AdamW beta2.", min=0, max=0.9999)
     grad_clip: float = _f(1.0, "Clip the global gradient norm to this (0: off).", min=0)
     constant_tokens: bool = _f(
-        False, "Scale each curriculum stage's batch so tokens per step match the last stage."
+        True, "Scale each curriculum stage's batch so tokens per step match the last stage."
     )
     eval_every: int = _f(250, "Evaluate on the fixed validation windows every N steps.", min=1)
     eval_windows: int = _f(64, "Fixed validation windows per evaluation.", min=1)
-    log_every: int = _f(10, "Log train metrics every N steps.", min=1)
+    log_every: int = _f(25, "Log train metrics every N steps.", min=1)
     sample_every: int = _f(0, "Log a generated sample every N steps (0: never).", min=0)
     sample_length: int = _f(200, "Characters in each logged sample.", min=1)
     init_from: str | None = _f(None, "Warm start: a transformer checkpoint (or run dir).")
@@ -138,7 +138,7 @@ class CurriculumStage:
 
 @dataclass
 class CheckpointConfig:
-    every: int = _f(500, "Save a numbered checkpoint and last.pt every N steps.", min=1)
+    every: int = _f(250, "Save a numbered checkpoint and last.pt every N steps.", min=1)
     keep_last: int = _f(3, "Numbered checkpoints to keep (oldest deleted first).", min=1)
 
 
@@ -220,6 +220,14 @@ def _coerce(value: Any, allowed: tuple[type, ...]) -> tuple[bool, Any]:
         return bool in allowed, value
     if isinstance(value, int) and int not in allowed and float in allowed:
         return True, float(value)
+    if isinstance(value, str) and float in allowed:
+        # YAML 1.1 reads 1e-3 (no dot) as a string; take it as the number it means.
+        try:
+            return True, float(value)
+        except ValueError:
+            return False, value
+    if str in allowed and isinstance(value, (int, float)):
+        return True, str(value)
     return isinstance(value, tuple(t for t in allowed if t is not type(None))), value
 
 
@@ -402,10 +410,20 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
         if not isinstance(section, dict):
             problems.append(f"--set {item!r}: {parts[0]} is not a section")
             continue
+        if _is_text_field(parts[0], parts[1]) and isinstance(value, (int, float)):
+            value = text.strip()  # run.name=007 stays "007", not the integer 7
         section[parts[1]] = value
     if problems:
         raise ConfigError(problems)
     return raw
+
+
+def _is_text_field(section: str, key: str) -> bool:
+    cls = SECTIONS.get(section)
+    if cls is None or key not in {f.name for f in dataclasses.fields(cls)}:
+        return False
+    allowed = _allowed_types(typing.get_type_hints(cls)[key])
+    return str in allowed and not {int, float, bool} & set(allowed)
 
 
 def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:

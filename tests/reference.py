@@ -35,15 +35,16 @@ def reference_forward(model: FeedbackTransformer, tokens: Tensor) -> Tensor:
     for t in range(T):
         x = emb[:, t]
         outputs = [x]  # h_t^0 .. h_t^L
+        if memory:  # stacked anew at every step
+            if model.shared_kv:
+                shared = torch.stack(shared_k[-window:], 1), torch.stack(shared_v[-window:], 1)
+            else:
+                mem = torch.stack(memory[-window:], dim=1)  # [B, n, D]
         for layer in model.layers:
             attn = layer.attn
             if memory:
-                if model.shared_kv:
-                    k = torch.stack(shared_k[-window:], dim=1)  # [B, n, D]
-                    v = torch.stack(shared_v[-window:], dim=1)
-                else:
-                    mem = torch.stack(memory[-window:], dim=1)  # [B, n, D]
-                    k, v = attn.key(mem), attn.value(mem)
+                # [B, n, D]; the original variant re-projects all of memory in every layer
+                k, v = shared if model.shared_kv else (attn.key(mem), attn.value(mem))
                 n = k.shape[1]
                 k, v = k.view(B, n, H, dk), v.view(B, n, H, dk)
                 q = attn.query(layer.ln1(x)).view(B, H, dk)

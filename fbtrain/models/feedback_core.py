@@ -45,18 +45,16 @@ LAYER_PARAMS = ("ln1_w", "ln1_b", "wq", "uq", "rt", "c", "wo_t", "bo",
 
 
 @dataclass
-class LayerTape:
-    """What the forward keeps of one layer for the backward, one entry per step.
+class Tape:
+    """What the forward keeps for the backward: per layer, one tuple per step.
 
-    Attention entries exist only for steps that attend (non-empty memory).
+    ``att[l]`` holds (a, mu1, rs1, qu, prob, prob_used, o, mask_prob, mask_att) for the
+    steps that attend (non-empty memory); ``ff[l]`` holds (y, mu2, rs2, c, h, h_used,
+    mask_h, mask_ff) for every step. Masks are None without dropout.
     """
 
-    att: dict[str, list[Tensor]] = field(default_factory=dict)
-    ff: dict[str, list[Tensor]] = field(default_factory=dict)
-
-    def put(self, group: dict[str, list[Tensor]], **tensors: Tensor) -> None:
-        for k, v in tensors.items():
-            group.setdefault(k, []).append(v)
+    att: list[list[tuple]] = field(default_factory=list)
+    ff: list[list[tuple]] = field(default_factory=list)
 
 
 def _dropout_mask(like: Tensor, p: float) -> Tensor:
@@ -73,7 +71,7 @@ def _window(slot: int, window: int) -> tuple[int, int]:
 def core_forward(
     spec: CoreSpec, x0: Tensor, mem_k: Tensor, mem_v: Tensor,
     layers: list[dict[str, Tensor]], mix: Tensor, wkv: Tensor, bkv: Tensor | None,
-    tapes: list[LayerTape] | None = None,
+    tape: Tape | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Run T steps. Must be called without autograd recording.
 
@@ -81,7 +79,7 @@ def core_forward(
     layers: per-layer tensors named as LAYER_PARAMS (``rt`` [H, d_k, P], ``c`` [H, 1, P]
     hold the P = min(S, window) position rows a window can use, largest offset first).
     mix: [L+1] softmax memory weights. wkv: [D, 2*n_kv*D] (all keys, then all values);
-    bkv: [2*n_kv*D] or None. tapes: per-layer records for the backward, or None.
+    bkv: [2*n_kv*D] or None. tape: filled with what the backward needs, when given.
     Returns hidden [T, L+1, B, D] (every layer's output at every step), the memory
     vectors [T, B, D], and the key/value buffers [n_kv, B*H, S, d_k].
     """
@@ -96,60 +94,66 @@ def core_forward(
     values[:, :, :n0] = mem_v
     # Slot s of every key set, seen as [n_kv, B, H, d_k], for writing new memory in place.
     key_rows, value_rows = keys.view(n_kv, B, H, S, dk), values.view(n_kv, B, H, S, dk)
+    key_sets, value_sets = list(keys.unbind(0)), list(values.unbind(0))  # [BH, S, dk] each
     hidden = x0.new_empty(T, L + 1, B, D)
     hidden[:, 0] = x0.transpose(0, 1)
     memory = x0.new_empty(T, B, D)
-    n_pos = layers[0]["rt"].shape[-1]
-    drop = spec.dropout
+    params = [tuple(p[name] for name in LAYER_PARAMS) for p in layers]
+    set_of = [0 if spec.shared_kv else li for li in range(L)]
+    n_pos = params[0][4].shape[-1]
+    drop, eps, shape = spec.dropout, spec.eps, (D,)
+    if tape is not None:
+        tape.att, tape.ff = [[] for _ in range(L)], [[] for _ in range(L)]
+    mask_prob = mask_att = mask_h = mask_ff = None
     for t in range(T):
         slot = n0 + t
         lo, ell = _window(slot, spec.window)
+        if ell:  # views of this step's memory window, shared by the layers that use a set
+            k_t = [k.narrow(1, lo, ell).transpose(1, 2) for k in key_sets]  # [BH, dk, ell]
+            v_w = [v.narrow(1, lo, ell) for v in value_sets]  # [BH, ell, dk]
         x = hidden[t, 0]
-        for li, p in enumerate(layers):
-            kv = 0 if spec.shared_kv else li
+        for li in range(L):
+            ln1_w, ln1_b, wq, uq, rt, c_pos, wo_t, bo, ln2_w, ln2_b, w1_t, b1, w2_t, b2 = params[li]
             if ell:  # attention is skipped while memory is empty
-                a, mu1, rs1 = _layer_norm(x, (D,), p["ln1_w"], p["ln1_b"], spec.eps)
-                qu = torch.addmm(p["uq"], a, p["wq"])  # (q + u) / sqrt(d_k): [B, D]
-                k_win, v_win = keys[kv, :, lo:slot], values[kv, :, lo:slot]  # [BH, ell, dk]
-                scores = torch.bmm(qu.view(BH, 1, dk), k_win.transpose(1, 2)).view(B, H, ell)
-                pos = torch.baddbmm(p["c"][:, :, n_pos - ell:], qu.view(B, H, dk).transpose(0, 1),
-                                    p["rt"][:, :, n_pos - ell:])  # [H, B, ell]
+                a, mu1, rs1 = _layer_norm(x, shape, ln1_w, ln1_b, eps)
+                qu = torch.addmm(uq, a, wq)  # (q + u) / sqrt(d_k): [B, D]
+                scores = torch.bmm(qu.view(BH, 1, dk), k_t[set_of[li]]).view(B, H, ell)
+                pos = torch.baddbmm(c_pos.narrow(2, n_pos - ell, ell),
+                                    qu.view(B, H, dk).transpose(0, 1),
+                                    rt.narrow(2, n_pos - ell, ell))  # [H, B, ell]
                 scores += pos.transpose(0, 1)
                 prob = torch.softmax(scores, dim=-1)
                 prob_used = prob
-                masks = {}
                 if drop:
-                    masks["m_prob"] = _dropout_mask(prob, drop)
-                    prob_used = prob * masks["m_prob"]
-                o = torch.bmm(prob_used.view(BH, 1, ell), v_win).view(B, D)
-                z = torch.addmm(p["bo"], o, p["wo_t"])
+                    mask_prob = _dropout_mask(prob, drop)
+                    prob_used = prob * mask_prob
+                o = torch.bmm(prob_used.view(BH, 1, ell), v_w[set_of[li]]).view(B, D)
+                z = torch.addmm(bo, o, wo_t)
                 if drop:
-                    masks["m_att"] = _dropout_mask(z, drop)
-                    z = z * masks["m_att"]
+                    mask_att = _dropout_mask(z, drop)
+                    z = z.mul_(mask_att)
                 y = z.add_(x)
-                if tapes is not None:
-                    tapes[li].put(tapes[li].att, a=a, mu1=mu1, rs1=rs1, qu=qu, prob=prob,
-                                  prob_used=prob_used, o=o, **masks)
+                if tape is not None:
+                    tape.att[li].append((a, mu1, rs1, qu, prob, prob_used, o, mask_prob,
+                                         mask_att))
             else:
                 y = x
-            c, mu2, rs2 = _layer_norm(y, (D,), p["ln2_w"], p["ln2_b"], spec.eps)
-            h = torch.addmm(p["b1"], c, p["w1_t"]).relu_()  # [B, F]
+            c, mu2, rs2 = _layer_norm(y, shape, ln2_w, ln2_b, eps)
+            h = torch.addmm(b1, c, w1_t).relu_()  # [B, F]
             h_used = h
-            masks = {}
             if drop:
-                masks["m_h"] = _dropout_mask(h, drop)
-                h_used = h * masks["m_h"]
-            f = torch.addmm(p["b2"], h_used, p["w2_t"])
+                mask_h = _dropout_mask(h, drop)
+                h_used = h * mask_h
+            f = torch.addmm(b2, h_used, w2_t)
             if drop:
-                masks["m_ff"] = _dropout_mask(f, drop)
-                f = f * masks["m_ff"]
+                mask_ff = _dropout_mask(f, drop)
+                f = f.mul_(mask_ff)
             x = torch.add(y, f, out=hidden[t, li + 1])
-            if tapes is not None:
-                tapes[li].put(tapes[li].ff, y=y, mu2=mu2, rs2=rs2, c=c, h=h, h_used=h_used,
-                              **masks)
+            if tape is not None:
+                tape.ff[li].append((y, mu2, rs2, c, h, h_used, mask_h, mask_ff))
         # m_t = sum_l softmax(w)_l h_t^l, then its keys/values for every key set at once.
-        m = torch.mm(mix.view(1, L + 1), hidden[t].view(L + 1, B * D)).view(B, D)
-        memory[t] = m
+        m = torch.mm(mix.view(1, L + 1), hidden[t].view(L + 1, B * D), out=memory[t].view(1, -1))
+        m = m.view(B, D)
         kv_new = (torch.mm(m, wkv) if bkv is None else torch.addmm(bkv, m, wkv))
         kv_new = kv_new.view(B, 2, n_kv, H, dk)
         key_rows[:, :, :, slot] = kv_new[:, 0].transpose(0, 1)
@@ -160,31 +164,42 @@ def core_forward(
 def core_backward(
     spec: CoreSpec, d_top: Tensor, hidden: Tensor, memory: Tensor, keys: Tensor,
     values: Tensor, n0: int, layers: list[dict[str, Tensor]], mix: Tensor, wkv: Tensor,
-    tapes: list[LayerTape],
+    tape: Tape,
 ) -> tuple[Tensor, list[dict[str, Tensor]], Tensor, Tensor, Tensor]:
     """Gradients of the core given ``d_top`` [B, T, D], the gradient of the last layer's output.
 
     Returns d_x0 [B, T, D], per-layer parameter gradients (names as LAYER_PARAMS),
     d_mix [L+1], d_wkv [D, 2*n_kv*D] and d_bkv [2*n_kv*D].
     """
-    T, L1, B, D = hidden.shape
+    T, _, B, D = hidden.shape
     L, H = spec.n_layers, spec.n_heads
     dk, BH = D // H, B * H
     n_kv, S = keys.shape[0], keys.shape[2]
-    n_pos = layers[0]["rt"].shape[-1]
-    drop = spec.dropout
+    drop, shape = spec.dropout, (D,)
     mix_f = mix.tolist()
+    params = [tuple(p[name] for name in LAYER_PARAMS) for p in layers]
+    n_pos = params[0][4].shape[-1]
+    # Transposed weights (views) and position tables, once per call rather than per step.
+    back = [(wq.t(), rt.transpose(1, 2), wo_t.t(), w1_t.t(), w2_t.t())
+            for (_, _, wq, _, rt, _, wo_t, _, _, _, w1_t, _, w2_t, _) in params]
+    set_of = [0 if spec.shared_kv else li for li in range(L)]
+    key_sets, value_sets = list(keys.unbind(0)), list(values.unbind(0))
     d_keys, d_values = torch.zeros_like(keys), torch.zeros_like(values)
+    d_key_sets, d_value_sets = list(d_keys.unbind(0)), list(d_values.unbind(0))
     d_key_rows = d_keys.view(n_kv, B, H, S, dk)
     d_value_rows = d_values.view(n_kv, B, H, S, dk)
     d_kv = hidden.new_zeros(T, B, 2, n_kv, H, dk)  # gradient of each step's new keys/values
     d_memory = hidden.new_zeros(T, B, D)
     d_x0 = hidden.new_empty(B, T, D)
     first_att = 0 if n0 > 0 else 1  # steps from here on attend
-    n_att = T - first_att
-    d_scores_all = [hidden.new_zeros(n_att, B, H, n_pos) for _ in range(L)]
-    grads_att: list[dict[str, list[Tensor]]] = [{} for _ in range(L)]
-    grads_ff: list[dict[str, list[Tensor]]] = [{} for _ in range(L)]
+    # Position-table gradients are summed per step (an [T, T]-sized record would grow
+    # quadratically with the sequence); rows are ordered like rt/c, largest offset first.
+    d_rt = [torch.zeros_like(p["rt"]) for p in layers]  # [H, dk, n_pos]
+    d_c = [torch.zeros_like(p["c"]).squeeze(1) for p in layers]  # [H, n_pos]
+    # Per layer, per step (in reverse step order): activation gradients the weight
+    # gradients are built from at the end.
+    g_att: list[list[tuple]] = [[] for _ in range(L)]
+    g_ff: list[list[tuple]] = [[] for _ in range(L)]
     for t in reversed(range(T)):
         slot = n0 + t
         lo, ell = _window(slot, spec.window)
@@ -193,78 +208,75 @@ def core_backward(
         if t < T - 1:  # the newest slot is read by no later step of this call
             d_kv[t, :, 0] = d_key_rows[:, :, :, slot].transpose(0, 1)
             d_kv[t, :, 1] = d_value_rows[:, :, :, slot].transpose(0, 1)
-            dm = torch.mm(d_kv[t].view(B, -1), wkv.t())  # [B, D]
-            d_memory[t] = dm
+            dm = torch.mm(d_kv[t].view(B, -1), wkv.t(), out=d_memory[t])  # [B, D]
+        if ell:
+            k_w = [k.narrow(1, lo, ell) for k in key_sets]  # [BH, ell, dk]
+            v_t = [v.narrow(1, lo, ell).transpose(1, 2) for v in value_sets]  # [BH, dk, ell]
+            dk_w = [k.narrow(1, lo, ell) for k in d_key_sets]
+            dv_w = [v.narrow(1, lo, ell) for v in d_value_sets]
         dx = d_top[:, t] if dm is None else torch.add(d_top[:, t], dm, alpha=mix_f[L])
         for li in reversed(range(L)):
-            p, att, ff = layers[li], tapes[li].att, tapes[li].ff
-            kv = 0 if spec.shared_kv else li
+            ln1_w, ln1_b, _, _, _, _, _, _, ln2_w, ln2_b, _, _, _, _ = params[li]
+            wq_b, rt_b, wo_b, w1_b, w2_b = back[li]
+            y, mu2, rs2, _, h, _, mask_h, mask_ff = tape.ff[li][t]
             # Feed-forward block: x_out = y + Drop(W2 Drop(relu(W1 LN2(y) + b1)) + b2).
-            df = dx * ff["m_ff"][t] if drop else dx
-            dh = torch.mm(df, p["w2_t"].t())
+            df = dx * mask_ff if drop else dx
+            dh = torch.mm(df, w2_b)
             if drop:
-                dh = dh * ff["m_h"][t]
-            dh = _relu_backward(dh, ff["h"][t], 0)
-            dc = torch.mm(dh, p["w1_t"].t())
-            dy = _layer_norm_backward(dc, ff["y"][t], (D,), ff["mu2"][t], ff["rs2"][t],
-                                      p["ln2_w"], p["ln2_b"], (True, False, False))[0]
+                dh = dh.mul_(mask_h)
+            dh = _relu_backward(dh, h, 0)
+            dc = torch.mm(dh, w1_b)
+            dy = _layer_norm_backward(dc, y, shape, mu2, rs2, ln2_w, ln2_b,
+                                      (True, False, False))[0]
             dy += dx
-            g = grads_ff[li]
-            g.setdefault("df", []).append(df)
-            g.setdefault("dh", []).append(dh)
-            g.setdefault("dc", []).append(dc)
+            g_ff[li].append((df, dh, dc))
             if ell:
                 # Attention block: y = x + Drop(Wo (softmax(scores) V) + bo).
-                dz = dy * att["m_att"][ai] if drop else dy
-                do = torch.mm(dz, p["wo_t"].t()).view(BH, 1, dk)
-                k_win, v_win = keys[kv, :, lo:slot], values[kv, :, lo:slot]
-                prob, prob_used = att["prob"][ai], att["prob_used"][ai]
-                d_prob = torch.bmm(do, v_win.transpose(1, 2)).view(B, H, ell)
-                # Rank-1 updates, broadcast in place (baddbmm_ into a strided view falls back
-                # to one small matmul per batch row).
-                d_values[kv, :, lo:slot].addcmul_(prob_used.view(BH, ell, 1), do)
+                _, mu1, rs1, qu, prob, prob_used, _, mask_prob, mask_att = tape.att[li][ai]
+                kv = set_of[li]
+                dz = dy * mask_att if drop else dy
+                do = torch.mm(dz, wo_b).view(BH, 1, dk)
+                d_prob = torch.bmm(do, v_t[kv]).view(B, H, ell)
+                # Rank-1 updates, broadcast in place (baddbmm_ into a strided view falls
+                # back to one small matmul per batch row).
+                dv_w[kv].addcmul_(prob_used.view(BH, ell, 1), do)
                 if drop:
-                    d_prob = d_prob * att["m_prob"][ai]
+                    d_prob = d_prob.mul_(mask_prob)
                 d_scores = _softmax_backward(d_prob, prob, -1, prob.dtype)  # [B, H, ell]
-                qu = att["qu"][ai]
-                dqu = torch.bmm(d_scores.view(BH, 1, ell), k_win).view(B, H, dk)
-                rt_win = p["rt"][:, :, n_pos - ell:]
-                dqu += torch.bmm(d_scores.transpose(0, 1), rt_win.transpose(1, 2)).transpose(0, 1)
-                d_keys[kv, :, lo:slot].addcmul_(d_scores.view(BH, ell, 1), qu.view(BH, 1, dk))
-                d_scores_all[li][ai, :, :, n_pos - ell:] = d_scores
+                d_scores_hb = d_scores.transpose(0, 1)  # [H, B, ell]
+                dqu = torch.bmm(d_scores.view(BH, 1, ell), k_w[kv]).view(B, H, dk)
+                dqu += torch.bmm(d_scores_hb, rt_b.narrow(1, n_pos - ell, ell)).transpose(0, 1)
+                dk_w[kv].addcmul_(d_scores.view(BH, ell, 1), qu.view(BH, 1, dk))
+                d_rt[li].narrow(2, n_pos - ell, ell).baddbmm_(
+                    qu.view(B, H, dk).permute(1, 2, 0), d_scores_hb)
+                d_c[li].narrow(1, n_pos - ell, ell).add_(d_scores.sum(0))
                 dqu = dqu.view(B, D)
-                da = torch.mm(dqu, p["wq"].t())
-                dx = _layer_norm_backward(da, hidden[t, li], (D,), att["mu1"][ai], att["rs1"][ai],
-                                          p["ln1_w"], p["ln1_b"], (True, False, False))[0]
+                da = torch.mm(dqu, wq_b)
+                dx = _layer_norm_backward(da, hidden[t, li], shape, mu1, rs1, ln1_w, ln1_b,
+                                          (True, False, False))[0]
                 dx += dy
-                g = grads_att[li]
-                g.setdefault("dz", []).append(dz)
-                g.setdefault("dqu", []).append(dqu)
-                g.setdefault("da", []).append(da)
+                g_att[li].append((dz, dqu, da))
             else:
                 dx = dy
             if dm is not None:
                 dx = dx.add_(dm, alpha=mix_f[li])
         d_x0[:, t] = dx
-    layer_grads = [
-        _layer_weight_grads(spec, layers[li], tapes[li], grads_att[li], grads_ff[li],
-                            d_scores_all[li], hidden[first_att:, li] if n_att else None)
-        for li in range(L)
-    ]
+    layer_grads = []
+    for li in range(L):
+        grads = _layer_weight_grads(tape.att[li], tape.ff[li], g_att[li], g_ff[li],
+                                    hidden[first_att:, li], params[li])
+        grads["rt"], grads["c"] = d_rt[li], d_c[li].unsqueeze(1)
+        layer_grads.append(grads)
     d_mix = torch.einsum("tbd,tlbd->l", d_memory, hidden)
     d_kv_flat = d_kv.view(T * B, -1)
     d_wkv = torch.mm(memory.view(T * B, D).t(), d_kv_flat)
     return d_x0, layer_grads, d_mix, d_wkv, d_kv_flat.sum(0)
 
 
-def _stack(reversed_list: list[Tensor]) -> Tensor:
-    """Stack per-step gradients collected in reverse step order, flattened to [steps*B, ...]."""
-    out = torch.stack(reversed_list[::-1])
-    return out.view(-1, out.shape[-1])
-
-
-def _flat(forward_list: list[Tensor]) -> Tensor:
-    out = torch.stack(forward_list)
+def _stacked(records: list[tuple], index: int, reverse: bool = False) -> Tensor:
+    """Field ``index`` of every per-step record, stacked and flattened to [steps * B, n]."""
+    items = [r[index] for r in (reversed(records) if reverse else records)]
+    out = torch.stack(items)
     return out.view(-1, out.shape[-1])
 
 
@@ -275,35 +287,29 @@ def _layer_norm_affine_grads(d_out: Tensor, x: Tensor, mu: Tensor, rs: Tensor
     return (d_out * x_hat).sum(0), d_out.sum(0)
 
 
-def _layer_weight_grads(spec: CoreSpec, p: dict[str, Tensor], tape: LayerTape,
-                        g_att: dict[str, list[Tensor]], g_ff: dict[str, list[Tensor]],
-                        d_scores: Tensor, x_att: Tensor | None) -> dict[str, Tensor]:
-    """One large matmul per weight, over all steps at once (see module docstring)."""
-    ff = tape.ff
-    df, dh, dc = _stack(g_ff["df"]), _stack(g_ff["dh"]), _stack(g_ff["dc"])
+def _layer_weight_grads(att: list[tuple], ff: list[tuple], g_att: list[tuple],
+                        g_ff: list[tuple], x_att: Tensor, p: tuple) -> dict[str, Tensor]:
+    """One large matmul per weight, over all steps at once (see module docstring).
+
+    ``att``/``ff`` are the forward's records (step order), ``g_att``/``g_ff`` the
+    backward's (reverse step order); x_att [n_att, B, D] the attention steps' inputs.
+    """
+    df, dh, dc = (_stacked(g_ff, i, reverse=True) for i in range(3))
     grads = {
-        "w2_t": torch.mm(_flat(ff["h_used"]).t(), df), "b2": df.sum(0),
-        "w1_t": torch.mm(_flat(ff["c"]).t(), dh), "b1": dh.sum(0),
+        "w2_t": torch.mm(_stacked(ff, 5).t(), df), "b2": df.sum(0),
+        "w1_t": torch.mm(_stacked(ff, 3).t(), dh), "b1": dh.sum(0),
     }
     grads["ln2_w"], grads["ln2_b"] = _layer_norm_affine_grads(
-        dc, _flat(ff["y"]), _flat(ff["mu2"]), _flat(ff["rs2"]))
-    if x_att is None:  # no step attended: attention parameters get zero gradient
-        for name in ("ln1_w", "ln1_b", "wq", "uq", "rt", "c", "wo_t", "bo"):
-            grads[name] = torch.zeros_like(p[name])
+        dc, _stacked(ff, 0), _stacked(ff, 1), _stacked(ff, 2))
+    if not att:  # no step attended: attention parameters get zero gradient
+        for name in ("ln1_w", "ln1_b", "wq", "uq", "wo_t", "bo"):
+            grads[name] = torch.zeros_like(p[LAYER_PARAMS.index(name)])
         return grads
-    att = tape.att
-    dz, dqu, da = _stack(g_att["dz"]), _stack(g_att["dqu"]), _stack(g_att["da"])
-    D = dqu.shape[-1]
-    grads["wo_t"], grads["bo"] = torch.mm(_flat(att["o"]).t(), dz), dz.sum(0)
-    grads["wq"], grads["uq"] = torch.mm(_flat(att["a"]).t(), dqu), dqu.sum(0)
+    dz, dqu, da = (_stacked(g_att, i, reverse=True) for i in range(3))
+    grads["wo_t"], grads["bo"] = torch.mm(_stacked(att, 6).t(), dz), dz.sum(0)
+    grads["wq"], grads["uq"] = torch.mm(_stacked(att, 0).t(), dqu), dqu.sum(0)
     grads["ln1_w"], grads["ln1_b"] = _layer_norm_affine_grads(
-        da, x_att.reshape(-1, D), _flat(att["mu1"]), _flat(att["rs1"]))
-    # Position table: d rt[h, :, p] = sum over steps and batch of qu[h] * d_score[h, p].
-    n, B, H, n_pos = d_scores.shape
-    qu = torch.stack(att["qu"]).view(n * B, H, -1).transpose(0, 1)  # [H, n*B, dk]
-    ds = d_scores.view(n * B, H, n_pos).transpose(0, 1)  # [H, n*B, n_pos]
-    grads["rt"] = torch.bmm(qu.transpose(1, 2), ds)  # [H, dk, n_pos]
-    grads["c"] = ds.sum(1).unsqueeze(1)  # [H, 1, n_pos]
+        da, x_att.reshape(-1, x_att.shape[-1]), _stacked(att, 1), _stacked(att, 2))
     return grads
 
 
@@ -318,15 +324,15 @@ class FeedbackCoreFunction(torch.autograd.Function):
     def forward(ctx, spec: CoreSpec, x0: Tensor, mem_k: Tensor, mem_v: Tensor, mix: Tensor,
                 wkv: Tensor, bkv: Tensor | None, *flat: Tensor):
         layers = unflatten_layers(flat)
-        tapes = [LayerTape() for _ in layers]
+        tape = Tape()
         hidden, memory, keys, values = core_forward(
-            spec, x0, mem_k, mem_v, layers, mix, wkv, bkv, tapes)
+            spec, x0, mem_k, mem_v, layers, mix, wkv, bkv, tape)
         # Outputs are fresh tensors, never views of saved buffers (that would make a cycle).
         top = hidden[:, -1].transpose(0, 1).contiguous()
         new_k = keys[:, :, -spec.window:].clone()
         new_v = values[:, :, -spec.window:].clone()
         ctx.mark_non_differentiable(new_k, new_v)
-        ctx.spec, ctx.n0, ctx.tapes, ctx.has_bkv = spec, mem_k.shape[2], tapes, bkv is not None
+        ctx.spec, ctx.n0, ctx.tape, ctx.has_bkv = spec, mem_k.shape[2], tape, bkv is not None
         ctx.buffers = (hidden, memory, keys, values)
         ctx.save_for_backward(mix, wkv, *flat)
         return top, new_k, new_v
@@ -338,8 +344,8 @@ class FeedbackCoreFunction(torch.autograd.Function):
         hidden, memory, keys, values = ctx.buffers
         d_x0, layer_grads, d_mix, d_wkv, d_bkv = core_backward(
             ctx.spec, d_top.contiguous(), hidden, memory, keys, values, ctx.n0, layers, mix,
-            wkv, ctx.tapes)
-        ctx.buffers = ctx.tapes = None
+            wkv, ctx.tape)
+        ctx.buffers = ctx.tape = None
         flat_grads = [g[name] for g in layer_grads for name in LAYER_PARAMS]
         return (None, d_x0, None, None, d_mix, d_wkv, d_bkv if ctx.has_bkv else None,
                 *flat_grads)

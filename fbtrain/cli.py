@@ -1,0 +1,314 @@
+"""Command line: ``fbtrain train | sample | eval``.
+
+Thin on purpose (as torchtitan's ``train.py`` and litgpt's ``__main__.py``): each command
+parses its flags, calls one ``run()`` and maps the errors a user can cause to one line on
+stderr and an exit code. Nothing else happens here.
+
+Exit codes: 0 done; 1 training failed (e.g. a non-finite loss); 2 bad input (config, data,
+checkpoint, device or flag); 130 interrupted (Ctrl-C); 143 terminated (SIGTERM).
+
+Heavy modules (torch and everything that imports it) are imported inside the commands, so
+``fbtrain --help`` and ``fbtrain --version`` answer at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+from collections.abc import Iterator
+from enum import Enum
+from typing import Annotated
+
+import typer
+
+from fbtrain import __version__
+from fbtrain.config import ConfigError
+
+
+def _examples(*lines: str) -> str:
+    """An epilog of example commands, kept verbatim (click's ``\\b`` stops rewrapping)."""
+    return "\b\nExamples:\n" + "\n".join(f"  {line}" for line in lines)
+
+
+app = typer.Typer(
+    name="fbtrain",
+    epilog=_examples(
+        "fbtrain train --config configs/tiny_shakespeare.yaml   # train (~15 min on 2 cores)",
+        "fbtrain sample --checkpoint runs/tiny_shakespeare       # generate text",
+        "fbtrain eval --checkpoint runs/tiny_shakespeare         # bits per character",
+    ),
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,  # real bugs keep a plain traceback
+    rich_markup_mode=None,  # help text is printed as written: no [markup] eaten
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+EXIT_USAGE = 2  # bad input, as click's own usage errors
+EXIT_INTERRUPTED = 130  # 128 + SIGINT
+
+
+class Split(str, Enum):
+    val = "val"
+    train = "train"
+
+
+class Context(str, Enum):
+    reset = "reset"
+    carry = "carry"
+
+
+DeviceOption = Annotated[
+    str | None,
+    typer.Option(
+        "--device", metavar="auto|cpu|cuda|cuda:N",
+        help="Where to run: auto (CUDA when available, else CPU), cpu, cuda or cuda:N.",
+        show_default=False,
+    ),
+]
+CheckpointOption = Annotated[
+    str,
+    typer.Option(
+        "--checkpoint", "-c", metavar="PATH|RUN_DIR",
+        help="A checkpoint file, or a run directory (its best.pt, else last.pt).",
+    ),
+]
+
+
+def _error(message: str) -> None:
+    for line in str(message).splitlines() or [""]:
+        typer.echo(f"error: {line}", err=True)
+
+
+@contextlib.contextmanager
+def _user_errors(*, value_errors: bool = False) -> Iterator[None]:
+    """Turn the errors a user can cause into ``error: ...`` lines and exit code 2.
+
+    ``value_errors``: also treat ValueError as bad input (sample/eval check their arguments
+    with it); train leaves it alone, so a bug there keeps its traceback.
+    """
+    from fbtrain.checkpoint import CheckpointError
+    from fbtrain.data import DataError
+    from fbtrain.device import DeviceError
+
+    bad_input: tuple[type[Exception], ...] = (DataError, CheckpointError, DeviceError)
+    if value_errors:
+        bad_input += (ValueError,)
+    try:
+        yield
+    except ConfigError as e:
+        for problem in e.problems:
+            _error(problem)
+        raise typer.Exit(EXIT_USAGE) from None
+    except bad_input as e:
+        _error(str(e))
+        raise typer.Exit(EXIT_USAGE) from None
+    except KeyboardInterrupt:
+        typer.echo("interrupted", err=True)
+        raise typer.Exit(EXIT_INTERRUPTED) from None
+
+
+def _show_version(value: bool) -> None:
+    if value:
+        typer.echo(f"fbtrain {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool,
+        typer.Option("--version", callback=_show_version, is_eager=True,
+                     help="Print the version and exit."),
+    ] = False,
+) -> None:
+    """Train Feedback Transformers (Fan et al. 2020) on Tiny Shakespeare, then sample from
+    them and evaluate them. Run `fbtrain COMMAND --help` for a command's flags.
+    """
+
+
+@app.command(
+    epilog=_examples(
+        "fbtrain train --config configs/tiny_shakespeare.yaml",
+        "fbtrain train --config configs/tiny_shakespeare.yaml --resume auto",
+        "fbtrain train --config configs/tiny.yaml --set data.path=input.txt \\",
+        "    --set train.max_steps=100 --set 'curriculum=[{seq_len: 32}]'",
+        "fbtrain train --config configs/gpu.yaml --device cuda:1",
+        "fbtrain train --config configs/tiny.yaml --print-config",
+    ),
+)
+def train(
+    config: Annotated[
+        str | None,
+        typer.Option("--config", metavar="FILE", show_default=False,
+                     help="YAML config (see configs/). Without it the built-in defaults "
+                     "are used."),
+    ] = None,
+    overrides: Annotated[
+        list[str] | None,
+        typer.Option("--set", "-s", metavar="SECTION.KEY=VALUE", show_default=False,
+                     help="Override one config key; repeatable. VALUE is read as YAML "
+                     "(1e-3, true, null, [1, 2]). Precedence: defaults < --config < --set."),
+    ] = None,
+    resume: Annotated[
+        str | None,
+        typer.Option("--resume", metavar="auto|PATH", show_default=False,
+                     help="Continue a run: auto (this run's last.pt, if any) or a "
+                     "checkpoint file / run directory."),
+    ] = None,
+    device: DeviceOption = None,
+    quiet: Annotated[
+        bool,
+        typer.Option("--quiet", "-q", help="Only warnings and errors; no progress bar."),
+    ] = False,
+    print_config: Annotated[
+        bool,
+        typer.Option("--print-config",
+                     help="Print the resolved config as YAML and exit without training."),
+    ] = False,
+) -> None:
+    """Train a model from a config.
+
+    Downloads (or reads) the text, tokenizes it, then trains, evaluates and checkpoints into
+    <run.out_dir>/<run.name>/ (config.yaml, vocab.json, metrics.jsonl, tb/, checkpoints/).
+    A run that already has checkpoints is continued only with --resume, never overwritten.
+    """
+    overrides = list(overrides or [])
+    if device is not None:
+        overrides.append(f"run.device={device}")
+    with _user_errors():
+        from fbtrain.config import load_config
+
+        cfg = load_config(config, overrides)
+        if print_config:
+            import yaml
+
+            typer.echo(yaml.safe_dump(cfg.to_dict(), sort_keys=False), nl=False)
+            return
+        from fbtrain import train as trainer
+
+        try:
+            trainer.run(cfg, resume=resume, quiet=quiet)
+        except trainer.TrainingError as e:
+            typer.echo(str(e), err=True)
+            raise typer.Exit(e.exit_code) from None
+
+
+@app.command(
+    epilog=_examples(
+        "fbtrain sample --checkpoint runs/tiny_shakespeare",
+        "fbtrain sample -c runs/tiny_shakespeare/checkpoints/last.pt --prompt 'ROMEO:' \\",
+        "    --length 300 --temperature 0.7 --top-k 20 --num-samples 3",
+    ),
+)
+def sample(
+    checkpoint: CheckpointOption,
+    prompt: Annotated[
+        str,
+        typer.Option("--prompt", "-p", metavar="TEXT", show_default="a newline",
+                     help="Text to continue; every character must be in the vocabulary."),
+    ] = "\n",
+    length: Annotated[
+        int,
+        typer.Option("--length", "-n", metavar="N", min=1,
+                     help="Characters to generate per sample."),
+    ] = 500,
+    temperature: Annotated[
+        float,
+        typer.Option("--temperature", "-t", metavar="T", min=0.0,
+                     help="Softmax temperature: lower is more conservative."),
+    ] = 0.8,
+    top_k: Annotated[
+        int | None,
+        typer.Option("--top-k", metavar="K", min=1, show_default=False,
+                     help="Sample only from the K most likely characters."),
+    ] = None,
+    top_p: Annotated[
+        float | None,
+        typer.Option("--top-p", metavar="P", show_default=False,
+                     help="Nucleus sampling: the smallest set of characters whose "
+                     "probability adds up to P (0 < P <= 1)."),
+    ] = None,
+    num_samples: Annotated[
+        int, typer.Option("--num-samples", metavar="N", min=1, help="Independent samples to draw."),
+    ] = 1,
+    seed: Annotated[
+        int, typer.Option("--seed", metavar="S", min=0, help="Random seed (same seed, same text)."),
+    ] = 1337,
+    device: DeviceOption = None,
+) -> None:
+    """Generate text from a checkpoint.
+
+    The text is streamed to stdout as it is produced.
+    """
+    with _user_errors(value_errors=True):
+        from fbtrain import sample as sampler
+
+        sampler.run(
+            checkpoint, prompt=prompt, length=length, temperature=temperature, top_k=top_k,
+            top_p=top_p, num_samples=num_samples, seed=seed, device=device or "auto",
+            stream=sys.stdout,
+        )
+
+
+@app.command(
+    name="eval",
+    epilog=_examples(
+        "fbtrain eval --checkpoint runs/tiny_shakespeare",
+        "fbtrain eval -c runs/tiny_shakespeare --seq-len 256 --context carry --json",
+        "fbtrain eval -c runs/tiny_shakespeare/checkpoints/best.pt --data-path other.txt",
+    ),
+)
+def evaluate(
+    checkpoint: CheckpointOption,
+    split: Annotated[
+        Split, typer.Option("--split", help="Which part of the text to score."),
+    ] = Split.val,
+    seq_len: Annotated[
+        int | None,
+        typer.Option("--seq-len", metavar="N", min=1, show_default=False,
+                     help="Window length (default: the longest length trained on)."),
+    ] = None,
+    batch_size: Annotated[
+        int,
+        typer.Option("--batch-size", "-b", metavar="B", min=1,
+                     help="Windows per forward pass."),
+    ] = 64,
+    data_path: Annotated[
+        str | None,
+        typer.Option("--data-path", metavar="FILE", show_default=False,
+                     help="Score this text file instead of the run's own data."),
+    ] = None,
+    context: Annotated[
+        Context,
+        typer.Option("--context",
+                     help="reset: every window starts from empty memory; carry: memory "
+                     "flows from one window into the next."),
+    ] = Context.reset,
+    device: DeviceOption = None,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print one JSON object instead of a table."),
+    ] = False,
+) -> None:
+    """Score a checkpoint: loss, bits per character, perplexity.
+
+    Loss is the mean cross-entropy in nats per character; bpc = loss / ln 2.
+    """
+    with _user_errors(value_errors=True):
+        from fbtrain import evaluate as evaluator
+
+        result = evaluator.run(
+            checkpoint, split=split.value, seq_len=seq_len, batch_size=batch_size,
+            data_path=data_path, context=context.value, device=device or "auto",
+        )
+    typer.echo(json.dumps(result, default=str) if as_json else evaluator.format_result(result))
+
+
+def main() -> None:
+    """Entry point of the ``fbtrain`` script and of ``python -m fbtrain``."""
+    app(prog_name="fbtrain")
+
+
+if __name__ == "__main__":
+    main()

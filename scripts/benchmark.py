@@ -1,0 +1,270 @@
+"""Training-step speed of fbtrain's models against the slow reference, side by side.
+
+Measures, in one process and interleaved (so machine noise hits every entry alike), full
+training steps (forward, cross-entropy, backward, AdamW step) of:
+
+  reference_kv / reference  the seed design's algorithm (tests/reference.py) for
+                            feedback_kv / feedback, on the same weights as fbtrain's
+  feedback_kv / feedback    fbtrain's models, the exact path ``fbtrain train`` uses
+  transformer               fbtrain's parallel baseline of the same sizes
+
+and reports median ms per step, tokens/s, the ratios fbtrain/reference and
+fbtrain/transformer, and the peak memory of a training step at several lengths. Before
+timing it checks that fbtrain's loss and gradients equal the reference's (float64, same
+weights), so a fast wrong model cannot pass. Exits 1 if a target is missed.
+
+    python scripts/benchmark.py                 # the full run (a few minutes on 2 cores)
+    python scripts/benchmark.py --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+
+from reference import reference_forward  # noqa: E402
+
+from fbtrain.config import ModelConfig  # noqa: E402
+from fbtrain.device import resolve_device  # noqa: E402
+from fbtrain.models import build_model  # noqa: E402
+
+VOCAB = 65
+SIZES = dict(d_model=128, n_heads=4, d_ff=512, n_layers=4, dropout=0.0, max_rel_pos=4096)
+BATCH = 16
+TARGET_VS_REFERENCE = 5.0
+AIM_VS_TRANSFORMER = 2.5
+
+
+def model_config(kind: str) -> ModelConfig:
+    return ModelConfig(kind=kind, **SIZES)
+
+
+def check_exact(kind: str, seed: int = 0) -> float:
+    """Largest |difference| of loss and every gradient between fbtrain and the reference,
+    float64, same weights (randomised position tables and memory weights included)."""
+    torch.manual_seed(seed)
+    model = build_model(model_config(kind), VOCAB).double()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    x = torch.randint(0, VOCAB, (4, 24))
+    y = torch.randint(0, VOCAB, (4, 24))
+    results = []
+    for forward in (lambda: reference_forward(model, x), lambda: model(x)[0]):
+        model.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(forward().reshape(-1, VOCAB), y.reshape(-1))
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (ref_loss, ref_grads), (loss, grads) = results
+    worst = (loss - ref_loss).abs().item()
+    for name, g in ref_grads.items():
+        worst = max(worst, (grads[name] - g).abs().max().item())
+    return worst
+
+
+class Entry:
+    """One model + its optimizer, and a function that runs one full training step."""
+
+    def __init__(self, name: str, model: torch.nn.Module,
+                 forward: Callable[[torch.Tensor], torch.Tensor], device: torch.device,
+                 precision: torch.dtype | None):
+        self.name, self.model, self.forward = name, model, forward
+        self.device, self.precision = device, precision
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        self.times: list[float] = []
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
+        sync()
+        start = time.perf_counter()
+        with torch.autocast(self.device.type, dtype=self.precision or torch.float32,
+                            enabled=self.precision is not None):
+            logits = self.forward(x)
+            loss = F.cross_entropy(logits.float().reshape(-1, VOCAB), y.reshape(-1))
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        self.optimizer.step()
+        sync()
+        return time.perf_counter() - start
+
+
+def make_entries(device: torch.device, precision: torch.dtype | None,
+                 with_reference: bool) -> list[Entry]:
+    entries = []
+    for kind in ("feedback_kv", "feedback"):
+        torch.manual_seed(0)
+        fast = build_model(model_config(kind), VOCAB).to(device)
+        if with_reference:
+            slow = copy.deepcopy(fast)  # same weights, its own optimizer
+            entries.append(Entry(f"reference_{kind}", slow,
+                                 lambda x, m=slow: reference_forward(m, x), device, precision))
+        entries.append(Entry(kind, fast, lambda x, m=fast: m(x)[0], device, precision))
+    torch.manual_seed(0)
+    transformer = build_model(model_config("transformer"), VOCAB).to(device)
+    entries.append(Entry("transformer", transformer, lambda x, m=transformer: m(x)[0],
+                         device, precision))
+    return entries
+
+
+def time_steps(seq_len: int, repeats: int, warmup: int, device: torch.device,
+               precision: torch.dtype | None, with_reference: bool) -> dict[str, dict]:
+    entries = make_entries(device, precision, with_reference)
+    gen = torch.Generator().manual_seed(seq_len)
+    x = torch.randint(0, VOCAB, (BATCH, seq_len), generator=gen).to(device)
+    y = torch.randint(0, VOCAB, (BATCH, seq_len), generator=gen).to(device)
+    for _ in range(warmup):
+        for e in entries:
+            e.step(x, y)
+    for r in range(repeats):
+        # Rotate the order so no entry always runs first (or right after the slowest one).
+        for e in entries[r % len(entries):] + entries[:r % len(entries)]:
+            e.times.append(e.step(x, y))
+    out = {}
+    for e in entries:
+        ms = statistics.median(e.times) * 1000
+        out[e.name] = {"ms_per_step": ms, "tokens_per_sec": BATCH * seq_len / ms * 1000,
+                       "steps_timed": len(e.times)}
+    return out
+
+
+def peak_step_memory_mb(kind: str, seq_len: int, device: torch.device) -> float:
+    """Peak memory a training step adds, in MiB: CUDA allocator stats on a GPU; on the CPU
+    the growth of the process's peak RSS during one step, measured in a fresh process."""
+    if device.type == "cuda":
+        torch.manual_seed(0)
+        entry = Entry(kind, build_model(model_config(kind), VOCAB).to(device),
+                      lambda x: None, device, None)
+        entry.forward = lambda x, m=entry.model: m(x)[0]
+        x = torch.randint(0, VOCAB, (BATCH, seq_len), device=device)
+        entry.step(x, x)  # optimizer state exists from here on
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        entry.step(x, x)
+        return (torch.cuda.max_memory_allocated() - base) / 2**20
+    out = subprocess.run([sys.executable, __file__, "--_memory-probe", kind, str(seq_len)],
+                         capture_output=True, text=True, check=True)
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def _memory_probe(kind: str, seq_len: int) -> None:
+    """Child process of peak_step_memory_mb: print the MiB one CPU training step adds."""
+    torch.manual_seed(0)
+    model = build_model(model_config(kind), VOCAB)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    for p in model.parameters():  # allocate the optimizer state before measuring
+        p.grad = torch.zeros_like(p)
+    opt.step()
+
+    def step(x: torch.Tensor) -> None:
+        opt.zero_grad(set_to_none=True)
+        F.cross_entropy(model(x)[0].reshape(-1, VOCAB), x.reshape(-1)).backward()
+        opt.step()
+
+    # A tiny step first: one-time allocations (thread pools, BLAS buffers) are not the step's.
+    step(torch.randint(0, VOCAB, (BATCH, 4)))
+    with open("/proc/self/statm") as f:
+        base_kib = int(f.read().split()[1]) * resource.getpagesize() / 1024
+    step(torch.randint(0, VOCAB, (BATCH, seq_len)))
+    peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    print((peak_kib - base_kib) / 1024)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seq-lens", type=int, nargs="+", default=[64, 256])
+    parser.add_argument("--repeats", type=int, default=5, help="timed steps per entry")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps per entry")
+    parser.add_argument("--memory-seq-lens", type=int, nargs="*", default=[64, 128, 256, 512])
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--no-reference", action="store_true", help="skip the slow reference")
+    parser.add_argument("--json", type=Path, help="write the figures to this file")
+    parser.add_argument("--_memory-probe", nargs=2, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args._memory_probe:
+        _memory_probe(args._memory_probe[0], int(args._memory_probe[1]))
+        return 0
+
+    device = resolve_device(args.device)
+    precision = torch.bfloat16 if device.type == "cuda" else None
+    report: dict = {
+        "device": str(device) if device.type == "cpu" else torch.cuda.get_device_name(device),
+        "threads": torch.get_num_threads(), "torch": torch.__version__,
+        "machine": platform.processor() or platform.machine(),
+        "precision": "bf16 autocast" if precision else "fp32",
+        "sizes": {**SIZES, "vocab": VOCAB, "batch": BATCH}, "timings": {}, "memory_mb": {},
+    }
+    print(f"device {report['device']} ({report['threads']} threads), {report['precision']}, "
+          f"torch {torch.__version__}; sizes {report['sizes']}")
+    exact = {kind: check_exact(kind) for kind in ("feedback_kv", "feedback")}
+    report["exactness_max_abs_diff"] = exact
+    ok = True
+    for kind, diff in exact.items():
+        good = diff < 1e-9
+        ok &= good
+        print(f"exactness {kind:12s} max |fbtrain - reference| (loss, grads, float64) = "
+              f"{diff:.2e}  {'PASS' if good else 'FAIL'}")
+
+    for seq_len in args.seq_lens:
+        result = time_steps(seq_len, args.repeats, args.warmup, device, precision,
+                            not args.no_reference)
+        report["timings"][seq_len] = result
+        print(f"\nseq_len {seq_len}, batch {BATCH}: median of {args.repeats} steps")
+        print(f"  {'model':22s} {'ms/step':>9s} {'tokens/s':>10s}")
+        for name, r in result.items():
+            print(f"  {name:22s} {r['ms_per_step']:9.1f} {r['tokens_per_sec']:10.0f}")
+        for kind in ("feedback_kv", "feedback"):
+            ms = result[kind]["ms_per_step"]
+            vs_tf = ms / result["transformer"]["ms_per_step"]
+            line = f"  {kind:12s} {vs_tf:5.2f}x the transformer's step time"
+            if f"reference_{kind}" in result:
+                speedup = result[f"reference_{kind}"]["ms_per_step"] / ms
+                good = speedup >= TARGET_VS_REFERENCE
+                ok &= good
+                line += (f"; {speedup:5.2f}x faster than its reference "
+                         f"(target >= {TARGET_VS_REFERENCE:g}x: {'PASS' if good else 'FAIL'})")
+                result[kind]["speedup_vs_reference"] = speedup
+            result[kind]["slowdown_vs_transformer"] = vs_tf
+            print(line)
+        if seq_len == 64:
+            vs_tf = result["feedback_kv"]["slowdown_vs_transformer"]
+            print(f"  aim: feedback_kv within {AIM_VS_TRANSFORMER:g}x of the transformer at "
+                  f"seq_len 64: {'met' if vs_tf <= AIM_VS_TRANSFORMER else 'not met'} "
+                  f"({vs_tf:.2f}x)")
+
+    if args.memory_seq_lens:
+        print(f"\npeak memory of one training step (MiB), batch {BATCH}")
+        print(f"  {'model':12s}" + "".join(f"{n:>9d}" for n in args.memory_seq_lens)
+              + "   MiB per 1k tokens")
+        for kind in ("feedback_kv", "feedback", "transformer"):
+            mem = {n: peak_step_memory_mb(kind, n, device) for n in args.memory_seq_lens}
+            report["memory_mb"][kind] = mem
+            per_k = [mem[n] / (BATCH * n) * 1000 for n in args.memory_seq_lens]
+            print(f"  {kind:12s}" + "".join(f"{mem[n]:9.1f}" for n in args.memory_seq_lens)
+                  + "   " + " ".join(f"{v:.1f}" for v in per_k))
+
+    report["all_targets_met"] = ok
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
+        print(f"\nwrote {args.json}")
+    print("\nALL TARGETS MET" if ok else "\nSOME TARGETS MISSED")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,411 @@
+"""The command line: help, version, flag parsing, dispatch, and how errors become exit codes.
+
+Most tests replace ``train.run`` / ``sample.run`` / ``evaluate.run`` with fakes, so they check
+the CLI alone and take milliseconds; ``test_end_to_end`` runs the real thing, small.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+from typer.testing import CliRunner
+
+from fbtrain import __version__, evaluate, sample, train
+from fbtrain.checkpoint import CheckpointError
+from fbtrain.cli import app
+from fbtrain.data import DataError
+from fbtrain.device import DeviceError
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = str(ROOT / "configs" / "tiny.yaml")
+
+runner = CliRunner()
+# The real functions, taken before any test replaces them, to compare defaults with.
+SAMPLE_RUN, EVAL_RUN = sample.run, evaluate.run
+
+
+def defaults_of(fn) -> dict[str, Any]:
+    params = inspect.signature(fn).parameters.values()
+    return {p.name: p.default for p in params if p.default is not p.empty}
+
+
+def invoke(*args: str):
+    return runner.invoke(app, list(args))
+
+
+def error_lines(result) -> list[str]:
+    return [line for line in result.stderr.splitlines() if line.strip()]
+
+
+# ----------------------------------------------------------------------------- help, version
+
+
+def test_help_lists_commands():
+    result = invoke("--help")
+    assert result.exit_code == 0, result.output
+    assert "Usage: fbtrain" in result.output
+    for command in ("train", "sample", "eval"):
+        assert f"  {command}  " in result.output
+    assert "Examples:" in result.output
+
+
+def test_no_arguments_shows_help():
+    result = invoke()
+    assert "Usage: fbtrain" in result.output and "train" in result.output
+
+
+@pytest.mark.parametrize(
+    ("command", "flags"),
+    [
+        ("train", ["--config", "--set", "--resume", "--device", "--quiet", "--print-config"]),
+        ("sample", ["--checkpoint", "--prompt", "--length", "--temperature", "--top-k",
+                    "--top-p", "--num-samples", "--seed", "--device"]),
+        ("eval", ["--checkpoint", "--split", "--seq-len", "--batch-size", "--data-path",
+                  "--context", "--device", "--json"]),
+    ],
+)
+def test_command_help(command: str, flags: list[str]):
+    result = invoke(command, "--help")
+    assert result.exit_code == 0, result.output
+    assert f"Usage: fbtrain {command}" in result.output
+    for flag in flags:
+        assert flag in result.output
+    assert "Examples:" in result.output and f"fbtrain {command} " in result.output
+
+
+def test_version():
+    result = invoke("--version")
+    assert result.exit_code == 0
+    assert result.stdout == f"fbtrain {__version__}\n"
+
+
+def test_python_dash_m_version():
+    out = subprocess.run([sys.executable, "-m", "fbtrain", "--version"], capture_output=True,
+                         text=True, timeout=60, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "fbtrain 0.1.0"
+
+
+# ----------------------------------------------------------------------------- train: config
+
+
+def test_bad_config_exits_2_with_every_problem(tmp_path: Path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("model:\n  d_modle: 64\ntrain:\n  lr: 0.0\n  min_lr: 0.0\n")
+    result = invoke("train", "--config", str(path))
+    assert result.exit_code == 2
+    lines = error_lines(result)
+    assert lines == [
+        f"error: {path}: unknown key model.d_modle (did you mean model.d_model?); allowed: "
+        "kind, d_model, n_heads, d_ff, n_layers, dropout, max_rel_pos, mem_len",
+        f"error: {path}: train.lr = 0.0: must be > 0",
+    ]
+    assert "Traceback" not in result.output
+
+
+def test_missing_config_exits_2(tmp_path: Path):
+    missing = tmp_path / "nope.yaml"
+    result = invoke("train", "--config", str(missing))
+    assert result.exit_code == 2
+    assert error_lines(result) == [f"error: {missing}: config file not found"]
+
+
+def test_malformed_config_exits_2(tmp_path: Path):
+    path = tmp_path / "broken.yaml"
+    path.write_text("model:\n  d_model: 64\n n_heads: 4\n")
+    result = invoke("train", "--config", str(path))
+    assert result.exit_code == 2
+    assert "line 3, column 2: malformed YAML" in result.stderr
+
+
+def test_bad_set_exits_2():
+    result = invoke("train", "--config", TINY, "--set", "train.max_steps")
+    assert result.exit_code == 2
+    assert "error: --set 'train.max_steps': must look like section.key=value" in result.stderr
+
+
+def test_bad_device_exits_2():
+    result = invoke("train", "--config", TINY, "--device", "tpu")
+    assert result.exit_code == 2
+    assert "run.device = 'tpu': must be auto, cpu, cuda or cuda:N" in result.stderr
+
+
+def test_print_config_applies_precedence():
+    result = invoke("train", "--config", TINY, "--set", "train.max_steps=7", "-s",
+                    "model.dropout=0.1", "--device", "cpu", "--print-config")
+    assert result.exit_code == 0, result.output
+    printed = yaml.safe_load(result.stdout)
+    assert printed["train"]["max_steps"] == 7
+    assert printed["model"]["dropout"] == 0.1
+    assert printed["model"]["d_model"] == 16  # from the file
+    assert printed["run"]["device"] == "cpu"
+    assert printed["run"]["name"] == "tiny"
+
+
+def test_print_config_without_config_uses_defaults():
+    from fbtrain.config import load_config
+
+    result = invoke("train", "--print-config")
+    assert result.exit_code == 0, result.output
+    assert yaml.safe_load(result.stdout) == load_config(None).to_dict()
+
+
+# ----------------------------------------------------------------------------- train: dispatch
+
+
+@pytest.fixture
+def fake_train(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    calls: dict[str, Any] = {}
+
+    def fake_run(cfg, *, resume=None, quiet=False):
+        calls.update(cfg=cfg, resume=resume, quiet=quiet)
+        if "raise" in calls:
+            raise calls["raise"]
+        return Path(cfg.run.out_dir) / cfg.run.name
+
+    monkeypatch.setattr(train, "run", fake_run)
+    return calls
+
+
+def test_train_dispatch(fake_train: dict[str, Any]):
+    result = invoke("train", "--config", TINY, "--set", "train.max_steps=3",
+                    "--resume", "auto", "--device", "cpu", "--quiet")
+    assert result.exit_code == 0, result.output
+    cfg = fake_train["cfg"]
+    assert (cfg.train.max_steps, cfg.run.device, cfg.model.d_model) == (3, "cpu", 16)
+    assert fake_train["resume"] == "auto" and fake_train["quiet"] is True
+
+
+def test_train_dispatch_defaults(fake_train: dict[str, Any]):
+    result = invoke("train")
+    assert result.exit_code == 0, result.output
+    assert fake_train["resume"] is None and fake_train["quiet"] is False
+    assert fake_train["cfg"].run.device == "auto"
+
+
+@pytest.mark.parametrize("code", [1, 130, 143])
+def test_training_error_exit_code(fake_train: dict[str, Any], code: int):
+    fake_train["raise"] = train.TrainingError(f"stopped at step 5 (code {code})", code)
+    result = invoke("train", "--config", TINY)
+    assert result.exit_code == code
+    assert f"stopped at step 5 (code {code})" in result.stderr
+    assert "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("error", [DataError("input.txt: no such file"),
+                                   CheckpointError("x.pt: truncated"),
+                                   DeviceError("device 'cuda': CUDA is not available")])
+def test_train_user_errors_exit_2(fake_train: dict[str, Any], error: Exception):
+    fake_train["raise"] = error
+    result = invoke("train", "--config", TINY)
+    assert result.exit_code == 2
+    assert error_lines(result) == [f"error: {error}"]
+
+
+def test_train_bug_is_not_hidden(fake_train: dict[str, Any]):
+    fake_train["raise"] = ValueError("a bug, not bad input")
+    result = invoke("train", "--config", TINY)
+    assert isinstance(result.exception, ValueError)  # a traceback, not "error: ..." + exit 2
+
+
+# ----------------------------------------------------------------------------- sample
+
+
+@pytest.fixture
+def fake_sample(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    calls: dict[str, Any] = {}
+
+    def fake_run(checkpoint, **kwargs):
+        calls.update(checkpoint=checkpoint, **kwargs)
+        if "raise" in calls:
+            raise calls["raise"]
+        kwargs["stream"].write("ROMEO: hi\n")
+        return ["hi"]
+
+    monkeypatch.setattr(sample, "run", fake_run)
+    return calls
+
+
+def test_sample_dispatch(fake_sample: dict[str, Any]):
+    result = invoke("sample", "-c", "runs/x", "--prompt", "ROMEO:", "--length", "9",
+                    "--temperature", "0.5", "--top-k", "5", "--top-p", "0.9",
+                    "--num-samples", "2", "--seed", "7", "--device", "cpu")
+    assert result.exit_code == 0, result.output
+    assert result.stdout == "ROMEO: hi\n"
+    assert {k: v for k, v in fake_sample.items() if k != "stream"} == dict(
+        checkpoint="runs/x", prompt="ROMEO:", length=9, temperature=0.5, top_k=5, top_p=0.9,
+        num_samples=2, seed=7, device="cpu")
+
+
+def test_sample_defaults_match_sample_run(fake_sample: dict[str, Any]):
+    assert invoke("sample", "--checkpoint", "runs/x").exit_code == 0
+    defaults = defaults_of(SAMPLE_RUN)
+    assert set(defaults) == set(fake_sample) - {"checkpoint"}
+    assert {k: fake_sample[k] for k in defaults if k != "stream"} == {
+        k: v for k, v in defaults.items() if k != "stream"}
+
+
+@pytest.mark.parametrize("error", [ValueError("top_p = 0.0: must be in (0, 1] (or unset)"),
+                                   DataError("prompt: 1 character(s) not in the vocabulary"),
+                                   CheckpointError("runs/x: no such checkpoint"),
+                                   DeviceError("device 'cuda:3': only 1 CUDA device(s) here")])
+def test_sample_user_errors_exit_2(fake_sample: dict[str, Any], error: Exception):
+    fake_sample["raise"] = error
+    result = invoke("sample", "--checkpoint", "runs/x")
+    assert result.exit_code == 2
+    assert error_lines(result) == [f"error: {error}"]
+    assert result.stdout == ""
+
+
+def test_sample_interrupt_exits_130(fake_sample: dict[str, Any]):
+    fake_sample["raise"] = KeyboardInterrupt()
+    result = invoke("sample", "--checkpoint", "runs/x")
+    assert result.exit_code == 130
+    assert "Traceback" not in result.output
+
+
+def test_sample_bug_is_not_hidden(fake_sample: dict[str, Any]):
+    fake_sample["raise"] = RuntimeError("a bug")
+    result = invoke("sample", "--checkpoint", "runs/x")
+    assert isinstance(result.exception, RuntimeError)
+
+
+@pytest.mark.parametrize("args", [["--length", "0"], ["--num-samples", "0"], ["--top-k", "0"],
+                                  ["--temperature", "-1"], ["--seed", "-1"], ["--length", "x"]])
+def test_sample_flag_validation_exits_2(fake_sample: dict[str, Any], args: list[str]):
+    result = invoke("sample", "--checkpoint", "runs/x", *args)
+    assert result.exit_code == 2
+    assert "checkpoint" not in fake_sample  # refused before sample.run
+
+
+def test_sample_needs_checkpoint():
+    result = invoke("sample")
+    assert result.exit_code == 2
+    assert "--checkpoint" in result.output
+
+
+# ----------------------------------------------------------------------------- eval
+
+RESULT = {"loss": 1.5, "bpc": 1.5 / 0.6931471805599453, "perplexity": 4.4817, "tokens": 1000,
+          "seq_len": 64, "context": "reset", "split": "val",
+          "checkpoint": "runs/x/checkpoints/best.pt", "step": 10}
+
+
+@pytest.fixture
+def fake_eval(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    calls: dict[str, Any] = {}
+
+    def fake_run(checkpoint, **kwargs):
+        calls.update(checkpoint=checkpoint, **kwargs)
+        if "raise" in calls:
+            raise calls["raise"]
+        return dict(RESULT)
+
+    monkeypatch.setattr(evaluate, "run", fake_run)
+    return calls
+
+
+def test_eval_json(fake_eval: dict[str, Any]):
+    result = invoke("eval", "--checkpoint", "runs/x", "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout) == RESULT
+    assert fake_eval == {"checkpoint": "runs/x", **defaults_of(EVAL_RUN)}
+
+
+def test_eval_table(fake_eval: dict[str, Any]):
+    result = invoke("eval", "-c", "runs/x", "--split", "train", "--seq-len", "128",
+                    "--batch-size", "8", "--data-path", "t.txt", "--context", "carry",
+                    "--device", "cpu")
+    assert result.exit_code == 0, result.output
+    assert result.stdout == evaluate.format_result(RESULT) + "\n"
+    assert fake_eval == dict(checkpoint="runs/x", split="train", seq_len=128, batch_size=8,
+                             data_path="t.txt", context="carry", device="cpu")
+
+
+@pytest.mark.parametrize("args", [["--split", "test"], ["--context", "keep"],
+                                  ["--seq-len", "0"], ["--batch-size", "0"]])
+def test_eval_flag_validation_exits_2(fake_eval: dict[str, Any], args: list[str]):
+    result = invoke("eval", "--checkpoint", "runs/x", *args)
+    assert result.exit_code == 2
+    assert "checkpoint" not in fake_eval
+
+
+@pytest.mark.parametrize("error", [ValueError("seq_len = 0: must be an integer >= 1"),
+                                   CheckpointError("runs/x: no checkpoint found"),
+                                   DataError("t.txt: no such file")])
+def test_eval_user_errors_exit_2(fake_eval: dict[str, Any], error: Exception):
+    fake_eval["raise"] = error
+    result = invoke("eval", "--checkpoint", "runs/x", "--json")
+    assert result.exit_code == 2
+    assert error_lines(result) == [f"error: {error}"]
+    assert result.stdout == ""
+
+
+# ----------------------------------------------------------------------------- end to end
+
+
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    lines = ["First Citizen:", "Before we proceed any further, hear me speak.", "",
+             "All:", "Speak, speak.", ""]
+    path = tmp_path_factory.mktemp("data") / "text.txt"
+    path.write_text("\n".join(lines * 40), encoding="utf-8")
+    return path
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """Tiny models run faster (and steadier on a busy machine) on one thread."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_end_to_end(tmp_path: Path, text_file: Path):
+    out = tmp_path / "runs"
+    result = invoke(
+        "train", "--config", TINY, "--device", "cpu", "--quiet",
+        "--set", f"data.path={text_file}", "--set", f"run.out_dir={out}",
+        "--set", "train.max_steps=4", "--set", "train.eval_every=2",
+        "--set", "train.eval_windows=2", "--set", "checkpoint.every=2",
+        "--set", "train.batch_size=4", "--set", "curriculum=8",
+        "--set", "logging.tensorboard=false",
+    )
+    assert result.exit_code == 0, result.output
+    run_dir = out / "tiny"
+    assert (run_dir / "checkpoints" / "last.pt").is_file()
+
+    result = invoke("sample", "--checkpoint", str(run_dir), "--prompt", "All:",
+                    "--length", "20", "--device", "cpu")
+    assert result.exit_code == 0, result.output
+    assert result.stdout.startswith("All:") and len(result.stdout) == len("All:") + 20 + 1
+
+    result = invoke("eval", "--checkpoint", str(run_dir), "--json", "--device", "cpu")
+    assert result.exit_code == 0, result.output
+    scores = json.loads(result.stdout)
+    assert scores["split"] == "val" and scores["seq_len"] == 8 and scores["step"] == 4
+    assert 0 < scores["bpc"] < 10 and scores["tokens"] > 0
+
+    # Training into the same run again without --resume is refused, not overwritten.
+    result = invoke("train", "--config", TINY, "--set", f"data.path={text_file}",
+                    "--set", f"run.out_dir={out}", "--quiet")
+    assert result.exit_code == 2
+    assert "--resume" in result.stderr
+
+    result = invoke("eval", "--checkpoint", str(tmp_path / "nowhere"))
+    assert result.exit_code == 2
+    assert error_lines(result) == [
+        f"error: {tmp_path / 'nowhere'}: no such checkpoint file or run directory"]
+    result = invoke("sample", "--checkpoint", str(tmp_path / "nowhere"))
+    assert result.exit_code == 2 and result.stderr.startswith("error: ")
