@@ -1,0 +1,100 @@
+"""DistributedDataParallel plumbing: one small context that the trainer asks about ranks.
+
+``torchrun --nproc_per_node=N -m fbtrain train ...`` sets ``WORLD_SIZE``, ``RANK`` and
+``LOCAL_RANK``; with ``WORLD_SIZE > 1`` :func:`session` joins the process group (NCCL on
+GPUs, gloo on CPUs), pins each rank to ``cuda:LOCAL_RANK`` on a GPU machine and leaves the
+group on exit. Without those variables everything here is a no-op single process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from fbtrain.device import resolve_device
+
+
+@dataclass
+class DistContext:
+    """Where this process sits: ``rank`` of ``world_size`` processes, on ``device``."""
+
+    device: torch.device
+    world_size: int = 1
+    rank: int = 0
+    local_rank: int = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0: the one process that writes logs and checkpoints."""
+        return self.rank == 0
+
+    def barrier(self) -> None:
+        if not self.enabled:
+            return
+        if self.device.type == "cuda":
+            dist.barrier(device_ids=[self.device.index])
+        else:
+            dist.barrier()
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum ``tensor`` over ranks in place (identity for one process); returns it."""
+        if self.enabled:
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        return tensor
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        """The model in DistributedDataParallel (which broadcasts rank 0's weights), or as is."""
+        if not self.enabled:
+            return model
+        device_ids = [self.device.index] if self.device.type == "cuda" else None
+        return DistributedDataParallel(model, device_ids=device_ids)
+
+
+def rank_seed(seed: int, rank: int, step: int = 0) -> int:
+    """A seed for rank ``rank`` unrelated to other ranks' (and to ``seed + 1``'s) streams."""
+    digest = hashlib.sha256(f"fbtrain-rank:{seed}:{rank}:{step}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    return int(value) if value not in (None, "") else default
+
+
+@contextlib.contextmanager
+def session(device_name: str) -> Iterator[DistContext]:
+    """Yield the :class:`DistContext` for this process; joins/leaves the process group.
+
+    ``device_name`` is ``run.device``. Under torchrun on a CUDA device every rank uses
+    ``cuda:LOCAL_RANK`` (an explicit ``cuda:N`` is overridden: one GPU per rank).
+    A group that someone else already initialised is used and left in place.
+    """
+    device = resolve_device(device_name)
+    world_size = _env_int("WORLD_SIZE", 1)
+    if world_size <= 1:
+        yield DistContext(device=device)
+        return
+    rank, local_rank = _env_int("RANK", 0), _env_int("LOCAL_RANK", 0)
+    if device.type == "cuda":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    owns_group = not dist.is_initialized()
+    if owns_group:
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+    try:
+        yield DistContext(device=device, world_size=world_size, rank=rank, local_rank=local_rank)
+    finally:
+        if owns_group and dist.is_initialized():
+            dist.destroy_process_group()

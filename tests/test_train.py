@@ -1,0 +1,480 @@
+"""The trainer end to end on the CPU: a 2-layer, d=16 model on generated text, a few steps.
+
+Covers the run directory and checkpoint contents, bitwise resume, SIGINT / SIGTERM / SIGKILL,
+the non-finite stop, the curriculum (and constant tokens), TensorBoard tags, warm start,
+DDP with two gloo ranks, the schedule and the optimizer groups; and, on a GPU, bf16 steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from fbtrain.checkpoint import load_checkpoint
+from fbtrain.config import Config, ConfigError, ModelConfig, TrainConfig, config_from_dict
+from fbtrain.models import build_model
+from fbtrain.schedule import LRSchedule, param_groups
+from fbtrain.train import Trainer, TrainingError, apply_warm_start, run, summarize_names
+
+REPO = Path(__file__).resolve().parents[1]
+WORDS = ["the", "king", "queen", "and", "to", "of", "my", "lord", "thou", "art", "good",
+         "night", "sweet", "prince", "ROMEO:", "JULIET:"]
+PAYLOAD_KEYS = {"model", "model_config", "vocab", "config", "step", "tokens", "optimizer",
+                "scheduler", "rng", "best_val_loss", "val_loss", "curriculum_stage"}
+TRAIN_KEYS = {"step", "loss", "bpc", "lr", "grad_norm", "tokens_per_sec", "seq_len",
+              "batch_size", "tokens", "mem_weight/0", "mem_weight/1", "mem_weight/2"}
+# Subprocesses (the signal and DDP tests) use one thread each: on a shared 2-core machine
+# more threads than cores make tiny kernels stall in OpenMP barriers.
+CHILD_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+
+DRIVER = textwrap.dedent("""
+    import json, sys
+    import torch
+    torch.set_num_threads(1)
+    from fbtrain.config import config_from_dict
+    from fbtrain.train import TrainingError, run
+    cfg = config_from_dict(json.loads(open(sys.argv[1]).read()))
+    try:
+        run(cfg, resume=sys.argv[2] if len(sys.argv) > 2 else None, quiet=True)
+    except TrainingError as e:
+        print(e, file=sys.stderr)
+        sys.exit(e.exit_code)
+""")
+
+# Two gloo ranks: train, then resume from rank 0's checkpoint (same processes), then dump
+# each rank's weights and sampler state for the test to compare.
+DDP_DRIVER = textwrap.dedent("""
+    import json, sys
+    import torch
+    torch.set_num_threads(1)
+    from fbtrain.config import config_from_dict
+    from fbtrain.distributed import session
+    from fbtrain.train import Trainer
+    raw = json.loads(open(sys.argv[1]).read())
+    with session("cpu") as ctx:
+        Trainer(config_from_dict(raw), ctx, quiet=True).fit(None)
+        raw["train"]["max_steps"] += 2
+        trainer = Trainer(config_from_dict(raw), ctx, quiet=True)
+        trainer.fit("auto")
+        torch.save({"model": trainer.raw_model.state_dict(),
+                    "sampler": trainer.sampler.state_dict()["generator"],
+                    "world_size": ctx.world_size},
+                   f"{sys.argv[2]}/rank{ctx.rank}.pt")
+""")
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> Iterator[None]:
+    """Tiny models run faster (and steadier on a busy machine) on one thread."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def write_text(folder: Path) -> Path:
+    rng = random.Random(0)
+    lines = (" ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 9))) for _ in range(300))
+    path = folder / "text.txt"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def make_raw(tmp_path: Path, name: str = "run", **sections: Any) -> dict[str, Any]:
+    """A tiny config as a dict; ``sections`` update (or, for curriculum, replace) parts."""
+    text = tmp_path / "text.txt"
+    if not text.exists():
+        write_text(tmp_path)
+    raw: dict[str, Any] = {
+        "run": {"name": name, "out_dir": str(tmp_path / "runs"), "device": "cpu", "seed": 7},
+        "data": {"path": str(text)},
+        "model": {"kind": "feedback_kv", "d_model": 16, "n_heads": 2, "d_ff": 32,
+                  "n_layers": 2, "max_rel_pos": 64},
+        "train": {"max_steps": 6, "batch_size": 4, "lr": 3e-3, "min_lr": 3e-4,
+                  "warmup_steps": 2, "eval_every": 3, "eval_windows": 8, "log_every": 1,
+                  "constant_tokens": False},
+        "curriculum": [{"until_step": 3, "seq_len": 8}, {"seq_len": 16}],
+        "checkpoint": {"every": 3, "keep_last": 2},
+        "logging": {"tensorboard": False, "progress": False},
+    }
+    for section, values in sections.items():
+        if isinstance(values, dict):
+            raw[section].update(values)
+        else:
+            raw[section] = values
+    return raw
+
+
+def make_cfg(tmp_path: Path, name: str = "run", **sections: Any) -> Config:
+    return config_from_dict(make_raw(tmp_path, name, **sections))
+
+
+def records(run_dir: Path) -> list[dict[str, Any]]:
+    out = []
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return out
+    for line in path.read_text(encoding="utf-8").splitlines():
+        with contextlib.suppress(json.JSONDecodeError):  # a line being written right now
+            out.append(json.loads(line))
+    return out
+
+
+def train_losses(run_dir: Path) -> list[tuple[int, float]]:
+    return [(r["step"], r["loss"]) for r in records(run_dir) if "loss" in r]
+
+
+def assert_same_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+def wait_for(condition: Callable[[], bool], proc: subprocess.Popen, timeout: float = 120) -> None:
+    """Poll ``condition`` until it holds; fail if the process ends first or time runs out."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        if proc.poll() is not None:
+            pytest.fail(f"driver exited early ({proc.returncode}): {proc.stderr.read()}")
+        time.sleep(0.05)
+    pytest.fail("timed out waiting for the training subprocess")
+
+
+def start_driver(tmp_path: Path, raw: dict[str, Any]) -> subprocess.Popen:
+    (tmp_path / "cfg.json").write_text(json.dumps(raw))
+    (tmp_path / "driver.py").write_text(DRIVER)
+    return subprocess.Popen(
+        [sys.executable, str(tmp_path / "driver.py"), str(tmp_path / "cfg.json")],
+        env=CHILD_ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )
+
+
+# ----------------------------------------------------------------------------- end to end
+
+
+def test_train_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = make_cfg(tmp_path, train={"log_every": 2, "sample_every": 3, "sample_length": 20,
+                                    "max_steps": 9},
+                   model={"dropout": 0.1}, logging={"tensorboard": True})
+    run_dir = run(cfg)
+    assert run_dir == tmp_path / "runs" / "run"
+    out = capsys.readouterr().out
+    for expected in (f"run directory: {run_dir}", "parameters", "device: cpu",
+                     f"tensorboard --logdir {run_dir / 'tb'}", "[sample @ step 3]",
+                     "curriculum: seq_len 8 -> 16", "done at step 9", "tokens/s on cpu"):
+        assert expected in out
+
+    assert (run_dir / "config.yaml").is_file()
+    assert json.loads((run_dir / "vocab.json").read_text())["chars"][0] == "\n"
+    ckpts = run_dir / "checkpoints"
+    # keep_last 2 of step 3, 6, 9; best.pt and last.pt beside them.
+    assert sorted(p.name for p in ckpts.iterdir()) == [
+        "best.pt", "last.pt", "step-00000006.pt", "step-00000009.pt"]
+
+    recs = records(run_dir)
+    train = [r for r in recs if "loss" in r]
+    assert [r["step"] for r in train] == [2, 4, 6, 8, 9]  # every log_every, and the last
+    for r in train:
+        assert r.keys() >= TRAIN_KEYS
+        assert r["bpc"] == pytest.approx(r["loss"] / math.log(2))
+        assert r["tokens"] == sum(4 * (8 if s < 3 else 16) for s in range(r["step"]))
+    assert train[0]["tokens_per_sec"] is not None  # step 1 skipped, step 2 measured
+    assert sum(train[0][f"mem_weight/{i}"] for i in range(3)) == pytest.approx(1.0)
+    assert [r["seq_len"] for r in train] == [8, 16, 16, 16, 16]
+    val = [r for r in recs if "val/loss" in r]
+    assert [r["step"] for r in val] == [3, 6, 9]
+    assert all(r["val/perplexity"] == pytest.approx(math.exp(r["val/loss"])) for r in val)
+
+    last = load_checkpoint(ckpts / "last.pt")
+    assert last.keys() >= PAYLOAD_KEYS
+    assert last["step"] == 9 and last["tokens"] == train[-1]["tokens"]
+    assert last["val_loss"] == val[-1]["val/loss"]
+    assert last["best_val_loss"] == min(r["val/loss"] for r in val)
+    assert last["curriculum_stage"] == 1 and last["model_config"]["kind"] == "feedback_kv"
+    assert "sampler" in last["rng"] and last["config"]["train"]["max_steps"] == 9
+    best = load_checkpoint(ckpts / "best.pt")
+    assert best["val_loss"] == best["best_val_loss"] == last["best_val_loss"]
+
+    # TensorBoard holds the scalar tags, the samples and the hparams.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir / "tb"), size_guidance={"scalars": 0, "tensors": 0})
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert {"train/loss", "train/bpc", "train/lr", "train/seq_len", "train/tokens_per_sec",
+            "train/grad_norm", "val/loss", "val/bpc", "mem_weight/0", "mem_weight/2",
+            "hparam/val/loss"} <= tags
+    assert [e.step for e in acc.Scalars("train/seq_len")] == [2, 4, 6, 8, 9]
+    assert any("sample" in t for t in acc.Tags()["tensors"])
+
+    # Starting fresh over a finished run is refused (it would overwrite it).
+    with pytest.raises(ConfigError, match="already holds .*last.pt; continue it with --resume"):
+        run(cfg, quiet=True)
+
+
+def test_constant_tokens_scales_the_batch(tmp_path: Path) -> None:
+    cfg = make_cfg(tmp_path, train={"constant_tokens": True, "max_steps": 4, "eval_every": 4},
+                   curriculum=[{"until_step": 2, "seq_len": 4}, {"seq_len": 16}])
+    train = [r for r in records(run(cfg, quiet=True)) if "loss" in r]
+    assert [(r["seq_len"], r["batch_size"]) for r in train] == [(4, 16)] * 2 + [(16, 4)] * 2
+    assert [r["tokens"] for r in train] == [64, 128, 192, 256]
+
+
+# ----------------------------------------------------------------------------- resume
+
+
+def test_resume_is_bitwise_exact(tmp_path: Path) -> None:
+    """8 steps straight == 4 steps + resume + 4 steps: weights, optimizer, logged losses."""
+    common = {"model": {"dropout": 0.1},  # dropout draws from the global RNG
+              "train": {"schedule": "constant", "warmup_steps": 6, "grad_accum": 2,
+                        "eval_every": 4, "sample_every": 4, "sample_length": 10,
+                        "max_steps": 8},
+              "curriculum": [{"until_step": 6, "seq_len": 8}, {"seq_len": 12}],
+              "checkpoint": {"every": 4}}
+    straight = run(make_cfg(tmp_path, "straight", **common), quiet=True)
+    half = make_raw(tmp_path, "halves", **common)
+    half["train"]["max_steps"] = 4
+    run(config_from_dict(half), quiet=True)
+    halves = run(make_cfg(tmp_path, "halves", **common), resume="auto", quiet=True)
+
+    a = load_checkpoint(straight / "checkpoints" / "last.pt")
+    b = load_checkpoint(halves / "checkpoints" / "last.pt")
+    assert a["step"] == b["step"] == 8 and a["tokens"] == b["tokens"]
+    assert_same_tensors(a["model"], b["model"])
+    assert_same_tensors(a["optimizer"]["state"][0], b["optimizer"]["state"][0])
+    assert train_losses(straight) == train_losses(halves)
+    assert [s for s, _ in train_losses(halves)] == list(range(1, 9))  # truncated, not doubled
+    val = [(r["step"], r["val/loss"]) for r in records(straight) if "val/loss" in r]
+    assert val == [(r["step"], r["val/loss"]) for r in records(halves) if "val/loss" in r]
+
+    # Evaluating and sampling never touch the training RNG: without them, same weights.
+    quiet_run = make_raw(tmp_path, "no_eval", **common)
+    quiet_run["train"].update(eval_every=100, sample_every=0)
+    c = load_checkpoint(run(config_from_dict(quiet_run), quiet=True) / "checkpoints" / "last.pt")
+    assert_same_tensors(a["model"], c["model"])
+
+    # An explicit checkpoint path resumes too (here into a new run directory).
+    step4 = halves / "checkpoints" / "step-00000004.pt"
+    other = run(make_cfg(tmp_path, "from_path", **common), resume=str(step4), quiet=True)
+    assert_same_tensors(a["model"], load_checkpoint(other / "checkpoints" / "last.pt")["model"])
+
+
+def test_sigint_saves_then_resume_continues(tmp_path: Path) -> None:
+    raw = make_raw(tmp_path, train={"max_steps": 100_000, "schedule": "constant",
+                                    "eval_every": 100_000}, checkpoint={"every": 3})
+    proc = start_driver(tmp_path, raw)
+    run_dir = tmp_path / "runs" / "run"
+    try:
+        # Past the first checkpoint, so the handler is surely installed and steps are running.
+        wait_for(lambda: any(r["step"] >= 4 for r in records(run_dir)), proc)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err
+    assert "interrupted at step" in err and "resume with --resume auto" in err
+    stopped = load_checkpoint(run_dir / "checkpoints" / "last.pt")["step"]
+    assert f"interrupted at step {stopped} (SIGINT); saved {run_dir}" in err
+
+    raw["train"]["max_steps"] = stopped + 2
+    run(config_from_dict(raw), resume="auto", quiet=True)
+    assert [s for s, _ in train_losses(run_dir)] == list(range(1, stopped + 3))
+
+
+def test_sigkill_then_resume_auto(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    raw = make_raw(tmp_path, train={"max_steps": 100_000, "schedule": "constant",
+                                    "eval_every": 100_000}, checkpoint={"every": 3})
+    proc = start_driver(tmp_path, raw)
+    run_dir = tmp_path / "runs" / "run"
+    try:
+        # Killed some steps after a checkpoint: those steps' lines must go on resume.
+        wait_for(lambda: any(r["step"] >= 5 for r in records(run_dir)), proc)
+        proc.kill()
+        proc.wait(timeout=30)
+    finally:
+        proc.kill()
+    saved = load_checkpoint(run_dir / "checkpoints" / "last.pt")["step"]
+    assert saved >= 3 and saved % 3 == 0
+    raw["train"]["max_steps"] = saved + 2
+    run(config_from_dict(raw), resume="auto")
+    assert f"at step {saved}" in capsys.readouterr().out
+    assert [s for s, _ in train_losses(run_dir)] == list(range(1, saved + 3))
+
+
+def test_sigterm_saves_and_exits_143(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SIGTERM arriving during step 2 (raised in-process from a hook): saved, then 143.
+
+    A repeated signal (torchrun forwards one on top of the terminal's) still saves.
+    """
+    metrics = Trainer._train_metrics
+
+    def terminate_at_step_2(self: Trainer, result: Any) -> dict[str, Any]:
+        if self.step == 2:
+            signal.raise_signal(signal.SIGTERM)
+            signal.raise_signal(signal.SIGTERM)
+        return metrics(self, result)
+
+    monkeypatch.setattr(Trainer, "_train_metrics", terminate_at_step_2)
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(TrainingError, match="interrupted at step 3 .SIGTERM.; saved") as info:
+        run(make_cfg(tmp_path, train={"max_steps": 50}), quiet=True)
+    assert info.value.exit_code == 143
+    assert signal.getsignal(signal.SIGTERM) is before  # handlers put back
+    # Step 2's sync had passed when the signal came: the flag stops the run after step 3.
+    assert load_checkpoint(tmp_path / "runs" / "run" / "checkpoints" / "last.pt")["step"] == 3
+
+
+# ----------------------------------------------------------------------------- failures
+
+
+def test_nonfinite_loss_stops_without_nan_checkpoint(tmp_path: Path) -> None:
+    cfg = make_cfg(tmp_path, train={"lr": 1e6, "warmup_steps": 0, "schedule": "constant",
+                                    "grad_clip": 0.0, "max_steps": 30, "eval_every": 100},
+                   checkpoint={"every": 1, "keep_last": 100})
+    with pytest.raises(TrainingError, match=r"^step (\d+): (loss|gradient norm) is (nan|inf)"
+                                            r"; stopped before the optimizer step") as info:
+        run(cfg, quiet=True)
+    assert info.value.exit_code == 1
+    failed = int(str(info.value).split(":")[0].split()[1])
+    ckpts = sorted((tmp_path / "runs" / "run" / "checkpoints").glob("*.pt"))
+    assert ckpts, "the steps before the failure were checkpointed"
+    for path in ckpts:
+        payload = load_checkpoint(path)
+        assert payload["step"] < failed
+        assert all(torch.isfinite(t).all() for t in payload["model"].values()), path
+
+
+def test_resume_refuses_a_different_model(tmp_path: Path) -> None:
+    run(make_cfg(tmp_path, train={"max_steps": 1}), quiet=True)
+    other = make_cfg(tmp_path, model={"d_model": 32}, train={"max_steps": 2})
+    from fbtrain.checkpoint import CheckpointError
+
+    with pytest.raises(CheckpointError, match="d_model: checkpoint 16, config 32"):
+        run(other, resume="auto", quiet=True)
+
+
+# ----------------------------------------------------------------------------- warm start
+
+
+def test_warm_start_from_transformer(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    source = run(make_cfg(tmp_path, "base", model={"kind": "transformer"},
+                          train={"max_steps": 2}), quiet=True)
+    payload = load_checkpoint(source / "checkpoints" / "best.pt")
+
+    model = build_model(ModelConfig(**payload["model_config"] | {"kind": "feedback_kv"}),
+                        len(payload["vocab"]))
+    report = apply_warm_start(model, payload["model"], source)
+    state = model.state_dict()
+    for name in ("embed.weight", "layers.1.attn.query.weight", "layers.0.attn.r", "head.bias"):
+        assert name in report.loaded and torch.equal(state[name], payload["model"][name])
+    assert sorted(report.fresh) == ["key.weight", "mem_weights", "value.weight"]
+    assert "layers.0.attn.key.weight" in report.unused  # feedback_kv shares one key/value
+
+    cfg = make_cfg(tmp_path, "warm", train={"max_steps": 1, "init_from": str(source)})
+    run(cfg)
+    out = capsys.readouterr().out
+    assert f"warm start from {source / 'checkpoints' / 'best.pt'}: loaded {len(report.loaded)}" \
+        in out
+    assert "freshly initialised 3: mem_weights, key.weight, value.weight" in out
+    assert "layers.0-1.{attn.key.weight, attn.value.weight, attn.value.bias}" in out
+
+
+def test_summarize_names() -> None:
+    names = ["embed.weight", "layers.0.ln1.weight", "layers.1.ln1.weight", "layers.0.attn.r",
+             "layers.1.attn.r", "layers.3.attn.r", "head.bias"]
+    assert summarize_names(names) == ("embed.weight, head.bias, layers.0-1.ln1.weight, "
+                                      "layers.0-1,3.attn.r")
+    assert summarize_names([]) == "none"
+
+
+# ----------------------------------------------------------------------------- schedule
+
+
+def test_schedule_warmup_cosine_constant() -> None:
+    cos = LRSchedule(TrainConfig(lr=1.0, min_lr=0.1, warmup_steps=4, max_steps=14))
+    assert [cos.lr_at(i) for i in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert cos.lr_at(9) == pytest.approx(0.55)  # halfway through the decay
+    assert cos.lr_at(14) == pytest.approx(0.1) and cos.lr_at(99) == pytest.approx(0.1)
+    const = LRSchedule(TrainConfig(lr=2.0, min_lr=0.1, warmup_steps=2, schedule="constant"))
+    assert [const.lr_at(i) for i in (0, 1, 2, 1000)] == [1.0, 2.0, 2.0, 2.0]
+
+
+def test_weight_decay_groups() -> None:
+    model = build_model(ModelConfig(kind="feedback", d_model=16, n_heads=2, d_ff=32,
+                                    n_layers=2, max_rel_pos=8), 10)
+    decay, no_decay = param_groups(model, 0.1)
+    names = {id(p): n for n, p in model.named_parameters()}
+    decayed = {names[id(p)] for p in decay["params"]}
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert {"embed.weight", "head.weight", "layers.0.attn.query.weight",
+            "layers.1.ff2.weight", "layers.0.attn.key.weight"} <= decayed
+    for name in ("layers.0.attn.r", "layers.0.attn.b", "layers.0.attn.u", "mem_weights",
+                 "layers.0.ln1.weight", "head.bias", "layers.0.attn.value.bias"):
+        assert name not in decayed
+    assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
+
+
+# ----------------------------------------------------------------------------- DDP
+
+
+def test_ddp_two_gloo_ranks(tmp_path: Path) -> None:
+    raw = make_raw(tmp_path, train={"max_steps": 4, "eval_every": 4},
+                   checkpoint={"every": 2})
+    (tmp_path / "cfg.json").write_text(json.dumps(raw))
+    (tmp_path / "ddp_driver.py").write_text(DDP_DRIVER)
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         str(tmp_path / "ddp_driver.py"), str(tmp_path / "cfg.json"), str(tmp_path)],
+        env=CHILD_ENV, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rank0, rank1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
+    assert rank0["world_size"] == rank1["world_size"] == 2
+    assert_same_tensors(rank0["model"], rank1["model"])
+    assert not torch.equal(rank0["sampler"], rank1["sampler"])  # each rank its own batches
+
+    run_dir = tmp_path / "runs" / "run"
+    last = load_checkpoint(run_dir / "checkpoints" / "last.pt")
+    assert last["step"] == 6 and last["world_size"] == 2
+    assert_same_tensors(last["model"], rank0["model"])
+    train = [r for r in records(run_dir) if "loss" in r]
+    assert [r["step"] for r in train] == list(range(1, 7))  # rank 0 alone logs, resumed
+    assert train[0]["tokens"] == 2 * 4 * 8  # both ranks' tokens
+
+
+# ----------------------------------------------------------------------------- CUDA
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_bf16_steps(tmp_path: Path) -> None:
+    cfg = make_cfg(tmp_path, run={"device": "cuda", "precision": "bf16"},
+                   train={"max_steps": 4, "eval_every": 2})
+    run_dir = run(cfg, quiet=True)
+    train = [r for r in records(run_dir) if "loss" in r]
+    assert len(train) == 4 and all(math.isfinite(r["loss"]) for r in train)
+    assert train[-1]["peak_mem_mib"] > 0
+    last = load_checkpoint(run_dir / "checkpoints" / "last.pt")
+    assert all(t.dtype == torch.float32 and t.device.type == "cpu"
+               for t in last["model"].values())
+    # And it resumes on the GPU.
+    more = make_cfg(tmp_path, run={"device": "cuda", "precision": "bf16"},
+                    train={"max_steps": 6, "eval_every": 2})
+    run(more, resume="auto", quiet=True)
+    assert [r["step"] for r in records(run_dir) if "loss" in r] == list(range(1, 7))
