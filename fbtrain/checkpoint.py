@@ -315,3 +315,94 @@ def _numpy() -> Any:
     except ImportError:
         return None
     return numpy
+
+
+# ----------------------------------------------------------------------------- model
+
+
+_MODEL_KEYS = ("model", "model_config", "vocab")
+# Prefixes torch.compile (``_orig_mod.``) and DistributedDataParallel (``module.``) put on
+# parameter names; a state dict saved from a wrapped model still belongs to the bare one.
+_WRAPPER_PREFIXES = ("_orig_mod.", "module.")
+
+
+def load_model(
+    path: str | Path, device: torch.device | str = "cpu", prefer: str = "best"
+) -> tuple[torch.nn.Module, Any, dict[str, Any]]:
+    """Rebuild the model a checkpoint describes: ``(model, tokenizer, payload)``.
+
+    ``path`` is a checkpoint file or a run directory (``best.pt`` preferred, see
+    :func:`resolve_checkpoint`). The model is built from ``payload["model_config"]`` and
+    ``len(payload["vocab"])``, given the saved weights, put in eval mode and moved to
+    ``device``; the tokenizer is a :class:`fbtrain.data.CharTokenizer` over the saved
+    vocabulary. Anything missing or not matching (keys, shapes, config fields) is a one-line
+    :class:`CheckpointError`.
+    """
+    # Imported here: models and data import config, and checkpoint.py stays free of both
+    # for the code (trainer, tests) that only needs saving and RNG capture.
+    from fbtrain.config import ModelConfig
+    from fbtrain.data import CharTokenizer, DataError
+    from fbtrain.models import build_model
+
+    file = resolve_checkpoint(path, prefer=prefer)
+    payload = load_checkpoint(file)
+    missing = [k for k in _MODEL_KEYS if k not in payload]
+    if missing:
+        raise CheckpointError(
+            f"{file}: not a model checkpoint (missing {', '.join(repr(k) for k in missing)})"
+        )
+    raw_cfg, vocab, state = payload["model_config"], payload["vocab"], payload["model"]
+    if not isinstance(raw_cfg, dict):
+        raise CheckpointError(f"{file}: 'model_config' must be a dict of ModelConfig fields")
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{file}: 'model' must be a state dict of tensors")
+    try:
+        tokenizer = CharTokenizer(vocab)
+    except (DataError, TypeError) as e:
+        raise CheckpointError(f"{file}: bad 'vocab': {e}") from None
+    try:
+        cfg = ModelConfig(**raw_cfg)
+        model = build_model(cfg, tokenizer.vocab_size)
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{file}: bad 'model_config': {e}") from None
+    state = _strip_wrapper_prefixes(state)
+    problem = _state_dict_mismatch(model.state_dict(), state)
+    if problem:
+        raise CheckpointError(f"{file}: weights do not fit model_config ({cfg.kind}): {problem}")
+    model.load_state_dict(state)
+    model.eval()
+    return model.to(device), tokenizer, payload
+
+
+def _strip_wrapper_prefixes(state: dict[str, Any]) -> dict[str, Any]:
+    for prefix in _WRAPPER_PREFIXES:
+        if state and all(isinstance(k, str) and k.startswith(prefix) for k in state):
+            state = {k[len(prefix):]: v for k, v in state.items()}
+    return state
+
+
+def _state_dict_mismatch(expected: dict[str, torch.Tensor], got: dict[str, Any]) -> str:
+    """One line naming missing/unexpected keys and wrong shapes ('' when all fit).
+
+    Checked here rather than left to ``load_state_dict``, whose error runs to many lines.
+    """
+
+    def names(keys: list[str]) -> str:
+        return ", ".join(keys[:3]) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
+
+    missing = [k for k in expected if k not in got]
+    unexpected = [k for k in got if k not in expected]
+    wrong = [
+        f"{k} {tuple(got[k].shape) if torch.is_tensor(got[k]) else type(got[k]).__name__}"
+        f" (expected {tuple(v.shape)})"
+        for k, v in expected.items()
+        if k in got and (not torch.is_tensor(got[k]) or got[k].shape != v.shape)
+    ]
+    parts = []
+    if missing:
+        parts.append(f"missing {names(missing)}")
+    if unexpected:
+        parts.append(f"unexpected {names(unexpected)}")
+    if wrong:
+        parts.append(f"wrong shape {names(wrong)}")
+    return "; ".join(parts)

@@ -1,0 +1,171 @@
+"""Evaluation: every character scored once, losses checked by hand, reset vs carry, errors."""
+
+from __future__ import annotations
+
+import math
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from test_sample import KINDS, VOCAB, one_thread, tiny_model, write_run  # noqa: F401
+
+from fbtrain import evaluate
+from fbtrain.data import CharTokenizer, DataError, split
+from fbtrain.evaluate import evaluate_split, format_result, mean_loss
+
+
+def make_text(n: int = 700, seed: int = 0) -> str:
+    rng = random.Random(seed)
+    return "".join(rng.choice(VOCAB) for _ in range(n))
+
+
+def ids_of(text: str) -> torch.Tensor:
+    return CharTokenizer(VOCAB).encode(text)
+
+
+def hand_loss(model, ids: torch.Tensor, windows: list[tuple[int, int]]) -> float:
+    """Mean over windows [a, b) of -log p(ids[i+1] | ids[a..i]) from log_softmax, in Python."""
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for a, b in windows:
+            logits, _ = model(ids[a:b][None])
+            logp = torch.log_softmax(logits[0].double(), -1)
+            for i in range(b - a):
+                total -= logp[i, ids[a + i + 1]].item()
+                count += 1
+    return total / count
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("context", ["reset", "carry"])
+def test_every_character_scored_once(kind: str, context: str) -> None:
+    model = tiny_model(kind)
+    ids = ids_of(make_text(101))
+    result = evaluate_split(model, ids, seq_len=16, batch_size=4, context=context)
+    assert result["tokens"] == 100
+    assert result["seq_len"] == 16 and result["context"] == context
+    assert math.isfinite(result["loss"])
+    assert result["bpc"] == pytest.approx(result["loss"] / math.log(2))
+    assert result["perplexity"] == pytest.approx(math.exp(result["loss"]))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_reset_loss_matches_hand_computation(kind: str) -> None:
+    model = tiny_model(kind)
+    ids = ids_of(make_text(75))
+    # 74 predictions in windows of 16: four full ones (batched 3 + 1) and one of 10.
+    windows = [(a, min(a + 16, 74)) for a in range(0, 74, 16)]
+    result = evaluate_split(model, ids, seq_len=16, batch_size=3, context="reset")
+    assert result["loss"] == pytest.approx(hand_loss(model, ids, windows), rel=1e-6)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_carry_loss_matches_one_long_forward(kind: str) -> None:
+    """Carrying memory across 16-character chunks equals one call over the whole split (the
+    model windows its memory to mem_len = max_rel_pos = 32 either way)."""
+    model = tiny_model(kind)
+    ids = ids_of(make_text(90))
+    result = evaluate_split(model, ids, seq_len=16, batch_size=8, context="carry")
+    assert result["loss"] == pytest.approx(hand_loss(model, ids, [(0, 89)]), rel=1e-6)
+
+
+def test_carry_and_reset_differ_unless_one_window() -> None:
+    model = tiny_model()
+    ids = ids_of(make_text(120))
+    reset = evaluate_split(model, ids, seq_len=8, batch_size=4, context="reset")
+    carry = evaluate_split(model, ids, seq_len=8, batch_size=4, context="carry")
+    assert math.isfinite(reset["loss"]) and math.isfinite(carry["loss"])
+    assert reset["loss"] != pytest.approx(carry["loss"], rel=1e-6)
+    long_reset = evaluate_split(model, ids, seq_len=119, batch_size=4, context="reset")
+    long_carry = evaluate_split(model, ids, seq_len=500, batch_size=4, context="carry")
+    assert long_reset["loss"] == pytest.approx(long_carry["loss"], rel=1e-6)
+
+
+def test_reset_agrees_with_mean_loss_on_full_windows() -> None:
+    model = tiny_model().train()
+    ids = ids_of(make_text(65))  # 64 predictions: exactly 4 windows of 16
+    x, y = ids[:-1].view(4, 16), ids[1:].view(4, 16)
+    result = evaluate_split(model, ids, seq_len=16, batch_size=3)
+    assert model.training  # mode restored
+    assert result["loss"] == pytest.approx(mean_loss(model, x, y, batch_size=2), rel=1e-6)
+
+
+def test_deterministic_and_batch_size_independent() -> None:
+    model = tiny_model("feedback")
+    ids = ids_of(make_text(150))
+    a = evaluate_split(model, ids, seq_len=10, batch_size=2)
+    b = evaluate_split(model, ids, seq_len=10, batch_size=64)
+    assert a["loss"] == pytest.approx(b["loss"], rel=1e-6)  # summation order differs
+    assert evaluate_split(model, ids, seq_len=10, batch_size=2) == a
+
+
+def test_bad_arguments() -> None:
+    model = tiny_model()
+    ids = ids_of(make_text(20))
+    with pytest.raises(ValueError, match="context = 'both'"):
+        evaluate_split(model, ids, 8, 4, context="both")
+    with pytest.raises(ValueError, match="seq_len = 0"):
+        evaluate_split(model, ids, 0, 4)
+    with pytest.raises(ValueError, match="at least 2 token ids"):
+        evaluate_split(model, ids[:1], 8, 4)
+
+
+# ----------------------------------------------------------------------------- run()
+
+
+@pytest.fixture
+def run_dir(tmp_path: Path) -> Path:
+    text_path = tmp_path / "text.txt"
+    text_path.write_text(make_text(400), encoding="utf-8")
+    write_run(tmp_path / "run", tiny_model(), text_path=text_path)
+    return tmp_path / "run"
+
+
+def test_run_uses_checkpoint_data_split_and_seq_len(run_dir: Path, tmp_path: Path) -> None:
+    result = evaluate.run(str(run_dir), device="cpu")
+    train_ids, val_ids = split(ids_of(make_text(400)), 0.1)
+    assert result["split"] == "val" and result["tokens"] == len(val_ids) - 1
+    assert result["seq_len"] == 16  # the last curriculum stage's
+    assert result["step"] == 7 and result["checkpoint"].endswith("best.pt")
+    expected = evaluate_split(tiny_model(), val_ids, 16, 64)
+    assert result["loss"] == pytest.approx(expected["loss"], rel=1e-6)
+
+    train = evaluate.run(str(run_dir), split="train", seq_len=12, context="carry", device="cpu")
+    assert train["tokens"] == len(train_ids) - 1 and train["seq_len"] == 12
+
+    text = format_result(result)
+    assert "bpc" in text and f"{result['bpc']:.4f}" in text and "best.pt" in text
+
+
+def test_run_with_data_path(run_dir: Path, tmp_path: Path) -> None:
+    other = tmp_path / "other.txt"
+    other.write_text(make_text(300, seed=5), encoding="utf-8")
+    result = evaluate.run(str(run_dir), data_path=str(other), device="cpu")
+    assert result["tokens"] == len(split(ids_of(make_text(300, seed=5)), 0.1)[1]) - 1
+
+
+def test_vocab_not_covering_text(run_dir: Path, tmp_path: Path) -> None:
+    other = tmp_path / "other.txt"
+    other.write_text("abc XYZ abc", encoding="utf-8")
+    with pytest.raises(DataError, match=r"vocabulary of checkpoint .*best\.pt: 3 character\(s\) "
+                                        r"not in the vocabulary: 'X', 'Y', 'Z'"):
+        evaluate.run(str(run_dir), data_path=str(other), device="cpu")
+
+
+def test_run_bad_arguments(run_dir: Path) -> None:
+    with pytest.raises(ValueError, match="split = 'test'"):
+        evaluate.run(str(run_dir), split="test", device="cpu")
+    with pytest.raises(DataError, match="file not found"):
+        evaluate.run(str(run_dir), data_path=str(run_dir / "missing.txt"), device="cpu")
+
+
+def test_cross_entropy_sanity() -> None:
+    """An untrained-but-uniform model scores ln(V) per character."""
+    model = tiny_model()
+    with torch.no_grad():
+        model.head.weight.zero_()
+        model.head.bias.zero_()
+    result = evaluate_split(model, ids_of(make_text(50)), 7, 3)
+    assert result["loss"] == pytest.approx(math.log(len(VOCAB)), rel=1e-6)
+    assert result["perplexity"] == pytest.approx(len(VOCAB), rel=1e-6)
