@@ -73,6 +73,18 @@ class FeedbackTransformer(nn.Module):
         no_key_bias = wkv.new_zeros(len(attns) * self.cfg.d_model)
         return layers, wkv, torch.cat([no_key_bias, *(a.value.bias for a in attns)])
 
+    def _inference_params(self, n_pos: int) -> tuple[list[dict[str, Tensor]], Tensor,
+                                                     Tensor | None]:
+        """core_params, cached between no-grad calls while the weights are unchanged:
+        decoding calls the model once per character, and re-folding every table each time
+        would cost as much as the step itself."""
+        key = (n_pos, tuple((p.data_ptr(), p._version) for p in self.parameters()))
+        cached = getattr(self, "_folded_cache", None)
+        if cached is None or cached[0] != key:
+            cached = (key, self.core_params(n_pos))
+            self._folded_cache = cached
+        return cached[1]
+
     def forward(self, tokens: Tensor, state: MemoryState | None = None
                 ) -> tuple[Tensor, MemoryState]:
         """tokens: [B, T] -> logits [B, T, vocab] and the memory after the last token.
@@ -85,7 +97,11 @@ class FeedbackTransformer(nn.Module):
             state = self.empty_state(batch, x0)
         window = self.cfg.memory_window
         n_pos = max(1, min(state.slots + steps, window))
-        layers, wkv, bkv = self.core_params(n_pos)
+        if torch.is_grad_enabled():
+            layers, wkv, bkv = self.core_params(n_pos)
+        else:  # a power of two, so one-token decoding calls reuse the cached tables
+            n_pos = min(window, 1 << (n_pos - 1).bit_length())
+            layers, wkv, bkv = self._inference_params(n_pos)
         spec = CoreSpec(
             n_layers=self.cfg.n_layers, n_heads=self.cfg.n_heads, shared_kv=self.shared_kv,
             window=window, dropout=self.cfg.dropout if self.training else 0.0,
