@@ -29,7 +29,7 @@ $(STAMP): pyproject.toml
 	touch $@
 
 train: install
-	$(BIN)/fbtrain train --config $(CONFIG) $(if $(DATA),--set data.path=$(DATA))
+	$(BIN)/fbtrain train --config $(CONFIG) --resume auto $(if $(DATA),--set data.path=$(DATA))
 
 test: install
 	$(BIN)/python -m pytest

@@ -244,8 +244,8 @@ def capture_rng(sampler_state: dict[str, Any] | None = None) -> dict[str, Any]:
     """Snapshot every random number generator, in a form ``weights_only`` loading accepts.
 
     Holds Python's ``random``, torch's CPU generator, every CUDA device's generator (when CUDA
-    is available), numpy's global generator (when numpy is importable) and ``sampler_state``
-    as given (the data sampler's own state; :func:`restore_rng` leaves it to the caller).
+    is available) and ``sampler_state`` as given (the data sampler's own state;
+    :func:`restore_rng` leaves it to the caller).
     """
     version, internal, gauss = random.getstate()
     state: dict[str, Any] = {
@@ -261,18 +261,6 @@ def capture_rng(sampler_state: dict[str, Any] | None = None) -> dict[str, Any]:
     }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
-    np = _numpy()
-    if np is not None:
-        # numpy's state holds an ndarray, which weights_only refuses; keep the same numbers
-        # as a tensor and the scalars as Python numbers.
-        name, key, pos, has_gauss, cached = np.random.get_state(legacy=True)
-        state["numpy"] = {
-            "bit_generator": str(name),
-            "key": torch.from_numpy(key.astype(np.int64)),
-            "pos": int(pos),
-            "has_gauss": int(has_gauss),
-            "cached_gaussian": float(cached),
-        }
     if sampler_state is not None:
         state["sampler"] = sampler_state
     return state
@@ -297,24 +285,6 @@ def restore_rng(state: dict[str, Any]) -> None:
         # Resuming on fewer GPUs than were saved: restore the devices that exist.
         for device, s in enumerate(cuda_states[: torch.cuda.device_count()]):
             torch.cuda.set_rng_state(s, device)
-    np = _numpy()
-    if "numpy" in state and np is not None:
-        st = state["numpy"]
-        np.random.set_state((
-            st["bit_generator"],
-            st["key"].numpy().astype(np.uint32),
-            st["pos"],
-            st["has_gauss"],
-            st["cached_gaussian"],
-        ))
-
-
-def _numpy() -> Any:
-    try:
-        import numpy
-    except ImportError:
-        return None
-    return numpy
 
 
 # ----------------------------------------------------------------------------- model
@@ -365,7 +335,7 @@ def load_model(
         model = build_model(cfg, tokenizer.vocab_size)
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"{file}: bad 'model_config': {e}") from None
-    state = _strip_wrapper_prefixes(state)
+    state = strip_wrapper_prefixes(state)
     problem = _state_dict_mismatch(model.state_dict(), state)
     if problem:
         raise CheckpointError(f"{file}: weights do not fit model_config ({cfg.kind}): {problem}")
@@ -374,7 +344,8 @@ def load_model(
     return model.to(device), tokenizer, payload
 
 
-def _strip_wrapper_prefixes(state: dict[str, Any]) -> dict[str, Any]:
+def strip_wrapper_prefixes(state: dict[str, Any]) -> dict[str, Any]:
+    """Drop the ``module.`` (DDP) / ``_orig_mod.`` (torch.compile) prefix on every name."""
     for prefix in _WRAPPER_PREFIXES:
         if state and all(isinstance(k, str) and k.startswith(prefix) for k in state):
             state = {k[len(prefix):]: v for k, v in state.items()}

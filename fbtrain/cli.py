@@ -92,7 +92,8 @@ def _user_errors(*, value_errors: bool = False) -> Iterator[None]:
     from fbtrain.data import DataError
     from fbtrain.device import DeviceError
 
-    bad_input: tuple[type[Exception], ...] = (DataError, CheckpointError, DeviceError)
+    # OSError: a folder that cannot be created, a full disk; its message names the file.
+    bad_input: tuple[type[Exception], ...] = (DataError, CheckpointError, DeviceError, OSError)
     if value_errors:
         bad_input += (ValueError,)
     try:
@@ -268,7 +269,7 @@ def evaluate(
     seq_len: Annotated[
         int | None,
         typer.Option("--seq-len", metavar="N", min=1, show_default=False,
-                     help="Window length (default: the longest length trained on)."),
+                     help="Window length (default: the last curriculum stage's length)."),
     ] = None,
     batch_size: Annotated[
         int,

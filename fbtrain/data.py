@@ -334,6 +334,15 @@ def _too_short(n: int, seq_len: int, what: str) -> DataError:
     )
 
 
+def derived_seed(*parts: object) -> int:
+    """A 63-bit seed from its parts whose stream is unrelated to other parts' streams.
+
+    Hashing, because seed + rank would make rank 1 of seed s replay rank 0 of seed s + 1.
+    """
+    digest = hashlib.sha256(":".join(map(str, parts)).encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
 class BatchSampler:
     """Random training windows from one split, reproducible from ``(seed, rank)``.
 
@@ -348,14 +357,7 @@ class BatchSampler:
         self.seed = int(seed)
         self.rank = int(rank)
         self.generator = torch.Generator(device="cpu")
-        self.generator.manual_seed(self._mix(self.seed, self.rank))
-
-    @staticmethod
-    def _mix(seed: int, rank: int) -> int:
-        # Hashing gives unrelated streams per rank; seed + rank would make rank 1 of seed s
-        # replay rank 0 of seed s + 1.
-        digest = hashlib.sha256(f"fbtrain:{seed}:{rank}".encode()).digest()
-        return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+        self.generator.manual_seed(derived_seed("fbtrain", self.seed, self.rank))
 
     def sample(
         self, batch_size: int, seq_len: int, device: torch.device | str = "cpu"

@@ -9,7 +9,6 @@ group on exit. Without those variables everything here is a no-op single process
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -19,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from fbtrain.data import derived_seed
 from fbtrain.device import resolve_device
 
 
@@ -64,8 +64,7 @@ class DistContext:
 
 def rank_seed(seed: int, rank: int, step: int = 0) -> int:
     """A seed for rank ``rank`` unrelated to other ranks' (and to ``seed + 1``'s) streams."""
-    digest = hashlib.sha256(f"fbtrain-rank:{seed}:{rank}:{step}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+    return derived_seed("fbtrain-rank", seed, rank, step)
 
 
 def _env_int(name: str, default: int) -> int:

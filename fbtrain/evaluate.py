@@ -12,6 +12,15 @@ from torch import Tensor, nn
 LN2 = math.log(2.0)
 
 
+def loss_figures(loss: float) -> dict[str, float]:
+    """Cross-entropy in nats -> loss, bits per character and perplexity.
+
+    exp() overflows past ~709 nats; a diverged model's perplexity is reported as inf.
+    """
+    return {"loss": loss, "bpc": loss / LN2,
+            "perplexity": math.exp(loss) if loss < 700 else math.inf}
+
+
 @torch.no_grad()
 def mean_loss(model: nn.Module, x: Tensor, y: Tensor, batch_size: int) -> float:
     """Mean cross-entropy in nats over every target of windows x, y: [N, T] (each window
@@ -95,11 +104,8 @@ def evaluate_split(
                 state = add(inputs[chunk][None], targets[chunk][None], state)
     finally:
         model.train(was_training)
-    loss = total.item() / n
     return {
-        "loss": loss,
-        "bpc": loss / LN2,
-        "perplexity": math.exp(loss),
+        **loss_figures(total.item() / n),
         "tokens": n,
         "seq_len": seq_len,
         "context": context,

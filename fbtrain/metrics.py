@@ -279,7 +279,7 @@ class MetricsLogger:
         if not self.total_steps or done <= 0:
             return None
         per_step = (time.perf_counter() - self._start) / done
-        return _format_duration(max(0, self.total_steps - step) * per_step)
+        return format_duration(max(0, self.total_steps - step) * per_step)
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -317,7 +317,7 @@ def _format_postfix(postfix: dict[str, Any]) -> list[str]:
     return parts
 
 
-def _format_duration(seconds: float) -> str:
+def format_duration(seconds: float) -> str:
     s = int(round(seconds))
     if s < 60:
         return f"{s}s"

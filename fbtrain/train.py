@@ -46,17 +46,17 @@ from fbtrain.checkpoint import (
     load_checkpoint,
     resolve_checkpoint,
     restore_rng,
+    strip_wrapper_prefixes,
 )
 from fbtrain.config import Config, ConfigError, save_config
 from fbtrain.data import BatchSampler, CharTokenizer, DataError, fixed_windows, load_text, split
 from fbtrain.device import autocast, autocast_dtype
 from fbtrain.distributed import DistContext, rank_seed, session
-from fbtrain.evaluate import mean_loss
-from fbtrain.metrics import TB_DIR, MetricsLogger
+from fbtrain.evaluate import LN2, loss_figures, mean_loss
+from fbtrain.metrics import TB_DIR, MetricsLogger, format_duration
 from fbtrain.models import build_model, count_parameters
 from fbtrain.schedule import LRSchedule, build_optimizer
 
-LN2 = math.log(2.0)
 EXIT_NONFINITE = 1
 EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}  # 128 + signal number, as shells do
 EVAL_BATCH = 64  # validation windows per forward: no gradients, so wide batches are cheap
@@ -182,7 +182,7 @@ class WarmStart:
 
 def apply_warm_start(model: nn.Module, state: dict[str, Any], source: Path) -> WarmStart:
     """Copy every tensor of ``state`` whose name and shape match into ``model``."""
-    state = _strip_prefixes(state)
+    state = strip_wrapper_prefixes(state)
     own = model.state_dict()
     report = WarmStart(source=Path(source))
     matched = {}
@@ -195,14 +195,6 @@ def apply_warm_start(model: nn.Module, state: dict[str, Any], source: Path) -> W
     report.loaded = [n for n in own if n in matched]
     report.fresh = [n for n in own if n not in matched]
     return report
-
-
-def _strip_prefixes(state: dict[str, Any]) -> dict[str, Any]:
-    """Drop ``module.`` (DDP) / ``_orig_mod.`` (torch.compile) prefixes put on every name."""
-    for prefix in ("_orig_mod.", "module."):
-        if state and all(isinstance(k, str) and k.startswith(prefix) for k in state):
-            state = {k[len(prefix):]: v for k, v in state.items()}
-    return state
 
 
 _LAYER = re.compile(r"^(.*?layers)\.(\d+)\.(.+)$")
@@ -243,17 +235,6 @@ def _ranges(indices: list[int]) -> str:
         else:
             runs.append([i, i])
     return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
-
-
-def _format_duration(seconds: float) -> str:
-    s = int(round(seconds))
-    return f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{seconds:.1f}s"
-
-
-def _val_metrics(loss: float) -> dict[str, float]:
-    # exp() overflows past ~709; a diverged model's perplexity is reported as inf.
-    return {"val/loss": loss, "val/bpc": loss / LN2,
-            "val/perplexity": math.exp(loss) if loss < 700 else math.inf}
 
 
 @dataclass
@@ -348,14 +329,11 @@ class Trainer:
         return path, init
 
     def _seed_everything(self) -> None:
-        """Python, torch (CPU and every CUDA device) and numpy from ``run.seed``."""
+        """Python and torch (CPU and every CUDA device) from ``run.seed``; nothing in fbtrain
+        draws from numpy."""
         seed = self.cfg.run.seed
         random.seed(seed)
         torch.manual_seed(seed)
-        with contextlib.suppress(ImportError):
-            import numpy
-
-            numpy.random.seed(seed % 2**32)
 
     def _setup_data(self, vocab: list[str] | None, vocab_source: Path | None) -> None:
         """Text -> ids -> train/val split, the sampler and the fixed validation windows.
@@ -423,7 +401,7 @@ class Trainer:
             raise CheckpointError(f"{path}: the checkpoint's model differs from model.* in the "
                                   f"config ({'; '.join(diff)}); resume with its config")
         try:
-            self.raw_model.load_state_dict(_strip_prefixes(payload["model"]))
+            self.raw_model.load_state_dict(strip_wrapper_prefixes(payload["model"]))
             self.optimizer.load_state_dict(payload["optimizer"])
         except (RuntimeError, ValueError, KeyError) as e:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
@@ -472,7 +450,8 @@ class Trainer:
             log(f"resuming from {resume_path} at step {self.step}")
             if cfg.train.init_from:
                 log("train.init_from is ignored when resuming (the checkpoint has the weights)")
-        log(f"tensorboard --logdir {self.run_dir / TB_DIR}")
+        if self.cfg.logging.tensorboard:
+            log(f"tensorboard --logdir {self.run_dir / TB_DIR}")
 
     def _device_text(self) -> str:
         dtype = {None: "fp32", torch.bfloat16: "bf16 autocast",
@@ -631,7 +610,7 @@ class Trainer:
                                             or loss < self.best_val_loss)
         if improved:
             self.best_val_loss = loss
-        metrics = _val_metrics(loss)
+        metrics = {f"val/{k}": v for k, v in loss_figures(loss).items()}
         record.update(metrics)
         best = " (best)" if improved else ""
         self.logger.info(f"step {self.step}: val loss {loss:.4f} | bpc {metrics['val/bpc']:.4f}"
@@ -685,9 +664,9 @@ class Trainer:
         return next(i for i, s in enumerate(self.cfg.curriculum) if s is stage)
 
     def _save(self, *, numbered: bool, best: bool) -> None:
-        """Write last.pt (and step-N.pt / best.pt) on rank 0, never with non-finite weights."""
-        if not self.ctx.is_main:
-            return
+        """Write last.pt (and step-N.pt / best.pt) on rank 0, never with non-finite weights.
+
+        Every rank checks the weights (they are identical), so all stop together."""
         with torch.no_grad():
             bad = [n for n, p in self.raw_model.named_parameters()
                    if not torch.isfinite(p).all()]
@@ -695,7 +674,8 @@ class Trainer:
             raise TrainingError(
                 f"step {self.step}: weights hold non-finite values ({summarize_names(bad)}); "
                 f"no checkpoint written (last good: {self.manager.last_path})", EXIT_NONFINITE)
-        self.manager.save(self.step, self._payload(), numbered=numbered, best=best)
+        if self.ctx.is_main:
+            self.manager.save(self.step, self._payload(), numbered=numbered, best=best)
 
     # ------------------------------------------------------------------ end
 
@@ -718,6 +698,6 @@ class Trainer:
         rate = self.throughput.overall_rate
         if rate is not None:
             parts.append(f"{rate:,.0f} tokens/s on {self._device_text()}")
-        parts.append(f"wall {_format_duration(time.perf_counter() - started)}")
+        parts.append(f"wall {format_duration(time.perf_counter() - started)}")
         self.logger.info(" | ".join(parts))
         self.ctx.barrier()

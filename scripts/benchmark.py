@@ -23,7 +23,6 @@ import argparse
 import copy
 import json
 import platform
-import resource
 import statistics
 import subprocess
 import sys
@@ -178,16 +177,25 @@ def _memory_probe(kind: str, seq_len: int) -> None:
 
     # A tiny step first: one-time allocations (thread pools, BLAS buffers) are not the step's.
     step(torch.randint(0, VOCAB, (BATCH, 4)))
-    with open("/proc/self/statm") as f:
-        base_kib = int(f.read().split()[1]) * resource.getpagesize() / 1024
+    # Reset the peak-RSS mark (ru_maxrss would also carry the parent's peak across exec).
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    base_kib = _proc_status_kib("VmRSS")
     step(torch.randint(0, VOCAB, (BATCH, seq_len)))
-    peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    print((peak_kib - base_kib) / 1024)
+    print((_proc_status_kib("VmHWM") - base_kib) / 1024)
+
+
+def _proc_status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field}")
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seq-lens", type=int, nargs="+", default=[64, 256])
+    parser.add_argument("--seq-lens", type=int, nargs="*", default=[64, 256])
     parser.add_argument("--repeats", type=int, default=5, help="timed steps per entry")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps per entry")
     parser.add_argument("--memory-seq-lens", type=int, nargs="*", default=[64, 128, 256, 512])
@@ -258,11 +266,16 @@ def main() -> int:
             print(f"  {kind:12s}" + "".join(f"{mem[n]:9.1f}" for n in args.memory_seq_lens)
                   + "   " + " ".join(f"{v:.1f}" for v in per_k))
 
-    report["all_targets_met"] = ok
+    checked_speed = bool(args.seq_lens) and not args.no_reference
+    report["all_targets_met"] = ok if checked_speed else None
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
         print(f"\nwrote {args.json}")
-    print("\nALL TARGETS MET" if ok else "\nSOME TARGETS MISSED")
+    if not checked_speed:
+        print("\nexactness " + ("passed" if ok else "FAILED") + "; speed targets not checked "
+              "(no reference timed)")
+    else:
+        print("\nALL TARGETS MET" if ok else "\nSOME TARGETS MISSED")
     return 0 if ok else 1
 
 

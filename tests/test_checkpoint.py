@@ -279,15 +279,11 @@ def test_resolve_missing(tmp_path: Path) -> None:
 
 
 def _draws() -> list:
-    import numpy as np
-
     return [
         [random.random() for _ in range(3)],
         random.gauss(0, 1),  # leaves a cached gauss_next in Python's state
         torch.rand(4).tolist(),
         torch.randint(0, 1000, (3,)).tolist(),
-        np.random.rand(3).tolist(),
-        np.random.randn(),  # numpy's cached gaussian
     ]
 
 

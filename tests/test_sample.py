@@ -290,13 +290,17 @@ def test_load_model_round_trip(tmp_path: Path) -> None:
         torch.testing.assert_close(loaded(x)[0], model(x)[0])
 
 
-def test_load_model_strips_compile_prefix(tmp_path: Path) -> None:
-    model = tiny_model()
+@pytest.mark.parametrize("prefix", ["_orig_mod.", "module."])  # torch.compile, DDP
+def test_load_model_strips_wrapper_prefixes(tmp_path: Path, prefix: str) -> None:
+    model = tiny_model().eval()
     ckpt = write_run(tmp_path / "run", model)
     payload = torch.load(ckpt, weights_only=True)
-    payload["model"] = {f"_orig_mod.{k}": v for k, v in payload["model"].items()}
+    payload["model"] = {f"{prefix}{k}": v for k, v in payload["model"].items()}
     save_checkpoint(ckpt, payload)
-    load_model(ckpt)
+    loaded, _, _ = load_model(ckpt)
+    tokens = torch.randint(0, len(VOCAB), (1, 7))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(tokens)[0], model(tokens)[0], rtol=0, atol=0)
 
 
 def test_missing_checkpoint(tmp_path: Path) -> None:

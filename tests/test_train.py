@@ -239,25 +239,37 @@ def test_constant_tokens_scales_the_batch(tmp_path: Path) -> None:
 # ----------------------------------------------------------------------------- resume
 
 
-def test_resume_is_bitwise_exact(tmp_path: Path) -> None:
-    """8 steps straight == 4 steps + resume + 4 steps: weights, optimizer, logged losses."""
+def test_resume_is_bitwise_exact(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """8 steps straight == the same run interrupted at step 4, resumed, run to 8: weights,
+    every optimizer state, logged train and validation losses."""
     common = {"model": {"dropout": 0.1},  # dropout draws from the global RNG
-              "train": {"schedule": "constant", "warmup_steps": 6, "grad_accum": 2,
-                        "eval_every": 4, "sample_every": 4, "sample_length": 10,
+              "train": {"schedule": "cosine", "warmup_steps": 2, "grad_accum": 2,
+                        "eval_every": 3, "sample_every": 3, "sample_length": 10,
                         "max_steps": 8},
               "curriculum": [{"until_step": 6, "seq_len": 8}, {"seq_len": 12}],
               "checkpoint": {"every": 4}}
     straight = run(make_cfg(tmp_path, "straight", **common), quiet=True)
-    half = make_raw(tmp_path, "halves", **common)
-    half["train"]["max_steps"] = 4
-    run(config_from_dict(half), quiet=True)
+
+    metrics = Trainer._train_metrics
+
+    def interrupt_at_step_3(self: Trainer, result: Any) -> dict[str, Any]:
+        if self.step == 3:  # the flag stops the run after step 4, which it saves
+            signal.raise_signal(signal.SIGINT)
+        return metrics(self, result)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(Trainer, "_train_metrics", interrupt_at_step_3)
+        with pytest.raises(TrainingError, match="interrupted at step 4"):
+            run(make_cfg(tmp_path, "halves", **common), quiet=True)
     halves = run(make_cfg(tmp_path, "halves", **common), resume="auto", quiet=True)
 
     a = load_checkpoint(straight / "checkpoints" / "last.pt")
     b = load_checkpoint(halves / "checkpoints" / "last.pt")
     assert a["step"] == b["step"] == 8 and a["tokens"] == b["tokens"]
     assert_same_tensors(a["model"], b["model"])
-    assert_same_tensors(a["optimizer"]["state"][0], b["optimizer"]["state"][0])
+    assert a["optimizer"]["state"].keys() == b["optimizer"]["state"].keys()
+    for key in a["optimizer"]["state"]:
+        assert_same_tensors(a["optimizer"]["state"][key], b["optimizer"]["state"][key])
     assert train_losses(straight) == train_losses(halves)
     assert [s for s, _ in train_losses(halves)] == list(range(1, 9))  # truncated, not doubled
     val = [(r["step"], r["val/loss"]) for r in records(straight) if "val/loss" in r]
@@ -270,7 +282,7 @@ def test_resume_is_bitwise_exact(tmp_path: Path) -> None:
     assert_same_tensors(a["model"], c["model"])
 
     # An explicit checkpoint path resumes too (here into a new run directory).
-    step4 = halves / "checkpoints" / "step-00000004.pt"
+    step4 = straight / "checkpoints" / "step-00000004.pt"
     other = run(make_cfg(tmp_path, "from_path", **common), resume=str(step4), quiet=True)
     assert_same_tensors(a["model"], load_checkpoint(other / "checkpoints" / "last.pt")["model"])
 
