@@ -175,10 +175,14 @@ class Config:
         return self.stage_at(step).seq_len
 
     def stage_at(self, step: int) -> CurriculumStage:
-        for stage in self.curriculum:
+        return self.curriculum[self.stage_index_at(step)]
+
+    def stage_index_at(self, step: int) -> int:
+        """Index of the curriculum stage that holds ``step`` (0-based)."""
+        for i, stage in enumerate(self.curriculum):
             if stage.until_step is None or step < stage.until_step:
-                return stage
-        return self.curriculum[-1]
+                return i
+        return len(self.curriculum) - 1
 
     def batch_size_at(self, step: int) -> int:
         """Batch size at ``step``: scaled up for short stages when ``constant_tokens`` is on."""

@@ -651,17 +651,13 @@ class Trainer:
             "rng": capture_rng(self.sampler.state_dict()),
             "best_val_loss": self.best_val_loss,
             "val_loss": self.val_loss,
-            "curriculum_stage": self._stage_index(),
+            # the stage of the last trained step (0 before any)
+            "curriculum_stage": self.cfg.stage_index_at(max(0, self.step - 1)),
             "world_size": self.ctx.world_size,
         }
         if self.scaler.is_enabled():
             payload["scaler"] = self.scaler.state_dict()
         return payload
-
-    def _stage_index(self) -> int:
-        """Index of the curriculum stage of the last trained step (0 before any)."""
-        stage = self.cfg.stage_at(max(0, self.step - 1))
-        return next(i for i, s in enumerate(self.cfg.curriculum) if s is stage)
 
     def _save(self, *, numbered: bool, best: bool) -> None:
         """Write last.pt (and step-N.pt / best.pt) on rank 0, never with non-finite weights.
