@@ -10,6 +10,7 @@ past ``max_rel_pos`` (the state keeps a sliding window of memory).
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from collections.abc import Callable
 from typing import TextIO
@@ -131,7 +132,9 @@ def generate(
     was_training = model.training
     model.eval()
     try:
-        with torch.inference_mode():
+        # Weights are fixed while decoding: let a feedback model fold its tables only once.
+        frozen = getattr(model, "frozen_weights", contextlib.nullcontext)
+        with torch.inference_mode(), frozen():
             tokens = ids.to(device).unsqueeze(0).expand(num_samples, -1)  # [N, P]
             logits, state = model(tokens)  # the prompt, once
             for i in range(length):

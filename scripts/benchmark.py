@@ -38,9 +38,10 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from reference import reference_forward  # noqa: E402
 
-from fbtrain.config import ModelConfig  # noqa: E402
+from fbtrain.config import ModelConfig, TrainConfig  # noqa: E402
 from fbtrain.device import resolve_device  # noqa: E402
 from fbtrain.models import build_model  # noqa: E402
+from fbtrain.schedule import build_optimizer  # noqa: E402
 
 VOCAB = 65
 SIZES = dict(d_model=128, n_heads=4, d_ff=512, n_layers=4, dropout=0.0, max_rel_pos=4096)
@@ -76,6 +77,11 @@ def check_exact(kind: str, seed: int = 0) -> float:
     return worst
 
 
+def trainer_optimizer(model: torch.nn.Module, device: torch.device) -> torch.optim.Optimizer:
+    """The optimizer ``fbtrain train`` builds, for every entry alike (reference included)."""
+    return build_optimizer(model, TrainConfig(lr=1e-4), device)
+
+
 class Entry:
     """One model + its optimizer, and a function that runs one full training step."""
 
@@ -84,7 +90,7 @@ class Entry:
                  precision: torch.dtype | None):
         self.name, self.model, self.forward = name, model, forward
         self.device, self.precision = device, precision
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        self.optimizer = trainer_optimizer(model, device)
         self.times: list[float] = []
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
@@ -165,7 +171,7 @@ def _memory_probe(kind: str, seq_len: int) -> None:
     """Child process of peak_step_memory_mb: print the MiB one CPU training step adds."""
     torch.manual_seed(0)
     model = build_model(model_config(kind), VOCAB)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    opt = trainer_optimizer(model, torch.device("cpu"))
     for p in model.parameters():  # allocate the optimizer state before measuring
         p.grad = torch.zeros_like(p)
     opt.step()

@@ -144,6 +144,31 @@ def test_eval_mode_is_deterministic_with_dropout(kind):
     assert not torch.allclose(a, c)
 
 
+@pytest.mark.parametrize("kind", FEEDBACK_KINDS)
+def test_no_grad_calls_see_every_weight_update(kind, monkeypatch):
+    """A fused optimizer updates weights in place without bumping version counters, so
+    no-grad calls must not reuse folded tables across updates; inside ``frozen_weights``
+    they fold once per window size and give the same logits."""
+    model = build_model(small(kind), 11).eval()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
+    tokens = torch.randint(0, 11, (2, 6))
+    with torch.no_grad():
+        before, _ = model(tokens)
+    model(tokens)[0].sum().backward()
+    optimizer.step()
+    with torch.no_grad():
+        after, _ = model(tokens)
+    assert not torch.allclose(before, after)
+    folds = []
+    fold = type(model).core_params
+    monkeypatch.setattr(type(model), "core_params", lambda m, n: folds.append(n) or fold(m, n))
+    with torch.no_grad(), model.frozen_weights():
+        again = [model(tokens)[0] for _ in range(3)]
+    assert folds == [8]  # 6 steps round up to a power-of-two window
+    for logits in again:
+        torch.testing.assert_close(logits, after, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("kind", ALL_KINDS)
 @pytest.mark.parametrize("shape", [(1, 1), (1, 5), (4, 1)])
 def test_batch_one_and_seq_one(kind, shape):

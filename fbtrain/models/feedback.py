@@ -9,6 +9,9 @@ The step loop itself is in ``feedback_core.py``.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 from torch import Tensor, nn
 
@@ -73,17 +76,27 @@ class FeedbackTransformer(nn.Module):
         no_key_bias = wkv.new_zeros(len(attns) * self.cfg.d_model)
         return layers, wkv, torch.cat([no_key_bias, *(a.value.bias for a in attns)])
 
-    def _inference_params(self, n_pos: int) -> tuple[list[dict[str, Tensor]], Tensor,
-                                                     Tensor | None]:
-        """core_params, cached between no-grad calls while the weights are unchanged:
-        decoding calls the model once per character, and re-folding every table each time
-        would cost as much as the step itself."""
-        key = (n_pos, tuple((p.data_ptr(), p._version) for p in self.parameters()))
-        cached = getattr(self, "_folded_cache", None)
-        if cached is None or cached[0] != key:
-            cached = (key, self.core_params(n_pos))
-            self._folded_cache = cached
-        return cached[1]
+    @contextmanager
+    def frozen_weights(self) -> Iterator[None]:
+        """Promise that the weights do not change inside the block: no-grad calls then fold
+        the constants (:meth:`core_params`) once per window size and reuse them. Decoding
+        calls the model once per character, and re-folding every table each time would cost
+        as much as the step itself. (A key on the tensors' version counters would not do:
+        fused optimizers update weights in place without bumping them.)"""
+        self._folded: dict | None = {}
+        try:
+            yield
+        finally:
+            self._folded = None
+
+    def _no_grad_params(self, n_pos: int) -> tuple[list[dict[str, Tensor]], Tensor,
+                                                   Tensor | None]:
+        folded = getattr(self, "_folded", None)
+        if folded is None:
+            return self.core_params(n_pos)
+        if n_pos not in folded:
+            folded[n_pos] = self.core_params(n_pos)
+        return folded[n_pos]
 
     def forward(self, tokens: Tensor, state: MemoryState | None = None
                 ) -> tuple[Tensor, MemoryState]:
@@ -101,7 +114,7 @@ class FeedbackTransformer(nn.Module):
             layers, wkv, bkv = self.core_params(n_pos)
         else:  # a power of two, so one-token decoding calls reuse the cached tables
             n_pos = min(window, 1 << (n_pos - 1).bit_length())
-            layers, wkv, bkv = self._inference_params(n_pos)
+            layers, wkv, bkv = self._no_grad_params(n_pos)
         spec = CoreSpec(
             n_layers=self.cfg.n_layers, n_heads=self.cfg.n_heads, shared_kv=self.shared_kv,
             window=window, dropout=self.cfg.dropout if self.training else 0.0,
