@@ -101,10 +101,6 @@ def core_forward(
     params = [tuple(p[name] for name in LAYER_PARAMS) for p in layers]
     set_of = [0 if spec.shared_kv else li for li in range(L)]
     n_pos = params[0][4].shape[-1]
-    # Position tables repeated over the batch, once per call, so that each step's position
-    # scores are one baddbmm in the same [B*H, 1, window] layout as the content scores.
-    pos_tables = [_per_batch(p[4], B) for p in params]  # [BH, dk, n_pos]
-    pos_biases = [_per_batch(p[5], B) for p in params]  # [BH, 1, n_pos]
     drop, eps, shape = spec.dropout, spec.eps, (D,)
     if tape is not None:
         tape.att, tape.ff = [[] for _ in range(L)], [[] for _ in range(L)]
@@ -117,14 +113,16 @@ def core_forward(
             v_w = [v.narrow(1, lo, ell) for v in value_sets]  # [BH, ell, dk]
         x = hidden[t, 0]
         for li in range(L):
-            ln1_w, ln1_b, wq, uq, _, _, wo_t, bo, ln2_w, ln2_b, w1_t, b1, w2_t, b2 = params[li]
+            ln1_w, ln1_b, wq, uq, rt, c_pos, wo_t, bo, ln2_w, ln2_b, w1_t, b1, w2_t, b2 = params[li]
             if ell:  # attention is skipped while memory is empty
                 a, mu1, rs1 = _layer_norm(x, shape, ln1_w, ln1_b, eps)
                 qu = torch.addmm(uq, a, wq)  # (q + u) / sqrt(d_k): [B, D]
-                q3 = qu.view(BH, 1, dk)
-                pos = torch.baddbmm(pos_biases[li].narrow(2, n_pos - ell, ell), q3,
-                                    pos_tables[li].narrow(2, n_pos - ell, ell))
-                scores = torch.baddbmm(pos, q3, k_t[set_of[li]]).view(B, H, ell)
+                scores = torch.bmm(qu.view(BH, 1, dk), k_t[set_of[li]]).view(B, H, ell)
+                # Position scores per head ([H, B, d_k] @ [H, d_k, ell]): four 16-row gemms
+                # on the [H, d_k, n_pos] table itself, not 64 matvecs on a copy per batch row.
+                scores += torch.baddbmm(c_pos.narrow(2, n_pos - ell, ell),
+                                        qu.view(B, H, dk).transpose(0, 1),
+                                        rt.narrow(2, n_pos - ell, ell)).transpose(0, 1)
                 prob = torch.softmax(scores, dim=-1)
                 prob_used = prob
                 if drop:
@@ -183,7 +181,7 @@ def core_backward(
     params = [tuple(p[name] for name in LAYER_PARAMS) for p in layers]
     n_pos = params[0][4].shape[-1]
     # Transposed weights (views) and position tables, once per call rather than per step.
-    back = [(wq.t(), _per_batch(rt, B).transpose(1, 2), wo_t.t(), w1_t.t(), w2_t.t())
+    back = [(wq.t(), rt.transpose(1, 2), wo_t.t(), w1_t.t(), w2_t.t())
             for (_, _, wq, _, rt, _, wo_t, _, _, _, w1_t, _, w2_t, _) in params]
     set_of = [0 if spec.shared_kv else li for li in range(L)]
     key_sets, value_sets = list(keys.unbind(0)), list(values.unbind(0))
@@ -248,7 +246,8 @@ def core_backward(
                 d_scores = _softmax_backward(d_prob, prob, -1, prob.dtype)  # [B, H, ell]
                 d_scores_hb = d_scores.transpose(0, 1)  # [H, B, ell]
                 ds3 = d_scores.view(BH, 1, ell)
-                dqu = torch.bmm(ds3, k_w[kv]).baddbmm_(ds3, rt_b.narrow(1, n_pos - ell, ell))
+                dqu = torch.bmm(ds3, k_w[kv]).view(B, H, dk)
+                dqu += torch.bmm(d_scores_hb, rt_b.narrow(1, n_pos - ell, ell)).transpose(0, 1)
                 dk_w[kv].addcmul_(d_scores.view(BH, ell, 1), qu.view(BH, 1, dk))
                 d_rt[li].narrow(2, n_pos - ell, ell).add_(
                     torch.bmm(qu.view(B, H, dk).permute(1, 2, 0), d_scores_hb))
@@ -274,11 +273,6 @@ def core_backward(
     d_kv_flat = d_kv.view(T * B, -1)
     d_wkv = torch.mm(memory.view(T * B, D).t(), d_kv_flat)
     return d_x0, layer_grads, d_mix, d_wkv, d_kv_flat.sum(0)
-
-
-def _per_batch(table: Tensor, batch: int) -> Tensor:
-    """[H, n, m] -> [batch * H, n, m]: a per-head table repeated for every batch row."""
-    return table.unsqueeze(0).expand(batch, *table.shape).reshape(-1, *table.shape[1:])
 
 
 def _stacked(records: list[tuple], index: int, reverse: bool = False) -> Tensor:
