@@ -44,6 +44,8 @@ class FeedbackTransformer(nn.Module):
         self.ln_f = nn.LayerNorm(d)
         self.head = nn.Linear(d, vocab_size)
         init_weights(self)
+        # Folded tables by window size, inside a frozen_weights() block (None outside).
+        self._folded: dict[int, tuple] | None = None
 
     def memory_weights(self) -> Tensor:
         """softmax(w): [n_layers + 1], the share of the embedding and each layer in memory."""
@@ -83,20 +85,19 @@ class FeedbackTransformer(nn.Module):
         calls the model once per character, and re-folding every table each time would cost
         as much as the step itself. (A key on the tensors' version counters would not do:
         fused optimizers update weights in place without bumping them.)"""
-        self._folded: dict | None = {}
+        outer, self._folded = self._folded, {}
         try:
             yield
         finally:
-            self._folded = None
+            self._folded = outer
 
     def _no_grad_params(self, n_pos: int) -> tuple[list[dict[str, Tensor]], Tensor,
                                                    Tensor | None]:
-        folded = getattr(self, "_folded", None)
-        if folded is None:
+        if self._folded is None:
             return self.core_params(n_pos)
-        if n_pos not in folded:
-            folded[n_pos] = self.core_params(n_pos)
-        return folded[n_pos]
+        if n_pos not in self._folded:
+            self._folded[n_pos] = self.core_params(n_pos)
+        return self._folded[n_pos]
 
     def forward(self, tokens: Tensor, state: MemoryState | None = None
                 ) -> tuple[Tensor, MemoryState]:
