@@ -145,6 +145,20 @@ def test_eval_mode_is_deterministic_with_dropout(kind):
 
 
 @pytest.mark.parametrize("kind", FEEDBACK_KINDS)
+def test_core_runs_in_inference_mode_but_hands_autograd_normal_tensors(kind):
+    """The step loop runs under inference mode; nothing created there may leak out: logits,
+    carried memory and every gradient must be ordinary tensors (in-place clipping works)."""
+    model = build_model(small(kind), 11)
+    logits, state = model(torch.randint(0, 11, (2, 5)))
+    logits2, _ = model(torch.randint(0, 11, (2, 1)), state)  # carried memory, with grad
+    (logits.sum() + logits2.sum()).backward()
+    assert not any(t.is_inference() for t in (logits, logits2, state.keys, state.values))
+    for p in model.parameters():
+        assert not p.grad.is_inference()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)  # in place on every gradient
+
+
+@pytest.mark.parametrize("kind", FEEDBACK_KINDS)
 def test_no_grad_calls_see_every_weight_update(kind, monkeypatch):
     """A fused optimizer updates weights in place without bumping version counters, so
     no-grad calls must not reuse folded tables across updates; inside ``frozen_weights``
