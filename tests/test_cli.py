@@ -24,6 +24,7 @@ from fbtrain.checkpoint import CheckpointError
 from fbtrain.cli import app
 from fbtrain.data import DataError
 from fbtrain.device import DeviceError
+from fbtrain.models.feedback_core import CoreBuildError
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "configs" / "tiny.yaml")
@@ -203,7 +204,8 @@ def test_training_error_exit_code(fake_train: dict[str, Any], code: int):
 
 @pytest.mark.parametrize("error", [DataError("input.txt: no such file"),
                                    CheckpointError("x.pt: truncated"),
-                                   DeviceError("device 'cuda': CUDA is not available")])
+                                   DeviceError("device 'cuda': CUDA is not available"),
+                                   CoreBuildError("could not build fbtrain's C++ core")])
 def test_train_user_errors_exit_2(fake_train: dict[str, Any], error: Exception):
     fake_train["raise"] = error
     result = invoke("train", "--config", TINY)

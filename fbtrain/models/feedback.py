@@ -135,7 +135,7 @@ class FeedbackTransformer(nn.Module):
         if torch.is_grad_enabled():
             return FeedbackCoreFunction.apply(
                 spec, x0, mem_k, mem_v, self.memory_weights(), wkv, bkv, *flatten_layers(layers))
-        hidden, _, keys, values = core_forward(
-            spec, x0, mem_k, mem_v, layers, self.memory_weights(), wkv, bkv)
+        hidden, _, keys, values, _ = core_forward(
+            spec, x0, mem_k, mem_v, flatten_layers(layers), self.memory_weights(), wkv, bkv)
         window = spec.window
         return hidden[:, -1].transpose(0, 1), keys[:, :, -window:], values[:, :, -window:]

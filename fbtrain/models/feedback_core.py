@@ -5,8 +5,12 @@ Why hand-written: a feedback model must run one token at a time, so a training s
 node and replays it in the backward, and on a CPU that per-op overhead, not arithmetic, is
 the cost. Here the forward runs without autograd, keeping only what the backward needs; the
 backward sweeps the steps in reverse computing *activation* gradients only, and every
-*weight* gradient is one large matmul over all steps at the end. ``tests/reference.py``
-checks this against a slow autograd implementation written straight from the equations.
+*weight* gradient is one large matmul over all steps at the end. The step loops themselves
+are ATen calls driven from C++ (``csrc/feedback_core.cpp``, built on first use): that takes
+the interpreter out of the loop, and on a CPU it splits the batch into one shard per thread,
+since a batch row never interacts with another until the weight gradients.
+``tests/reference.py`` checks this against a slow autograd implementation written straight
+from the equations.
 
 Shapes: B batch, T steps in this call, D model width, H heads, d_k = D / H, L layers,
 F feed-forward width, S = n0 + T memory slots (n0 carried over from an earlier call),
@@ -16,15 +20,50 @@ live in preallocated buffers ``[n_kv, B*H, S, d_k]``; nothing is re-stacked per 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import functools
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import Tensor
 
-_layer_norm = torch.native_layer_norm
-_layer_norm_backward = torch.ops.aten.native_layer_norm_backward.default
-_softmax_backward = torch.ops.aten._softmax_backward_data.default
-_relu_backward = torch.ops.aten.threshold_backward.default
+CSRC = Path(__file__).parent / "csrc" / "feedback_core.cpp"
+
+
+class CoreBuildError(OSError):
+    """The C++ core could not be compiled here (one line; the CLI exits 2)."""
+
+
+@functools.cache
+def native_ops():
+    """The ``torch.ops.fbtrain`` namespace, compiling the C++ core on first use.
+
+    Its ops run in inference mode, which skips version-counter and view bookkeeping on
+    every small op of the loops (8-10% of a step), so what they return are inference
+    tensors: fine to read and decode with, but to reach autograd they must be cloned.
+
+    torch caches the build (in ``$TORCH_EXTENSIONS_DIR``, default ``~/.cache/
+    torch_extensions``) keyed on the source, so later runs load it in well under a second.
+    """
+    from torch.utils import cpp_extension
+
+    # OpenMP runs the batch shards in parallel (at::parallel_for is header code, serial
+    # unless the extension itself is built with it); on Linux the extension then shares
+    # torch's own libgomp. Elsewhere the shards run one after another.
+    openmp = ["-fopenmp"] if sys.platform.startswith("linux") else []
+    try:
+        cpp_extension.load(name="fbtrain_core", sources=[str(CSRC)],
+                           extra_cflags=["-O2", *openmp], extra_ldflags=openmp,
+                           is_python_module=False, verbose=False)
+    except (RuntimeError, OSError) as e:
+        lines = str(e).splitlines() or [repr(e)]
+        cause = next((ln for ln in lines if "error:" in ln), lines[0])  # the compiler's
+        raise CoreBuildError(
+            f"could not build fbtrain's C++ core ({CSRC}); it needs a C++ compiler (g++) "
+            f"and ninja on PATH: {cause.strip()}") from None
+    return torch.ops.fbtrain
 
 
 @dataclass(frozen=True)
@@ -38,281 +77,50 @@ class CoreSpec:
     dropout: float  # 0 when not training
     eps: float = 1e-5
 
+    def args(self) -> tuple[int, int, bool, int, float, float]:
+        return (self.n_layers, self.n_heads, self.shared_kv, self.window, self.dropout,
+                self.eps)
+
 
 # Per-layer tensors in the order the core takes them (see FeedbackTransformer.core_params).
 LAYER_PARAMS = ("ln1_w", "ln1_b", "wq", "uq", "rt", "c", "wo_t", "bo",
                 "ln2_w", "ln2_b", "w1_t", "b1", "w2_t", "b2")
 
 
-@dataclass
-class Tape:
-    """What the forward keeps for the backward: per layer, one tuple per step.
-
-    ``att[l]`` holds (a, mu1, rs1, qu, prob, prob_used, o, mask_prob, mask_att) for the
-    steps that attend (non-empty memory); ``ff[l]`` holds (y, mu2, rs2, c, h, h_used,
-    mask_h, mask_ff) for every step. Masks are None without dropout.
-    """
-
-    att: list[list[tuple]] = field(default_factory=list)
-    ff: list[list[tuple]] = field(default_factory=list)
-
-
-def _dropout_mask(like: Tensor, p: float) -> Tensor:
-    """Inverted-dropout mask: 0 or 1/(1-p), same shape as ``like``."""
-    return torch.empty_like(like).bernoulli_(1.0 - p).div_(1.0 - p)
-
-
-def _window(slot: int, window: int) -> tuple[int, int]:
-    """First slot and length of the memory window seen by the step that creates ``slot``."""
-    lo = max(0, slot - window)
-    return lo, slot - lo
-
-
 def core_forward(
-    spec: CoreSpec, x0: Tensor, mem_k: Tensor, mem_v: Tensor,
-    layers: list[dict[str, Tensor]], mix: Tensor, wkv: Tensor, bkv: Tensor | None,
-    tape: Tape | None = None,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Run T steps. Must be called without autograd recording.
+    spec: CoreSpec, x0: Tensor, mem_k: Tensor, mem_v: Tensor, layers: Sequence[Tensor],
+    mix: Tensor, wkv: Tensor, bkv: Tensor | None, keep_tape: bool = False,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, list[Tensor]]:
+    """Run T steps (without autograd recording).
 
     x0: [B, T, D] token embeddings. mem_k, mem_v: [n_kv, B*H, n0, d_k] carried memory.
-    layers: per-layer tensors named as LAYER_PARAMS (``rt`` [H, d_k, P], ``c`` [H, 1, P]
+    layers: L * 14 tensors, as :func:`flatten_layers` (``rt`` [H, d_k, P], ``c`` [H, 1, P]
     hold the P = min(S, window) position rows a window can use, largest offset first).
     mix: [L+1] softmax memory weights. wkv: [D, 2*n_kv*D] (all keys, then all values);
-    bkv: [2*n_kv*D] or None. tape: filled with what the backward needs, when given.
-    Returns hidden [T, L+1, B, D] (every layer's output at every step), the memory
-    vectors [T, B, D], and the key/value buffers [n_kv, B*H, S, d_k].
+    bkv: [2*n_kv*D] or None. Returns hidden [T, L+1, B, D] (every layer's output at every
+    step), the memory vectors [T, B, D], the key/value buffers [n_kv, B*H, S, d_k], and
+    the tape the backward needs (empty unless ``keep_tape``; dropout masks are drawn into
+    it, from the global generator, before the sweep).
     """
-    B, T, D = x0.shape
-    L, H = spec.n_layers, spec.n_heads
-    dk, BH = D // H, B * H
-    n_kv, n0 = mem_k.shape[0], mem_k.shape[2]
-    S = n0 + T
-    keys = x0.new_empty(n_kv, BH, S, dk)
-    values = x0.new_empty(n_kv, BH, S, dk)
-    keys[:, :, :n0] = mem_k
-    values[:, :, :n0] = mem_v
-    # Slot s of every key set, seen as [n_kv, B, H, d_k], for writing new memory in place.
-    key_rows, value_rows = keys.view(n_kv, B, H, S, dk), values.view(n_kv, B, H, S, dk)
-    key_sets, value_sets = list(keys.unbind(0)), list(values.unbind(0))  # [BH, S, dk] each
-    hidden = x0.new_empty(T, L + 1, B, D)
-    hidden[:, 0] = x0.transpose(0, 1)
-    memory = x0.new_empty(T, B, D)
-    params = [tuple(p[name] for name in LAYER_PARAMS) for p in layers]
-    set_of = [0 if spec.shared_kv else li for li in range(L)]
-    n_pos = params[0][4].shape[-1]
-    drop, eps, shape = spec.dropout, spec.eps, (D,)
-    if tape is not None:
-        tape.att, tape.ff = [[] for _ in range(L)], [[] for _ in range(L)]
-    mask_prob = mask_att = mask_h = mask_ff = None
-    for t in range(T):
-        slot = n0 + t
-        lo, ell = _window(slot, spec.window)
-        if ell:  # views of this step's memory window, shared by the layers that use a set
-            k_t = [k.narrow(1, lo, ell).transpose(1, 2) for k in key_sets]  # [BH, dk, ell]
-            v_w = [v.narrow(1, lo, ell) for v in value_sets]  # [BH, ell, dk]
-        x = hidden[t, 0]
-        for li in range(L):
-            ln1_w, ln1_b, wq, uq, rt, c_pos, wo_t, bo, ln2_w, ln2_b, w1_t, b1, w2_t, b2 = params[li]
-            if ell:  # attention is skipped while memory is empty
-                a, mu1, rs1 = _layer_norm(x, shape, ln1_w, ln1_b, eps)
-                qu = torch.addmm(uq, a, wq)  # (q + u) / sqrt(d_k): [B, D]
-                scores = torch.bmm(qu.view(BH, 1, dk), k_t[set_of[li]]).view(B, H, ell)
-                # Position scores per head ([H, B, d_k] @ [H, d_k, ell]): four 16-row gemms
-                # on the [H, d_k, n_pos] table itself, not 64 matvecs on a copy per batch row.
-                scores += torch.baddbmm(c_pos.narrow(2, n_pos - ell, ell),
-                                        qu.view(B, H, dk).transpose(0, 1),
-                                        rt.narrow(2, n_pos - ell, ell)).transpose(0, 1)
-                prob = torch.softmax(scores, dim=-1)
-                prob_used = prob
-                if drop:
-                    mask_prob = _dropout_mask(prob, drop)
-                    prob_used = prob * mask_prob
-                o = torch.bmm(prob_used.view(BH, 1, ell), v_w[set_of[li]]).view(B, D)
-                z = torch.addmm(bo, o, wo_t)
-                if drop:
-                    mask_att = _dropout_mask(z, drop)
-                    z = z.mul_(mask_att)
-                y = z.add_(x)
-                if tape is not None:
-                    tape.att[li].append((a, mu1, rs1, qu, prob, prob_used, o, mask_prob,
-                                         mask_att))
-            else:
-                y = x
-            c, mu2, rs2 = _layer_norm(y, shape, ln2_w, ln2_b, eps)
-            h = torch.addmm(b1, c, w1_t).relu_()  # [B, F]
-            h_used = h
-            if drop:
-                mask_h = _dropout_mask(h, drop)
-                h_used = h * mask_h
-            f = torch.addmm(b2, h_used, w2_t)
-            if drop:
-                mask_ff = _dropout_mask(f, drop)
-                f = f.mul_(mask_ff)
-            x = torch.add(y, f, out=hidden[t, li + 1])
-            if tape is not None:
-                tape.ff[li].append((y, mu2, rs2, c, h, h_used, mask_h, mask_ff))
-        # m_t = sum_l softmax(w)_l h_t^l, then its keys/values for every key set at once.
-        m = torch.mm(mix.view(1, L + 1), hidden[t].view(L + 1, B * D), out=memory[t].view(1, -1))
-        m = m.view(B, D)
-        kv_new = (torch.mm(m, wkv) if bkv is None else torch.addmm(bkv, m, wkv))
-        kv_new = kv_new.view(B, 2, n_kv, H, dk)
-        key_rows[:, :, :, slot] = kv_new[:, 0].transpose(0, 1)
-        value_rows[:, :, :, slot] = kv_new[:, 1].transpose(0, 1)
-    return hidden, memory, keys, values
+    hidden, memory, keys, values, tape = native_ops().core_forward(
+        x0, mem_k, mem_v, layers, mix, wkv, bkv, *spec.args(), keep_tape)
+    return hidden, memory, keys, values, tape
 
 
 def core_backward(
     spec: CoreSpec, d_top: Tensor, hidden: Tensor, memory: Tensor, keys: Tensor,
-    values: Tensor, n0: int, layers: list[dict[str, Tensor]], mix: Tensor, wkv: Tensor,
-    tape: Tape,
-) -> tuple[Tensor, list[dict[str, Tensor]], Tensor, Tensor, Tensor]:
+    values: Tensor, n0: int, layers: Sequence[Tensor], mix: Tensor, wkv: Tensor,
+    tape: list[Tensor],
+) -> tuple[Tensor, list[Tensor], Tensor, Tensor, Tensor]:
     """Gradients of the core given ``d_top`` [B, T, D], the gradient of the last layer's output.
 
-    Returns d_x0 [B, T, D], per-layer parameter gradients (names as LAYER_PARAMS),
+    Returns d_x0 [B, T, D], the layer gradients (flat, as :func:`flatten_layers`),
     d_mix [L+1], d_wkv [D, 2*n_kv*D] and d_bkv [2*n_kv*D].
     """
-    T, _, B, D = hidden.shape
-    L, H = spec.n_layers, spec.n_heads
-    dk, BH = D // H, B * H
-    n_kv, S = keys.shape[0], keys.shape[2]
-    drop, shape = spec.dropout, (D,)
-    mix_f = mix.tolist()
-    params = [tuple(p[name] for name in LAYER_PARAMS) for p in layers]
-    n_pos = params[0][4].shape[-1]
-    # Transposed weights (views) and position tables, once per call rather than per step.
-    back = [(wq.t(), rt.transpose(1, 2), wo_t.t(), w1_t.t(), w2_t.t())
-            for (_, _, wq, _, rt, _, wo_t, _, _, _, w1_t, _, w2_t, _) in params]
-    set_of = [0 if spec.shared_kv else li for li in range(L)]
-    key_sets, value_sets = list(keys.unbind(0)), list(values.unbind(0))
-    d_keys, d_values = torch.zeros_like(keys), torch.zeros_like(values)
-    d_key_sets, d_value_sets = list(d_keys.unbind(0)), list(d_values.unbind(0))
-    d_key_rows = d_keys.view(n_kv, B, H, S, dk)
-    d_value_rows = d_values.view(n_kv, B, H, S, dk)
-    d_kv = hidden.new_zeros(T, B, 2, n_kv, H, dk)  # gradient of each step's new keys/values
-    d_memory = hidden.new_zeros(T, B, D)
-    d_x0 = hidden.new_empty(B, T, D)
-    first_att = 0 if n0 > 0 else 1  # steps from here on attend
-    # Position-table gradients are summed per step (an [T, T]-sized record would grow
-    # quadratically with the sequence); rows are ordered like rt/c, largest offset first.
-    d_rt = [torch.zeros_like(p["rt"]) for p in layers]  # [H, dk, n_pos]
-    d_c = [torch.zeros_like(p["c"]).squeeze(1) for p in layers]  # [H, n_pos]
-    # Per layer, per step (in reverse step order): activation gradients the weight
-    # gradients are built from at the end.
-    g_att: list[list[tuple]] = [[] for _ in range(L)]
-    g_ff: list[list[tuple]] = [[] for _ in range(L)]
-    for t in reversed(range(T)):
-        slot = n0 + t
-        lo, ell = _window(slot, spec.window)
-        ai = t - first_att
-        dm = None
-        if t < T - 1:  # the newest slot is read by no later step of this call
-            d_kv[t, :, 0] = d_key_rows[:, :, :, slot].transpose(0, 1)
-            d_kv[t, :, 1] = d_value_rows[:, :, :, slot].transpose(0, 1)
-            dm = torch.mm(d_kv[t].view(B, -1), wkv.t(), out=d_memory[t])  # [B, D]
-        if ell:
-            k_w = [k.narrow(1, lo, ell) for k in key_sets]  # [BH, ell, dk]
-            v_t = [v.narrow(1, lo, ell).transpose(1, 2) for v in value_sets]  # [BH, dk, ell]
-            dk_w = [k.narrow(1, lo, ell) for k in d_key_sets]
-            dv_w = [v.narrow(1, lo, ell) for v in d_value_sets]
-        dx = d_top[:, t] if dm is None else torch.add(d_top[:, t], dm, alpha=mix_f[L])
-        for li in reversed(range(L)):
-            ln1_w, ln1_b, _, _, _, _, _, _, ln2_w, ln2_b, _, _, _, _ = params[li]
-            wq_b, rt_b, wo_b, w1_b, w2_b = back[li]
-            y, mu2, rs2, _, h, _, mask_h, mask_ff = tape.ff[li][t]
-            # Feed-forward block: x_out = y + Drop(W2 Drop(relu(W1 LN2(y) + b1)) + b2).
-            df = dx * mask_ff if drop else dx
-            dh = torch.mm(df, w2_b)
-            if drop:
-                dh = dh.mul_(mask_h)
-            dh = _relu_backward(dh, h, 0)
-            dc = torch.mm(dh, w1_b)
-            dy = _layer_norm_backward(dc, y, shape, mu2, rs2, ln2_w, ln2_b,
-                                      (True, False, False))[0]
-            dy += dx
-            g_ff[li].append((df, dh, dc))
-            if ell:
-                # Attention block: y = x + Drop(Wo (softmax(scores) V) + bo).
-                _, mu1, rs1, qu, prob, prob_used, _, mask_prob, mask_att = tape.att[li][ai]
-                kv = set_of[li]
-                dz = dy * mask_att if drop else dy
-                do = torch.mm(dz, wo_b).view(BH, 1, dk)
-                d_prob = torch.bmm(do, v_t[kv]).view(B, H, ell)
-                # Rank-1 updates, broadcast in place (baddbmm_ into a strided view falls
-                # back to one small matmul per batch row).
-                dv_w[kv].addcmul_(prob_used.view(BH, ell, 1), do)
-                if drop:
-                    d_prob = d_prob.mul_(mask_prob)
-                d_scores = _softmax_backward(d_prob, prob, -1, prob.dtype)  # [B, H, ell]
-                d_scores_hb = d_scores.transpose(0, 1)  # [H, B, ell]
-                ds3 = d_scores.view(BH, 1, ell)
-                dqu = torch.bmm(ds3, k_w[kv]).view(B, H, dk)
-                dqu += torch.bmm(d_scores_hb, rt_b.narrow(1, n_pos - ell, ell)).transpose(0, 1)
-                dk_w[kv].addcmul_(d_scores.view(BH, ell, 1), qu.view(BH, 1, dk))
-                d_rt[li].narrow(2, n_pos - ell, ell).add_(
-                    torch.bmm(qu.view(B, H, dk).permute(1, 2, 0), d_scores_hb))
-                d_c[li].narrow(1, n_pos - ell, ell).add_(d_scores.sum(0))
-                dqu = dqu.view(B, D)
-                da = torch.mm(dqu, wq_b)
-                dx = _layer_norm_backward(da, hidden[t, li], shape, mu1, rs1, ln1_w, ln1_b,
-                                          (True, False, False))[0]
-                dx += dy
-                g_att[li].append((dz, dqu, da))
-            else:
-                dx = dy
-            if dm is not None:
-                dx = dx.add_(dm, alpha=mix_f[li])
-        d_x0[:, t] = dx
-    layer_grads = []
-    for li in range(L):
-        grads = _layer_weight_grads(tape.att[li], tape.ff[li], g_att[li], g_ff[li],
-                                    hidden[first_att:, li], params[li])
-        grads["rt"], grads["c"] = d_rt[li], d_c[li].unsqueeze(1)
-        layer_grads.append(grads)
-    d_mix = torch.einsum("tbd,tlbd->l", d_memory, hidden)
-    d_kv_flat = d_kv.view(T * B, -1)
-    d_wkv = torch.mm(memory.view(T * B, D).t(), d_kv_flat)
-    return d_x0, layer_grads, d_mix, d_wkv, d_kv_flat.sum(0)
-
-
-def _stacked(records: list[tuple], index: int, reverse: bool = False) -> Tensor:
-    """Field ``index`` of every per-step record, stacked and flattened to [steps * B, n]."""
-    items = [r[index] for r in (reversed(records) if reverse else records)]
-    out = torch.stack(items)
-    return out.view(-1, out.shape[-1])
-
-
-def _layer_norm_affine_grads(d_out: Tensor, x: Tensor, mu: Tensor, rs: Tensor
-                             ) -> tuple[Tensor, Tensor]:
-    """Gradients of LayerNorm's weight and bias over all rows: sum(d * x_hat), sum(d)."""
-    x_hat = (x - mu) * rs
-    return (d_out * x_hat).sum(0), d_out.sum(0)
-
-
-def _layer_weight_grads(att: list[tuple], ff: list[tuple], g_att: list[tuple],
-                        g_ff: list[tuple], x_att: Tensor, p: tuple) -> dict[str, Tensor]:
-    """One large matmul per weight, over all steps at once (see module docstring).
-
-    ``att``/``ff`` are the forward's records (step order), ``g_att``/``g_ff`` the
-    backward's (reverse step order); x_att [n_att, B, D] the attention steps' inputs.
-    """
-    df, dh, dc = (_stacked(g_ff, i, reverse=True) for i in range(3))
-    grads = {
-        "w2_t": torch.mm(_stacked(ff, 5).t(), df), "b2": df.sum(0),
-        "w1_t": torch.mm(_stacked(ff, 3).t(), dh), "b1": dh.sum(0),
-    }
-    grads["ln2_w"], grads["ln2_b"] = _layer_norm_affine_grads(
-        dc, _stacked(ff, 0), _stacked(ff, 1), _stacked(ff, 2))
-    if not att:  # no step attended: attention parameters get zero gradient
-        for name in ("ln1_w", "ln1_b", "wq", "uq", "wo_t", "bo"):
-            grads[name] = torch.zeros_like(p[LAYER_PARAMS.index(name)])
-        return grads
-    dz, dqu, da = (_stacked(g_att, i, reverse=True) for i in range(3))
-    grads["wo_t"], grads["bo"] = torch.mm(_stacked(att, 6).t(), dz), dz.sum(0)
-    grads["wq"], grads["uq"] = torch.mm(_stacked(att, 0).t(), dqu), dqu.sum(0)
-    grads["ln1_w"], grads["ln1_b"] = _layer_norm_affine_grads(
-        da, x_att.reshape(-1, x_att.shape[-1]), _stacked(att, 1), _stacked(att, 2))
-    return grads
+    d_x0, layer_grads, d_mix, d_wkv, d_bkv = native_ops().core_backward(
+        d_top, hidden, memory, keys, values, tape, layers, mix, wkv, n0,
+        *spec.args())
+    return d_x0, layer_grads, d_mix, d_wkv, d_bkv
 
 
 class FeedbackCoreFunction(torch.autograd.Function):
@@ -325,15 +133,10 @@ class FeedbackCoreFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, spec: CoreSpec, x0: Tensor, mem_k: Tensor, mem_v: Tensor, mix: Tensor,
                 wkv: Tensor, bkv: Tensor | None, *flat: Tensor):
-        layers = unflatten_layers(flat)
-        tape = Tape()
-        # Inference mode skips version-counter and view bookkeeping on every op of the loop
-        # (nothing in it is recorded anyway): about 8-10% of a step at seq_len 64. Its
-        # tensors may not reach autograd, so what leaves it goes out as fresh copies.
-        with torch.inference_mode():
-            hidden, memory, keys, values = core_forward(
-                spec, x0, mem_k, mem_v, layers, mix, wkv, bkv, tape)
-        # Outputs are fresh tensors, never views of saved buffers (that would make a cycle).
+        hidden, memory, keys, values, tape = core_forward(
+            spec, x0, mem_k, mem_v, flat, mix, wkv, bkv, keep_tape=True)
+        # Outputs are fresh tensors, never views of saved buffers (that would make a cycle)
+        # nor inference tensors (the core runs in inference mode; see native_ops).
         top = hidden[:, -1].transpose(0, 1).clone(memory_format=torch.contiguous_format)
         new_k = keys[:, :, -spec.window:].clone()
         new_v = values[:, :, -spec.window:].clone()
@@ -346,24 +149,15 @@ class FeedbackCoreFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_top: Tensor, _dk: Tensor, _dv: Tensor):
         mix, wkv, *flat = ctx.saved_tensors
-        layers = unflatten_layers(flat)
-        hidden, memory, keys, values = ctx.buffers
-        with torch.inference_mode():  # as in forward; the gradients leave as fresh copies
-            d_x0, layer_grads, d_mix, d_wkv, d_bkv = core_backward(
-                ctx.spec, d_top.contiguous(), hidden, memory, keys, values, ctx.n0, layers,
-                mix, wkv, ctx.tape)
+        d_x0, flat_grads, d_mix, d_wkv, d_bkv = core_backward(
+            ctx.spec, d_top.contiguous(), *ctx.buffers, ctx.n0, flat, mix, wkv, ctx.tape)
         ctx.buffers = ctx.tape = None
-        grads = [d_x0, d_mix, d_wkv, d_bkv,
-                 *(g[name] for g in layer_grads for name in LAYER_PARAMS)]
-        d_x0, d_mix, d_wkv, d_bkv, *flat_grads = [g.clone() for g in grads]
+        d_x0, d_mix, d_wkv, d_bkv, *flat_grads = (  # out of inference mode, see forward
+            g.clone() for g in (d_x0, d_mix, d_wkv, d_bkv, *flat_grads))
         return (None, d_x0, None, None, d_mix, d_wkv, d_bkv if ctx.has_bkv else None,
                 *flat_grads)
 
 
 def flatten_layers(layers: list[dict[str, Tensor]]) -> list[Tensor]:
+    """Per-layer tensors as one flat list, layer by layer in LAYER_PARAMS order."""
     return [p[name] for p in layers for name in LAYER_PARAMS]
-
-
-def unflatten_layers(flat: tuple[Tensor, ...] | list[Tensor]) -> list[dict[str, Tensor]]:
-    n = len(LAYER_PARAMS)
-    return [dict(zip(LAYER_PARAMS, flat[i:i + n], strict=True)) for i in range(0, len(flat), n)]

@@ -1,0 +1,503 @@
+// The sequential core of the Feedback Transformer: forward and hand-written backward.
+//
+// Why C++: a training step is seq_len * n_layers tiny steps of about twenty small ops each,
+// and at these sizes the cost is per-op overhead, not arithmetic. Driving the same ATen ops
+// from C++ removes the interpreter from the loop, and on a CPU the batch is split into one
+// shard per thread: rows of a batch never interact in the sweep, and one shard's small ops
+// leave the other cores idle. Everything else is as in the docstring of feedback_core.py,
+// which is the map of this file; tests/reference.py checks both against a slow autograd
+// implementation written straight from the equations.
+//
+// Shapes: B batch, T steps in this call, D model width, H heads, dk = D / H, L layers,
+// F feed-forward width, S = n0 + T memory slots (n0 carried over from an earlier call),
+// n_kv key/value sets (1 shared, or L), P position rows. A shard owns batch rows
+// [b0, b0 + nb) of every buffer; buffers are full-batch, so the weight gradients at the
+// end are single large matmuls whatever the shard count.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <array>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+using at::Tensor;
+
+// Per-layer tensors, in the order of LAYER_PARAMS in feedback_core.py.
+enum Param { LN1_W, LN1_B, WQ, UQ, RT, CPOS, WO_T, BO, LN2_W, LN2_B, W1_T, B1, W2_T, B2, N_PARAMS };
+
+// What the forward keeps for the backward, one buffer each (order = the list the op returns).
+// Attention records are [L, n_att, B, .] over the steps that attend (non-empty memory);
+// feed-forward records are [L, T, B, .]. The attention probabilities have a different
+// width every step, so they are packed per layer as [L, sum_t B*H*ell_t].
+enum Record { A, MU1, RS1, QU, O, MASK_ATT, PROB, PROB_USED, MASK_PROB,
+              Y, MU2, RS2, CN, HID, H_USED, MASK_H, MASK_FF, N_RECORDS };
+
+struct Spec {
+  int64_t L, H, window;
+  bool shared_kv;
+  double dropout, eps;
+};
+
+// First slot and length of the memory window seen by the step that creates `slot`.
+std::pair<int64_t, int64_t> window_of(int64_t slot, int64_t window) {
+  const int64_t lo = std::max<int64_t>(0, slot - window);
+  return {lo, slot - lo};
+}
+
+// The shape of one call: steps, the steps that attend, and where each step's
+// probabilities sit in the packed buffer. With keep = false (no backward to come) every
+// step reuses record 0 as scratch.
+struct Layout {
+  int64_t B, T, D, H, dk, F, n0, n_kv, first_att, n_att;
+  bool keep;
+  std::vector<int64_t> prob_offset;  // per step, in elements of one layer's packed row
+  int64_t prob_size = 0, max_ell = 0;
+
+  Layout(const Spec& s, int64_t B_, int64_t T_, int64_t D_, int64_t F_, int64_t n0_,
+         int64_t n_kv_, bool keep_)
+      : B(B_), T(T_), D(D_), H(s.H), dk(D_ / s.H), F(F_), n0(n0_), n_kv(n_kv_),
+        first_att(n0_ > 0 ? 0 : 1), n_att(std::max<int64_t>(0, T_ - (n0_ > 0 ? 0 : 1))),
+        keep(keep_), prob_offset(T_, 0) {
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t ell = window_of(n0 + t, s.window).second;
+      prob_offset[t] = prob_size;
+      prob_size += keep ? B * H * ell : 0;
+      max_ell = std::max(max_ell, ell);
+    }
+    if (!keep) prob_size = B * H * max_ell;
+  }
+  // Where rows [b0, ...) of step t's [B, H, ell] probabilities start in a layer's row.
+  // Scratch (keep = false) gives each row room for the widest step: shards run at their
+  // own pace, so one may be at a wider step than its neighbour.
+  int64_t prob_start(int64_t t, int64_t ell, int64_t b0) const {
+    return keep ? prob_offset[t] + b0 * H * ell : b0 * H * max_ell;
+  }
+  int64_t att_index(int64_t t) const { return keep ? t - first_att : 0; }
+  int64_t ff_index(int64_t t) const { return keep ? t : 0; }
+};
+
+// Rows [b0, b0 + nb) of entry i of a contiguous [N, B, w] buffer (any leading dims
+// flattened into N), as one as_strided view: the hot loops take a dozen such views per
+// layer step, and a select/select/narrow chain costs three ops each.
+Tensor rows(const Tensor& buf, int64_t i, int64_t b0, int64_t nb) {
+  const int64_t B = buf.size(-2), w = buf.size(-1);
+  return buf.as_strided({nb, w}, {w, 1}, buf.storage_offset() + (i * B + b0) * w);
+}
+
+struct Tape {
+  std::vector<Tensor> rec;
+  const Layout* lay;
+
+  // Record r of layer l at step t, rows [b0, b0 + nb): [nb, width].
+  Tensor att(int r, int64_t l, int64_t t, int64_t b0, int64_t nb) const {
+    return rows(rec[r], l * rec[r].size(1) + lay->att_index(t), b0, nb);
+  }
+  Tensor ff(int r, int64_t l, int64_t t, int64_t b0, int64_t nb) const {
+    return rows(rec[r], l * rec[r].size(1) + lay->ff_index(t), b0, nb);
+  }
+  // [nb, H, ell] probabilities (PROB, PROB_USED or MASK_PROB) of layer l at step t.
+  Tensor prob(int r, int64_t l, int64_t t, int64_t ell, int64_t b0, int64_t nb) const {
+    const Tensor& buf = rec[r];
+    const int64_t H = lay->H;
+    return buf.as_strided({nb, H, ell}, {H * ell, ell, 1},
+                          buf.storage_offset() + l * buf.size(1) + lay->prob_start(t, ell, b0));
+  }
+};
+
+Tape make_tape(const Spec& s, const Layout& lay, const Tensor& like) {
+  const int64_t L = s.L, B = lay.B, D = lay.D, F = lay.F;
+  const int64_t n_att = lay.keep ? lay.n_att : 1, n_ff = lay.keep ? lay.T : 1;
+  const bool drop = s.dropout > 0;
+  auto buf = [&](std::initializer_list<int64_t> shape) { return like.new_empty(shape); };
+  auto none = [&]() { return like.new_empty({0}); };
+  std::vector<Tensor> r(N_RECORDS);
+  r[A] = buf({L, n_att, B, D});
+  r[MU1] = buf({L, n_att, B, 1});
+  r[RS1] = buf({L, n_att, B, 1});
+  r[QU] = buf({L, n_att, B, D});
+  r[O] = buf({L, n_att, B, D});
+  r[PROB] = buf({L, lay.prob_size});
+  r[Y] = buf({L, n_ff, B, D});
+  r[MU2] = buf({L, n_ff, B, 1});
+  r[RS2] = buf({L, n_ff, B, 1});
+  r[CN] = buf({L, n_ff, B, D});
+  r[HID] = buf({L, n_ff, B, F});
+  // Inverted-dropout masks (0 or 1/(1-p)) are drawn here, on one thread and in one go,
+  // so the result does not depend on how the batch is sharded.
+  auto mask = [&](Tensor m) { return m.bernoulli_(1.0 - s.dropout).div_(1.0 - s.dropout); };
+  r[MASK_ATT] = drop ? mask(buf({L, n_att, B, D})) : none();
+  r[PROB_USED] = drop ? buf({L, lay.prob_size}) : r[PROB];
+  r[MASK_PROB] = drop ? mask(buf({L, lay.prob_size})) : none();
+  r[H_USED] = drop ? buf({L, n_ff, B, F}) : r[HID];
+  r[MASK_H] = drop ? mask(buf({L, n_ff, B, F})) : none();
+  r[MASK_FF] = drop ? mask(buf({L, n_ff, B, D})) : none();
+  return Tape{std::move(r), &lay};
+}
+
+// Shards: one per intra-op thread on a CPU (at most one per batch row), one elsewhere.
+int64_t shard_count(const Tensor& x, int64_t B) {
+  return x.is_cpu() ? std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), B)) : 1;
+}
+
+// Runs fn(shard, b0, nb) for every shard, in parallel when there are several (inside
+// at::parallel_for nested intra-op parallelism is off, which is what a shard wants).
+template <typename Fn>
+void for_each_shard(int64_t shards, int64_t B, const Fn& fn) {
+  auto run = [&](int64_t s) {
+    const int64_t b0 = B * s / shards, b1 = B * (s + 1) / shards;
+    fn(s, b0, b1 - b0);
+  };
+  if (shards == 1) return run(0);
+  at::parallel_for(0, shards, 1, [&](int64_t s0, int64_t s1) {
+    at::InferenceMode guard;  // thread-local, so set again in each worker
+    for (int64_t s = s0; s < s1; ++s) run(s);
+  });
+}
+
+struct Forward {
+  const Spec& s;
+  const Layout& lay;
+  const std::vector<std::vector<Tensor>>& p;  // [L][N_PARAMS]
+  const Tensor &mix, &wkv;
+  const std::optional<Tensor>& bkv;
+  Tensor hidden, memory, keys, values;  // [T, L+1, B, D], [T, B, D], [n_kv, B*H, S, dk] x2
+  Tape tape;
+
+  void shard(int64_t b0, int64_t nb) const {
+    const int64_t L = s.L, H = s.H, dk = lay.dk, D = lay.D, T = lay.T, n0 = lay.n0;
+    const int64_t n_kv = lay.n_kv, S = n0 + T, nbH = nb * H, n_pos = p[0][RT].size(-1);
+    const bool drop = s.dropout > 0;
+    const std::vector<int64_t> shape{D};
+    // This shard's rows of the memory buffers, and of the same seen as [n_kv, nb, H, S, dk].
+    const Tensor keys_s = keys.narrow(1, b0 * H, nbH), values_s = values.narrow(1, b0 * H, nbH);
+    const Tensor key_rows = keys_s.view({n_kv, nb, H, S, dk});
+    const Tensor value_rows = values_s.view({n_kv, nb, H, S, dk});
+    std::vector<Tensor> k_t(n_kv), v_w(n_kv);
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t slot = n0 + t;
+      const auto [lo, ell] = window_of(slot, s.window);
+      for (int64_t kv = 0; ell && kv < n_kv; ++kv) {  // this step's window of every set
+        k_t[kv] = keys_s.select(0, kv).narrow(1, lo, ell).transpose(1, 2);  // [nbH, dk, ell]
+        v_w[kv] = values_s.select(0, kv).narrow(1, lo, ell);  // [nbH, ell, dk]
+      }
+      const Tensor hid_t = hidden.select(0, t).narrow(1, b0, nb);  // [L+1, nb, D]
+      Tensor x = hid_t.select(0, 0);
+      for (int64_t l = 0; l < L; ++l) {
+        const auto& w = p[l];
+        const int64_t set = s.shared_kv ? 0 : l;
+        Tensor y = tape.ff(Y, l, t, b0, nb);
+        if (ell) {  // attention is skipped while memory is empty
+          Tensor a = tape.att(A, l, t, b0, nb), qu = tape.att(QU, l, t, b0, nb);
+          Tensor mu1 = tape.att(MU1, l, t, b0, nb), rs1 = tape.att(RS1, l, t, b0, nb);
+          at::native_layer_norm_out(a, mu1, rs1, x, shape, w[LN1_W], w[LN1_B], s.eps);
+          at::addmm_out(qu, w[UQ], a, w[WQ]);  // (q + u) / sqrt(dk): [nb, D]
+          Tensor scores = at::bmm(qu.view({nbH, 1, dk}), k_t[set]).view({nb, H, ell});
+          // Position scores per head ([H, nb, dk] @ [H, dk, ell]): H gemms on the
+          // [H, dk, P] table itself, not nb*H matvecs on per-row copies.
+          scores += at::baddbmm(w[CPOS].narrow(2, n_pos - ell, ell),
+                                qu.view({nb, H, dk}).transpose(0, 1),
+                                w[RT].narrow(2, n_pos - ell, ell)).transpose(0, 1);
+          Tensor prob = tape.prob(PROB, l, t, ell, b0, nb);
+          at::_softmax_out(prob, scores, -1, false);
+          Tensor prob_used = prob;
+          if (drop) {
+            prob_used = tape.prob(PROB_USED, l, t, ell, b0, nb);
+            at::mul_out(prob_used, prob, tape.prob(MASK_PROB, l, t, ell, b0, nb));
+          }
+          Tensor o = tape.att(O, l, t, b0, nb), o3 = o.view({nbH, 1, dk});
+          at::bmm_out(o3, prob_used.view({nbH, 1, ell}), v_w[set]);
+          Tensor z = at::addmm(w[BO], o, w[WO_T]);
+          if (drop) z.mul_(tape.att(MASK_ATT, l, t, b0, nb));
+          at::add_out(y, z, x);
+        } else {
+          y.copy_(x);
+        }
+        Tensor c = tape.ff(CN, l, t, b0, nb), h = tape.ff(HID, l, t, b0, nb);
+        Tensor mu2 = tape.ff(MU2, l, t, b0, nb), rs2 = tape.ff(RS2, l, t, b0, nb);
+        at::native_layer_norm_out(c, mu2, rs2, y, shape, w[LN2_W], w[LN2_B], s.eps);
+        at::addmm_out(h, w[B1], c, w[W1_T]).relu_();  // [nb, F]
+        Tensor h_used = h;
+        if (drop) {
+          h_used = tape.ff(H_USED, l, t, b0, nb);
+          at::mul_out(h_used, h, tape.ff(MASK_H, l, t, b0, nb));
+        }
+        Tensor f = at::addmm(w[B2], h_used, w[W2_T]);
+        if (drop) f.mul_(tape.ff(MASK_FF, l, t, b0, nb));
+        x = hid_t.select(0, l + 1);
+        at::add_out(x, y, f);
+      }
+      // m_t = sum_l softmax(w)_l h_t^l, then its keys/values for every key set at once.
+      Tensor m = memory.select(0, t).narrow(0, b0, nb), m_row = m.view({1, nb * D});  // [nb, D]
+      at::mm_out(m_row, mix.view({1, L + 1}), hid_t.view({L + 1, nb * D}));
+      Tensor kv_new = bkv ? at::addmm(*bkv, m, wkv) : at::mm(m, wkv);
+      kv_new = kv_new.view({nb, 2, n_kv, H, dk});
+      key_rows.select(3, slot).copy_(kv_new.select(1, 0).transpose(0, 1));
+      value_rows.select(3, slot).copy_(kv_new.select(1, 1).transpose(0, 1));
+    }
+  }
+};
+
+Spec make_spec(int64_t n_layers, int64_t n_heads, bool shared_kv, int64_t window,
+               double dropout, double eps) {
+  TORCH_CHECK(n_layers > 0 && n_heads > 0 && window > 0, "fbtrain core: bad spec");
+  return Spec{n_layers, n_heads, window, shared_kv, dropout, eps};
+}
+
+std::vector<std::vector<Tensor>> split_layers(at::TensorList flat, int64_t L) {
+  TORCH_CHECK(static_cast<int64_t>(flat.size()) == L * N_PARAMS,
+              "fbtrain core: expected ", L * N_PARAMS, " layer tensors, got ", flat.size());
+  std::vector<std::vector<Tensor>> p(L);
+  for (int64_t l = 0; l < L; ++l) p[l].assign(flat.begin() + l * N_PARAMS, flat.begin() + (l + 1) * N_PARAMS);
+  return p;
+}
+
+// Runs T steps. x0: [B, T, D]; mem_k, mem_v: [n_kv, B*H, n0, dk] carried memory; layers:
+// L * 14 tensors as LAYER_PARAMS; mix: [L+1]; wkv: [D, 2*n_kv*D]; bkv: [2*n_kv*D] or None.
+// Returns hidden [T, L+1, B, D], memory [T, B, D], keys and values [n_kv, B*H, S, dk], and
+// the tape (the records in Record order; empty unless keep_tape).
+std::tuple<Tensor, Tensor, Tensor, Tensor, std::vector<Tensor>> core_forward(
+    const Tensor& x0, const Tensor& mem_k, const Tensor& mem_v, at::TensorList layers,
+    const Tensor& mix, const Tensor& wkv, const std::optional<Tensor>& bkv, int64_t n_layers,
+    int64_t n_heads, bool shared_kv, int64_t window, double dropout, double eps,
+    bool keep_tape) {
+  at::InferenceMode guard;
+  const Spec s = make_spec(n_layers, n_heads, shared_kv, window, dropout, eps);
+  const auto p = split_layers(layers, s.L);
+  const int64_t B = x0.size(0), T = x0.size(1), D = x0.size(2), H = s.H, dk = D / H;
+  const int64_t n_kv = mem_k.size(0), n0 = mem_k.size(2), S = n0 + T;
+  // With dropout the full tape is kept anyway: its masks are drawn in one go, and a
+  // no-grad call must draw the same ones as a training call from the same seed.
+  const Layout lay(s, B, T, D, p[0][W1_T].size(1), n0, n_kv, keep_tape || s.dropout > 0);
+  Forward fw{s, lay, p, mix, wkv, bkv,
+             x0.new_empty({T, s.L + 1, B, D}), x0.new_empty({T, B, D}),
+             x0.new_empty({n_kv, B * H, S, dk}), x0.new_empty({n_kv, B * H, S, dk}),
+             make_tape(s, lay, x0)};
+  fw.keys.narrow(2, 0, n0).copy_(mem_k);
+  fw.values.narrow(2, 0, n0).copy_(mem_v);
+  fw.hidden.select(1, 0).copy_(x0.transpose(0, 1));
+  for_each_shard(shard_count(x0, B), B, [&](int64_t, int64_t b0, int64_t nb) { fw.shard(b0, nb); });
+  if (!keep_tape) fw.tape.rec.clear();
+  return {fw.hidden, fw.memory, fw.keys, fw.values, fw.tape.rec};
+}
+
+
+// Activation gradients of the backward sweep, full-batch like the tape: [L, n_att, B, .]
+// for the attention blocks, [L, T, B, .] for the feed-forward blocks.
+enum Grad { DZ, DQU, DA, DF, DH, DC, N_GRADS };
+
+struct Backward {
+  const Spec& s;
+  const Layout& lay;
+  const std::vector<std::vector<Tensor>>& p;
+  const std::vector<Tensor>& back;  // per layer: wq^T, rt^T [H, P, dk], wo^T, w1^T, w2^T
+  const Tape& tape;
+  const std::vector<double>& mix;
+  const Tensor &wkv_t, &d_top, &hidden, &keys, &values;
+  Tensor d_keys, d_values, d_kv, d_memory, d_x0;  // d_kv: [T, B, 2, n_kv, H, dk]
+  std::vector<Tensor> g;  // Grad order
+  std::vector<std::vector<Tensor>> d_rt, d_c;  // per shard, per layer: [H, dk, P], [H, P]
+
+  Tensor grad(int r, int64_t l, int64_t step, int64_t b0, int64_t nb) const {
+    return rows(g[r], l * g[r].size(1) + step, b0, nb);
+  }
+
+  void shard(int64_t shard_id, int64_t b0, int64_t nb) const {
+    const int64_t L = s.L, H = s.H, dk = lay.dk, D = lay.D, T = lay.T, n0 = lay.n0;
+    const int64_t n_kv = lay.n_kv, S = n0 + T, nbH = nb * H, n_pos = p[0][RT].size(-1);
+    const bool drop = s.dropout > 0;
+    const std::vector<int64_t> shape{D};
+    const std::array<bool, 3> input_grad_only{true, false, false};
+    const Tensor keys_s = keys.narrow(1, b0 * H, nbH), values_s = values.narrow(1, b0 * H, nbH);
+    const Tensor d_keys_s = d_keys.narrow(1, b0 * H, nbH);
+    const Tensor d_values_s = d_values.narrow(1, b0 * H, nbH);
+    const Tensor d_key_rows = d_keys_s.view({n_kv, nb, H, S, dk});
+    const Tensor d_value_rows = d_values_s.view({n_kv, nb, H, S, dk});
+    std::vector<Tensor> k_w(n_kv), v_t(n_kv), dk_w(n_kv), dv_w(n_kv);
+    for (int64_t t = T - 1; t >= 0; --t) {
+      const int64_t slot = n0 + t;
+      const auto [lo, ell] = window_of(slot, s.window);
+      Tensor dm;  // gradient of this step's memory vector, [nb, D]
+      if (t < T - 1) {  // the newest slot is read by no later step of this call
+        Tensor dkv_t = d_kv.select(0, t).narrow(0, b0, nb);  // [nb, 2, n_kv, H, dk]
+        dkv_t.select(1, 0).copy_(d_key_rows.select(3, slot).transpose(0, 1));
+        dkv_t.select(1, 1).copy_(d_value_rows.select(3, slot).transpose(0, 1));
+        dm = d_memory.select(0, t).narrow(0, b0, nb);
+        at::mm_out(dm, dkv_t.view({nb, -1}), wkv_t);
+      }
+      for (int64_t kv = 0; ell && kv < n_kv; ++kv) {
+        k_w[kv] = keys_s.select(0, kv).narrow(1, lo, ell);  // [nbH, ell, dk]
+        v_t[kv] = values_s.select(0, kv).narrow(1, lo, ell).transpose(1, 2);  // [nbH, dk, ell]
+        dk_w[kv] = d_keys_s.select(0, kv).narrow(1, lo, ell);
+        dv_w[kv] = d_values_s.select(0, kv).narrow(1, lo, ell);
+      }
+      const Tensor top_t = d_top.select(1, t).narrow(0, b0, nb);
+      Tensor dx = dm.defined() ? at::add(top_t, dm, mix[L]) : top_t;
+      for (int64_t l = L - 1; l >= 0; --l) {
+        const auto& w = p[l];
+        const Tensor &wq_b = back[5 * l], &rt_b = back[5 * l + 1], &wo_b = back[5 * l + 2];
+        const Tensor &w1_b = back[5 * l + 3], &w2_b = back[5 * l + 4];
+        const int64_t set = s.shared_kv ? 0 : l;
+        // Feed-forward block: x_out = y + Drop(W2 Drop(relu(W1 LN2(y) + b1)) + b2).
+        Tensor df = grad(DF, l, t, b0, nb), dh = grad(DH, l, t, b0, nb);
+        Tensor dc = grad(DC, l, t, b0, nb);
+        if (drop) at::mul_out(df, dx, tape.ff(MASK_FF, l, t, b0, nb));
+        else df.copy_(dx);
+        at::mm_out(dh, df, w2_b);
+        if (drop) dh.mul_(tape.ff(MASK_H, l, t, b0, nb));
+        at::threshold_backward_out(dh, dh, tape.ff(HID, l, t, b0, nb), 0);
+        at::mm_out(dc, dh, w1_b);
+        Tensor dy = std::get<0>(at::native_layer_norm_backward(
+            dc, tape.ff(Y, l, t, b0, nb), shape, tape.ff(MU2, l, t, b0, nb),
+            tape.ff(RS2, l, t, b0, nb), w[LN2_W], w[LN2_B], input_grad_only));
+        dy += dx;
+        if (ell) {
+          // Attention block: y = x + Drop(Wo (softmax(scores) V) + bo).
+          Tensor dz = grad(DZ, l, t - lay.first_att, b0, nb);
+          if (drop) at::mul_out(dz, dy, tape.att(MASK_ATT, l, t, b0, nb));
+          else dz.copy_(dy);
+          Tensor prob = tape.prob(PROB, l, t, ell, b0, nb);
+          Tensor prob_used = drop ? tape.prob(PROB_USED, l, t, ell, b0, nb) : prob;
+          Tensor qu = tape.att(QU, l, t, b0, nb);
+          Tensor d_o = at::mm(dz, wo_b).view({nbH, 1, dk});
+          Tensor d_prob = at::bmm(d_o, v_t[set]).view({nb, H, ell});
+          // Rank-1 updates, broadcast in place (baddbmm_ into a strided view falls back
+          // to one small matmul per batch row).
+          dv_w[set].addcmul_(prob_used.view({nbH, ell, 1}), d_o);
+          if (drop) d_prob.mul_(tape.prob(MASK_PROB, l, t, ell, b0, nb));
+          Tensor d_scores = at::_softmax_backward_data(d_prob, prob, -1, prob.scalar_type());
+          Tensor d_scores_hb = d_scores.transpose(0, 1);  // [H, nb, ell]
+          Tensor dqu = grad(DQU, l, t - lay.first_att, b0, nb), dqu3 = dqu.view({nbH, 1, dk});
+          at::bmm_out(dqu3, d_scores.view({nbH, 1, ell}), k_w[set]);
+          dqu.view({nb, H, dk}) += at::bmm(d_scores_hb, rt_b.narrow(1, n_pos - ell, ell))
+                                       .transpose(0, 1);
+          dk_w[set].addcmul_(d_scores.view({nbH, ell, 1}), qu.view({nbH, 1, dk}));
+          d_rt[shard_id][l].narrow(2, n_pos - ell, ell)
+              .add_(at::bmm(qu.view({nb, H, dk}).permute({1, 2, 0}), d_scores_hb));
+          d_c[shard_id][l].narrow(1, n_pos - ell, ell).add_(d_scores.sum(0));
+          Tensor da = grad(DA, l, t - lay.first_att, b0, nb);
+          at::mm_out(da, dqu, wq_b);
+          dx = std::get<0>(at::native_layer_norm_backward(
+              da, rows(hidden, t * (L + 1) + l, b0, nb), shape,
+              tape.att(MU1, l, t, b0, nb), tape.att(RS1, l, t, b0, nb), w[LN1_W], w[LN1_B],
+              input_grad_only));
+          dx += dy;
+        } else {
+          dx = dy;
+        }
+        if (dm.defined()) dx.add_(dm, mix[l]);
+      }
+      d_x0.select(1, t).narrow(0, b0, nb).copy_(dx);
+    }
+  }
+};
+
+// Gradients of LayerNorm's weight and bias over all rows: sum(d * x_hat), sum(d).
+std::pair<Tensor, Tensor> layer_norm_affine_grads(const Tensor& d, const Tensor& x,
+                                                  const Tensor& mu, const Tensor& rs) {
+  return {(d * ((x - mu) * rs)).sum(0), d.sum(0)};
+}
+
+// Gradients given d_top [B, T, D], the gradient of the last layer's output. Returns
+// d_x0 [B, T, D], the layer gradients (L * 14, as LAYER_PARAMS), d_mix [L+1],
+// d_wkv [D, 2*n_kv*D] and d_bkv [2*n_kv*D].
+std::tuple<Tensor, std::vector<Tensor>, Tensor, Tensor, Tensor> core_backward(
+    const Tensor& d_top, const Tensor& hidden, const Tensor& memory, const Tensor& keys,
+    const Tensor& values, at::TensorList tape_records, at::TensorList layers,
+    const Tensor& mix, const Tensor& wkv, int64_t n0, int64_t n_layers, int64_t n_heads,
+    bool shared_kv, int64_t window, double dropout, double eps) {
+  at::InferenceMode guard;
+  const Spec s = make_spec(n_layers, n_heads, shared_kv, window, dropout, eps);
+  const auto p = split_layers(layers, s.L);
+  const int64_t T = hidden.size(0), L = s.L, B = hidden.size(2), D = hidden.size(3);
+  const int64_t n_kv = keys.size(0), F = p[0][W1_T].size(1);
+  TORCH_CHECK(static_cast<int64_t>(tape_records.size()) == N_RECORDS, "fbtrain core: bad tape");
+  const Layout lay(s, B, T, D, F, n0, n_kv, true);
+  const Tape tape{std::vector<Tensor>(tape_records.begin(), tape_records.end()), &lay};
+  // Transposed weights (views) and position tables, once per call rather than per step.
+  std::vector<Tensor> back;
+  for (const auto& w : p)
+    for (const Tensor& b : {w[WQ].t(), w[RT].transpose(1, 2), w[WO_T].t(), w[W1_T].t(), w[W2_T].t()})
+      back.push_back(b);
+  const auto mix_f = [&] {
+    const Tensor m = mix.to(at::kDouble).cpu();
+    return std::vector<double>(m.data_ptr<double>(), m.data_ptr<double>() + m.numel());
+  }();
+  const int64_t shards = shard_count(hidden, B), n_att = lay.n_att;
+  const Tensor wkv_t = wkv.t();
+  Backward bw{s, lay, p, back, tape, mix_f, wkv_t, d_top, hidden, keys, values,
+              at::zeros_like(keys), at::zeros_like(values),
+              hidden.new_zeros({T, B, 2, n_kv, s.H, lay.dk}), hidden.new_zeros({T, B, D}),
+              hidden.new_empty({B, T, D}), {}, {}, {}};
+  bw.g = {hidden.new_empty({L, n_att, B, D}), hidden.new_empty({L, n_att, B, D}),
+          hidden.new_empty({L, n_att, B, D}), hidden.new_empty({L, T, B, D}),
+          hidden.new_empty({L, T, B, F}), hidden.new_empty({L, T, B, D})};
+  // Position-table gradients are summed over steps as they come (a [T, T]-sized record
+  // would grow quadratically), one accumulator per shard so that threads never share one.
+  for (int64_t sh = 0; sh < shards; ++sh) {
+    bw.d_rt.emplace_back();
+    bw.d_c.emplace_back();
+    for (const auto& w : p) {
+      bw.d_rt.back().push_back(at::zeros_like(w[RT]));  // [H, dk, P]
+      bw.d_c.back().push_back(at::zeros_like(w[CPOS]).squeeze(1));  // [H, P]
+    }
+  }
+  for_each_shard(shards, B, [&](int64_t sh, int64_t b0, int64_t nb) { bw.shard(sh, b0, nb); });
+
+  // Weight gradients: one large matmul per weight over all steps and rows.
+  std::vector<Tensor> grads;
+  for (int64_t l = 0; l < L; ++l) {
+    auto rows = [](const Tensor& r, int64_t l_) { return r.select(0, l_).reshape({-1, r.size(-1)}); };
+    std::vector<Tensor> gl(N_PARAMS);
+    const Tensor df = rows(bw.g[DF], l), dh = rows(bw.g[DH], l), dc = rows(bw.g[DC], l);
+    gl[W2_T] = at::mm(rows(tape.rec[H_USED], l).t(), df);
+    gl[B2] = df.sum(0);
+    gl[W1_T] = at::mm(rows(tape.rec[CN], l).t(), dh);
+    gl[B1] = dh.sum(0);
+    std::tie(gl[LN2_W], gl[LN2_B]) = layer_norm_affine_grads(
+        dc, rows(tape.rec[Y], l), rows(tape.rec[MU2], l), rows(tape.rec[RS2], l));
+    if (n_att == 0) {  // no step attended: attention parameters get zero gradient
+      for (int k : {LN1_W, LN1_B, WQ, UQ, WO_T, BO}) gl[k] = at::zeros_like(p[l][k]);
+    } else {
+      const Tensor dz = rows(bw.g[DZ], l), dqu = rows(bw.g[DQU], l), da = rows(bw.g[DA], l);
+      gl[WO_T] = at::mm(rows(tape.rec[O], l).t(), dz);
+      gl[BO] = dz.sum(0);
+      gl[WQ] = at::mm(rows(tape.rec[A], l).t(), dqu);
+      gl[UQ] = dqu.sum(0);
+      const Tensor x_att = hidden.narrow(0, lay.first_att, n_att).select(1, l).reshape({-1, D});
+      std::tie(gl[LN1_W], gl[LN1_B]) = layer_norm_affine_grads(
+          da, x_att, rows(tape.rec[MU1], l), rows(tape.rec[RS1], l));
+    }
+    gl[RT] = bw.d_rt[0][l];
+    gl[CPOS] = bw.d_c[0][l];
+    for (int64_t sh = 1; sh < shards; ++sh) {
+      gl[RT] = gl[RT] + bw.d_rt[sh][l];
+      gl[CPOS] = gl[CPOS] + bw.d_c[sh][l];
+    }
+    gl[CPOS] = gl[CPOS].unsqueeze(1);
+    grads.insert(grads.end(), gl.begin(), gl.end());
+  }
+  const Tensor d_mix = at::einsum("tbd,tlbd->l", {bw.d_memory, hidden});
+  const Tensor d_kv_flat = bw.d_kv.view({T * B, -1});
+  const Tensor d_wkv = at::mm(memory.view({T * B, D}).t(), d_kv_flat);
+  return {bw.d_x0, grads, d_mix, d_wkv, d_kv_flat.sum(0)};
+}
+
+}  // namespace
+
+TORCH_LIBRARY(fbtrain, m) {
+  m.def("core_forward(Tensor x0, Tensor mem_k, Tensor mem_v, Tensor[] layers, Tensor mix, "
+        "Tensor wkv, Tensor? bkv, int n_layers, int n_heads, bool shared_kv, int window, "
+        "float dropout, float eps, bool keep_tape) -> "
+        "(Tensor, Tensor, Tensor, Tensor, Tensor[])",
+        &core_forward);
+  m.def("core_backward(Tensor d_top, Tensor hidden, Tensor memory, Tensor keys, "
+        "Tensor values, Tensor[] tape, Tensor[] layers, Tensor mix, Tensor wkv, int n0, "
+        "int n_layers, int n_heads, bool shared_kv, int window, float dropout, float eps) -> "
+        "(Tensor, Tensor[], Tensor, Tensor, Tensor)",
+        &core_backward);
+}
