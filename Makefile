@@ -26,6 +26,7 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) '$(TORCH)'
 	$(BIN)/python -m pip install -e '.[dev]'
+	$(BIN)/python -c 'from fbtrain.models.feedback_core import native_ops; native_ops()'
 	touch $@
 
 train: install

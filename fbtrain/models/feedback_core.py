@@ -53,6 +53,10 @@ def native_ops():
     # unless the extension itself is built with it); on Linux the extension then shares
     # torch's own libgomp. Elsewhere the shards run one after another.
     openmp = ["-fopenmp"] if sys.platform.startswith("linux") else []
+    build_dir = Path(cpp_extension._get_build_directory("fbtrain_core", verbose=False))
+    if not (build_dir / "fbtrain_core.so").exists():
+        print(f"fbtrain: compiling the C++ core into {build_dir} (once, about a minute)",
+              file=sys.stderr, flush=True)
     try:
         cpp_extension.load(name="fbtrain_core", sources=[str(CSRC)],
                            extra_cflags=["-O2", *openmp], extra_ldflags=openmp,

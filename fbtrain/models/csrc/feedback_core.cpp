@@ -116,16 +116,12 @@ Tape make_tape(const Spec& s, const Layout& lay, const Tensor& like) {
   auto buf = [&](std::initializer_list<int64_t> shape) { return like.new_empty(shape); };
   auto none = [&]() { return like.new_empty({0}); };
   std::vector<Tensor> r(N_RECORDS);
-  r[A] = buf({L, n_att, B, D});
-  r[MU1] = buf({L, n_att, B, 1});
-  r[RS1] = buf({L, n_att, B, 1});
+  // LayerNorm outputs and statistics (A, MU1, RS1, CN, MU2, RS2) are not written in the
+  // sweep: record_layer_norms recomputes them afterwards, one call per layer.
   r[QU] = buf({L, n_att, B, D});
   r[O] = buf({L, n_att, B, D});
   r[PROB] = buf({L, lay.prob_size});
   r[Y] = buf({L, n_ff, B, D});
-  r[MU2] = buf({L, n_ff, B, 1});
-  r[RS2] = buf({L, n_ff, B, 1});
-  r[CN] = buf({L, n_ff, B, D});
   r[HID] = buf({L, n_ff, B, F});
   // Inverted-dropout masks (0 or 1/(1-p)) are drawn here, on one thread and in one go,
   // so the result does not depend on how the batch is sharded.
@@ -192,9 +188,8 @@ struct Forward {
         const int64_t set = s.shared_kv ? 0 : l;
         Tensor y = tape.ff(Y, l, t, b0, nb);
         if (ell) {  // attention is skipped while memory is empty
-          Tensor a = tape.att(A, l, t, b0, nb), qu = tape.att(QU, l, t, b0, nb);
-          Tensor mu1 = tape.att(MU1, l, t, b0, nb), rs1 = tape.att(RS1, l, t, b0, nb);
-          at::native_layer_norm_out(a, mu1, rs1, x, shape, w[LN1_W], w[LN1_B], s.eps);
+          const Tensor a = std::get<0>(at::native_layer_norm(x, shape, w[LN1_W], w[LN1_B], s.eps));
+          Tensor qu = tape.att(QU, l, t, b0, nb);
           at::addmm_out(qu, w[UQ], a, w[WQ]);  // (q + u) / sqrt(dk): [nb, D]
           Tensor scores = at::bmm(qu.view({nbH, 1, dk}), k_t[set]).view({nb, H, ell});
           // Position scores per head ([H, nb, dk] @ [H, dk, ell]): H gemms on the
@@ -217,9 +212,8 @@ struct Forward {
         } else {
           y.copy_(x);
         }
-        Tensor c = tape.ff(CN, l, t, b0, nb), h = tape.ff(HID, l, t, b0, nb);
-        Tensor mu2 = tape.ff(MU2, l, t, b0, nb), rs2 = tape.ff(RS2, l, t, b0, nb);
-        at::native_layer_norm_out(c, mu2, rs2, y, shape, w[LN2_W], w[LN2_B], s.eps);
+        const Tensor c = std::get<0>(at::native_layer_norm(y, shape, w[LN2_W], w[LN2_B], s.eps));
+        Tensor h = tape.ff(HID, l, t, b0, nb);
         at::addmm_out(h, w[B1], c, w[W1_T]).relu_();  // [nb, F]
         Tensor h_used = h;
         if (drop) {
@@ -241,6 +235,38 @@ struct Forward {
     }
   }
 };
+
+// The LayerNorm records of the tape: outputs and statistics of both LayerNorms of every
+// layer at every step, recomputed from their inputs (hidden states and Y) in one call per
+// layer and LayerNorm. The sweep itself uses each result at once and keeps nothing: out=
+// writes of the per-step calls would copy, and these big calls cost less than the copies.
+// The kernel normalises each row on its own, so the rows equal the sweep's.
+void record_layer_norms(const Spec& s, const Layout& lay,
+                        const std::vector<std::vector<Tensor>>& p, const Tensor& hidden,
+                        std::vector<Tensor>& rec) {
+  const int64_t D = lay.D;
+  const std::vector<int64_t> shape{D};
+  std::vector<Tensor> a, mu1, rs1, c, mu2, rs2;
+  for (int64_t l = 0; l < s.L; ++l) {
+    const auto& w = p[l];
+    const Tensor x_att = hidden.narrow(0, lay.first_att, lay.n_att).select(1, l);
+    auto [a_l, mu1_l, rs1_l] = at::native_layer_norm(x_att, shape, w[LN1_W], w[LN1_B], s.eps);
+    auto [c_l, mu2_l, rs2_l] =
+        at::native_layer_norm(rec[Y].select(0, l), shape, w[LN2_W], w[LN2_B], s.eps);
+    a.push_back(a_l);
+    mu1.push_back(mu1_l);
+    rs1.push_back(rs1_l);
+    c.push_back(c_l);
+    mu2.push_back(mu2_l);
+    rs2.push_back(rs2_l);
+  }
+  rec[A] = at::stack(a);
+  rec[MU1] = at::stack(mu1);
+  rec[RS1] = at::stack(rs1);
+  rec[CN] = at::stack(c);
+  rec[MU2] = at::stack(mu2);
+  rec[RS2] = at::stack(rs2);
+}
 
 Spec make_spec(int64_t n_layers, int64_t n_heads, bool shared_kv, int64_t window,
                double dropout, double eps) {
@@ -281,7 +307,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, std::vector<Tensor>> core_forward(
   fw.values.narrow(2, 0, n0).copy_(mem_v);
   fw.hidden.select(1, 0).copy_(x0.transpose(0, 1));
   for_each_shard(shard_count(x0, B), B, [&](int64_t, int64_t b0, int64_t nb) { fw.shard(b0, nb); });
-  if (!keep_tape) fw.tape.rec.clear();
+  if (!keep_tape) {
+    fw.tape.rec.clear();
+  } else {
+    record_layer_norms(s, lay, p, fw.hidden, fw.tape.rec);
+  }
   return {fw.hidden, fw.memory, fw.keys, fw.values, fw.tape.rec};
 }
 
@@ -335,8 +365,17 @@ struct Backward {
         dk_w[kv] = d_keys_s.select(0, kv).narrow(1, lo, ell);
         dv_w[kv] = d_values_s.select(0, kv).narrow(1, lo, ell);
       }
+      // Each gradient is written straight where it is recorded: the gradient of layer l's
+      // output is (without dropout) its DF record, that of y its DZ record, and that of
+      // the embedding a row of d_x0, saving a copy apiece per layer and step.
+      auto output_grad = [&](int64_t l) {  // where the gradient of layer l's output goes
+        if (l < 0) return d_x0.select(1, t).narrow(0, b0, nb);
+        return drop ? at::empty({nb, D}, d_x0.options()) : grad(DF, l, t, b0, nb);
+      };
       const Tensor top_t = d_top.select(1, t).narrow(0, b0, nb);
-      Tensor dx = dm.defined() ? at::add(top_t, dm, mix[L]) : top_t;
+      Tensor dx = output_grad(L - 1);
+      if (dm.defined()) at::add_out(dx, top_t, dm, mix[L]);
+      else dx.copy_(top_t);
       for (int64_t l = L - 1; l >= 0; --l) {
         const auto& w = p[l];
         const Tensor &wq_b = back[5 * l], &rt_b = back[5 * l + 1], &wo_b = back[5 * l + 2];
@@ -345,21 +384,24 @@ struct Backward {
         // Feed-forward block: x_out = y + Drop(W2 Drop(relu(W1 LN2(y) + b1)) + b2).
         Tensor df = grad(DF, l, t, b0, nb), dh = grad(DH, l, t, b0, nb);
         Tensor dc = grad(DC, l, t, b0, nb);
-        if (drop) at::mul_out(df, dx, tape.ff(MASK_FF, l, t, b0, nb));
-        else df.copy_(dx);
+        if (drop) at::mul_out(df, dx, tape.ff(MASK_FF, l, t, b0, nb));  // else df is dx
         at::mm_out(dh, df, w2_b);
         if (drop) dh.mul_(tape.ff(MASK_H, l, t, b0, nb));
         at::threshold_backward_out(dh, dh, tape.ff(HID, l, t, b0, nb), 0);
         at::mm_out(dc, dh, w1_b);
-        Tensor dy = std::get<0>(at::native_layer_norm_backward(
+        const Tensor d_ln2 = std::get<0>(at::native_layer_norm_backward(
             dc, tape.ff(Y, l, t, b0, nb), shape, tape.ff(MU2, l, t, b0, nb),
             tape.ff(RS2, l, t, b0, nb), w[LN2_W], w[LN2_B], input_grad_only));
-        dy += dx;
+        Tensor below = output_grad(l - 1);
         if (ell) {
           // Attention block: y = x + Drop(Wo (softmax(scores) V) + bo).
-          Tensor dz = grad(DZ, l, t - lay.first_att, b0, nb);
-          if (drop) at::mul_out(dz, dy, tape.att(MASK_ATT, l, t, b0, nb));
-          else dz.copy_(dy);
+          Tensor dz = grad(DZ, l, t - lay.first_att, b0, nb), dy = dz;
+          if (drop) {
+            dy = d_ln2 + dx;
+            at::mul_out(dz, dy, tape.att(MASK_ATT, l, t, b0, nb));
+          } else {
+            at::add_out(dz, d_ln2, dx);
+          }
           Tensor prob = tape.prob(PROB, l, t, ell, b0, nb);
           Tensor prob_used = drop ? tape.prob(PROB_USED, l, t, ell, b0, nb) : prob;
           Tensor qu = tape.att(QU, l, t, b0, nb);
@@ -381,17 +423,17 @@ struct Backward {
           d_c[shard_id][l].narrow(1, n_pos - ell, ell).add_(d_scores.sum(0));
           Tensor da = grad(DA, l, t - lay.first_att, b0, nb);
           at::mm_out(da, dqu, wq_b);
-          dx = std::get<0>(at::native_layer_norm_backward(
+          const Tensor d_ln1 = std::get<0>(at::native_layer_norm_backward(
               da, rows(hidden, t * (L + 1) + l, b0, nb), shape,
               tape.att(MU1, l, t, b0, nb), tape.att(RS1, l, t, b0, nb), w[LN1_W], w[LN1_B],
               input_grad_only));
-          dx += dy;
+          at::add_out(below, d_ln1, dy);
         } else {
-          dx = dy;
+          at::add_out(below, d_ln2, dx);
         }
-        if (dm.defined()) dx.add_(dm, mix[l]);
+        if (dm.defined()) below.add_(dm, mix[l]);
+        dx = below;
       }
-      d_x0.select(1, t).narrow(0, b0, nb).copy_(dx);
     }
   }
 };
