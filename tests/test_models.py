@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator
 
 import pytest
@@ -58,6 +59,25 @@ def test_fast_core_matches_reference_float64(kind, mem_len):
         torch.testing.assert_close(fast_grads[name], ref_grads[name], rtol=0, atol=1e-9,
                                    msg=lambda m, n=name: f"{n}: {m}")
     assert fast_grads["mem_weights"].abs().sum() > 0  # the memory weights do learn
+
+
+@pytest.mark.parametrize("kind", FEEDBACK_KINDS)
+def test_float32_core_matches_float64(kind):
+    """The reference tests run in float64; training runs in float32, whose attention loops
+    are vectorised with other instructions. Same weights in float32: logits and gradients
+    within float32 rounding of the float64 ones."""
+    model = randomized(small(kind, mem_len=5))
+    model32 = copy.deepcopy(model).float()
+    tokens = torch.randint(0, 11, (3, 12))
+    weights = torch.randn(3, 12, 11, dtype=torch.float64)  # one loss for both precisions
+    (model(tokens)[0] * weights).sum().backward()
+    (model32(tokens)[0] * weights.float()).sum().backward()
+    torch.testing.assert_close(model32(tokens)[0].double(), model(tokens)[0], rtol=1e-4,
+                               atol=1e-4)
+    for (name, p64), p32 in zip(model.named_parameters(), model32.parameters(), strict=True):
+        scale = p64.grad.abs().max().item()
+        torch.testing.assert_close(p32.grad.double(), p64.grad, rtol=0, atol=1e-4 * scale,
+                                   msg=lambda m, n=name: f"{n}: {m}")
 
 
 @pytest.mark.parametrize("kind", FEEDBACK_KINDS)

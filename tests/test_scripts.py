@@ -20,7 +20,7 @@ def run_script(name: str, *args: str) -> subprocess.CompletedProcess:
 def test_training_benchmark_reports_exactness_ratios_memory_and_exit_code(tmp_path: Path):
     out = tmp_path / "bench.json"
     proc = run_script("benchmark.py", "--seq-lens", "8", "--repeats", "1", "--warmup", "0",
-                      "--memory-seq-lens", "8", "--json", str(out))
+                      "--memory-seq-lens", "64", "--json", str(out))
     report = json.loads(out.read_text())
     assert proc.returncode == (0 if report["all_targets_met"] else 1), proc.stderr
     assert ("ALL TARGETS MET" if report["all_targets_met"] else "SOME TARGETS MISSED") \
@@ -33,7 +33,8 @@ def test_training_benchmark_reports_exactness_ratios_memory_and_exit_code(tmp_pa
         ratio = timings[f"reference_{kind}"]["ms_per_step"] / timings[kind]["ms_per_step"]
         assert timings[kind]["speedup_vs_reference"] == pytest.approx(ratio)
         assert f"{ratio:5.2f}x faster than its reference" in proc.stdout
-    assert all(report["memory_mb"][kind]["8"] > 0
+    # (64, not 8: a step at 8 can fit in memory the warm-up step freed, and show 0 growth)
+    assert all(report["memory_mb"][kind]["64"] > 0
                for kind in ("feedback_kv", "feedback", "transformer"))
 
 

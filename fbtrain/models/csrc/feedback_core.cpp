@@ -155,6 +155,135 @@ void for_each_shard(int64_t shards, int64_t B, const Fn& fn) {
   });
 }
 
+// Attention over one step's memory window, for CPU tensors, as plain loops over
+// (row, head). At these sizes (d_k 32, a window of tens to hundreds of slots) one pass per
+// (row, head) costs less than the ten-odd ATen calls it replaces (each a dispatch and a
+// tiny batched gemm); the ATen version below serves every other device.
+//
+// Pointers: qu [nb, H*dk]; keys/values of the window start at slot `lo` of each (row, head),
+// `kv_stride` apart; rt [H, dk, P] and c [H, P] (their last `ell` positions are this
+// window's); prob, prob_used, mask [nb, H, ell]; o [nb, H*dk].
+template <typename T>
+struct WindowAttention {
+  int64_t nb, H, dk, ell, P, kv_stride;
+  const T *rt, *c;
+
+  const T* pos_row(const T* table, int64_t h, int64_t d) const {
+    return table + (h * dk + d) * P + (P - ell);
+  }
+
+  void forward(const T* qu, const T* K, const T* V, T* prob, T* prob_used, const T* mask,
+               T* o) const {
+    const int64_t D = H * dk;
+    for (int64_t b = 0; b < nb; ++b) {
+      for (int64_t h = 0; h < H; ++h) {
+        const int64_t bh = b * H + h;
+        const T* q = qu + b * D + h * dk;
+        const T *Kb = K + bh * kv_stride, *Vb = V + bh * kv_stride;
+        T* s = prob + bh * ell;
+        const T* cb = c + h * P + (P - ell);
+        for (int64_t j = 0; j < ell; ++j) s[j] = cb[j];
+        for (int64_t d = 0; d < dk; ++d) {  // position scores: qu . r
+          const T qd = q[d];
+          const T* r = pos_row(rt, h, d);
+#pragma omp simd
+          for (int64_t j = 0; j < ell; ++j) s[j] += qd * r[j];
+        }
+        T top = -std::numeric_limits<T>::infinity();
+        for (int64_t j = 0; j < ell; ++j) {  // content scores: qu . k
+          const T* k = Kb + j * dk;
+          T acc = 0;
+#pragma omp simd reduction(+ : acc)
+          for (int64_t d = 0; d < dk; ++d) acc += q[d] * k[d];
+          s[j] += acc;
+          top = std::max(top, s[j]);
+        }
+        T total = 0;
+        for (int64_t j = 0; j < ell; ++j) total += (s[j] = std::exp(s[j] - top));
+        const T inv = T(1) / total;
+        for (int64_t j = 0; j < ell; ++j) s[j] *= inv;
+        const T* p = s;
+        if (mask) {
+          T* pu = prob_used + bh * ell;
+          for (int64_t j = 0; j < ell; ++j) pu[j] = s[j] * mask[bh * ell + j];
+          p = pu;
+        }
+        T* ob = o + b * D + h * dk;
+        for (int64_t d = 0; d < dk; ++d) ob[d] = 0;
+        for (int64_t j = 0; j < ell; ++j) {
+          const T pj = p[j];
+          const T* v = Vb + j * dk;
+#pragma omp simd
+          for (int64_t d = 0; d < dk; ++d) ob[d] += pj * v[d];
+        }
+      }
+    }
+  }
+
+  // Given d_o [nb, H*dk]: writes d_qu [nb, H*dk], adds into the window's key/value
+  // gradients (same layout as K, V) and the position-table gradients d_rt [H, dk, P],
+  // d_c [H, P]. `scratch` holds 2 * ell values.
+  void backward(const T* qu, const T* K, const T* V, const T* prob, const T* prob_used,
+                const T* mask, const T* d_o, T* d_qu, T* dK, T* dV, T* d_rt, T* d_c,
+                T* scratch) const {
+    const int64_t D = H * dk;
+    T *dp = scratch, *ds = scratch + ell;
+    for (int64_t b = 0; b < nb; ++b) {
+      for (int64_t h = 0; h < H; ++h) {
+        const int64_t bh = b * H + h;
+        const T *q = qu + b * D + h * dk, *g = d_o + b * D + h * dk;
+        const T *Kb = K + bh * kv_stride, *Vb = V + bh * kv_stride;
+        T *dKb = dK + bh * kv_stride, *dVb = dV + bh * kv_stride;
+        const T *p = prob + bh * ell, *pu = prob_used + bh * ell;
+        T dot = 0;
+        for (int64_t j = 0; j < ell; ++j) {
+          const T* v = Vb + j * dk;
+          T* dv = dVb + j * dk;
+          T acc = 0;
+#pragma omp simd reduction(+ : acc)
+          for (int64_t d = 0; d < dk; ++d) {
+            acc += g[d] * v[d];
+            dv[d] += pu[j] * g[d];
+          }
+          dp[j] = mask ? acc * mask[bh * ell + j] : acc;
+          dot += p[j] * dp[j];
+        }
+        for (int64_t j = 0; j < ell; ++j) ds[j] = p[j] * (dp[j] - dot);  // softmax backward
+        T* dq = d_qu + b * D + h * dk;
+        for (int64_t d = 0; d < dk; ++d) {  // position terms, both ways
+          const T* r = pos_row(rt, h, d);
+          T* dr = d_rt + (h * dk + d) * P + (P - ell);
+          const T qd = q[d];
+          T acc = 0;
+#pragma omp simd reduction(+ : acc)
+          for (int64_t j = 0; j < ell; ++j) {
+            acc += ds[j] * r[j];
+            dr[j] += qd * ds[j];
+          }
+          dq[d] = acc;
+        }
+        T* dc = d_c + h * P + (P - ell);
+        for (int64_t j = 0; j < ell; ++j) {  // content terms, both ways
+          dc[j] += ds[j];
+          const T* k = Kb + j * dk;
+          T* dk_j = dKb + j * dk;
+          const T dsj = ds[j];
+#pragma omp simd
+          for (int64_t d = 0; d < dk; ++d) {
+            dq[d] += dsj * k[d];
+            dk_j[d] += dsj * q[d];
+          }
+        }
+      }
+    }
+  }
+};
+
+// Whether a tensor's sweep uses WindowAttention (CPU, float or double).
+bool loops_for(const Tensor& x) {
+  return x.is_cpu() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kDouble);
+}
+
 struct Forward {
   const Spec& s;
   const Layout& lay;
@@ -167,7 +296,7 @@ struct Forward {
   void shard(int64_t b0, int64_t nb) const {
     const int64_t L = s.L, H = s.H, dk = lay.dk, D = lay.D, T = lay.T, n0 = lay.n0;
     const int64_t n_kv = lay.n_kv, S = n0 + T, nbH = nb * H, n_pos = p[0][RT].size(-1);
-    const bool drop = s.dropout > 0;
+    const bool drop = s.dropout > 0, loops = loops_for(hidden);
     const std::vector<int64_t> shape{D};
     // This shard's rows of the memory buffers, and of the same seen as [n_kv, nb, H, S, dk].
     const Tensor keys_s = keys.narrow(1, b0 * H, nbH), values_s = values.narrow(1, b0 * H, nbH);
@@ -191,21 +320,38 @@ struct Forward {
           const Tensor a = std::get<0>(at::native_layer_norm(x, shape, w[LN1_W], w[LN1_B], s.eps));
           Tensor qu = tape.att(QU, l, t, b0, nb);
           at::addmm_out(qu, w[UQ], a, w[WQ]);  // (q + u) / sqrt(dk): [nb, D]
-          Tensor scores = at::bmm(qu.view({nbH, 1, dk}), k_t[set]).view({nb, H, ell});
-          // Position scores per head ([H, nb, dk] @ [H, dk, ell]): H gemms on the
-          // [H, dk, P] table itself, not nb*H matvecs on per-row copies.
-          scores += at::baddbmm(w[CPOS].narrow(2, n_pos - ell, ell),
-                                qu.view({nb, H, dk}).transpose(0, 1),
-                                w[RT].narrow(2, n_pos - ell, ell)).transpose(0, 1);
-          Tensor prob = tape.prob(PROB, l, t, ell, b0, nb);
-          at::_softmax_out(prob, scores, -1, false);
-          Tensor prob_used = prob;
-          if (drop) {
-            prob_used = tape.prob(PROB_USED, l, t, ell, b0, nb);
-            at::mul_out(prob_used, prob, tape.prob(MASK_PROB, l, t, ell, b0, nb));
+          Tensor o = tape.att(O, l, t, b0, nb);
+          if (loops) {
+            const Tensor prob = tape.prob(PROB, l, t, ell, b0, nb);
+            const Tensor prob_used = drop ? tape.prob(PROB_USED, l, t, ell, b0, nb) : prob;
+            AT_DISPATCH_FLOATING_TYPES(qu.scalar_type(), "attend", [&] {
+              const WindowAttention<scalar_t> att{nb, H, dk, ell, n_pos, S * dk,
+                                                  w[RT].data_ptr<scalar_t>(),
+                                                  w[CPOS].data_ptr<scalar_t>()};
+              att.forward(qu.data_ptr<scalar_t>(), k_t[set].data_ptr<scalar_t>(),
+                          v_w[set].data_ptr<scalar_t>(), prob.data_ptr<scalar_t>(),
+                          prob_used.data_ptr<scalar_t>(),
+                          drop ? tape.prob(MASK_PROB, l, t, ell, b0, nb).data_ptr<scalar_t>()
+                               : nullptr,
+                          o.data_ptr<scalar_t>());
+            });
+          } else {  // any other device: the same, in ATen calls
+            Tensor scores = at::bmm(qu.view({nbH, 1, dk}), k_t[set]).view({nb, H, ell});
+            // Position scores per head ([H, nb, dk] @ [H, dk, ell]): H gemms on the
+            // [H, dk, P] table itself, not nb*H matvecs on per-row copies.
+            scores += at::baddbmm(w[CPOS].narrow(2, n_pos - ell, ell),
+                                  qu.view({nb, H, dk}).transpose(0, 1),
+                                  w[RT].narrow(2, n_pos - ell, ell)).transpose(0, 1);
+            Tensor prob = tape.prob(PROB, l, t, ell, b0, nb);
+            at::_softmax_out(prob, scores, -1, false);
+            Tensor prob_used = prob;
+            if (drop) {
+              prob_used = tape.prob(PROB_USED, l, t, ell, b0, nb);
+              at::mul_out(prob_used, prob, tape.prob(MASK_PROB, l, t, ell, b0, nb));
+            }
+            Tensor o3 = o.view({nbH, 1, dk});
+            at::bmm_out(o3, prob_used.view({nbH, 1, ell}), v_w[set]);
           }
-          Tensor o = tape.att(O, l, t, b0, nb), o3 = o.view({nbH, 1, dk});
-          at::bmm_out(o3, prob_used.view({nbH, 1, ell}), v_w[set]);
           Tensor z = at::addmm(w[BO], o, w[WO_T]);
           if (drop) z.mul_(tape.att(MASK_ATT, l, t, b0, nb));
           at::add_out(y, z, x);
@@ -278,7 +424,10 @@ std::vector<std::vector<Tensor>> split_layers(at::TensorList flat, int64_t L) {
   TORCH_CHECK(static_cast<int64_t>(flat.size()) == L * N_PARAMS,
               "fbtrain core: expected ", L * N_PARAMS, " layer tensors, got ", flat.size());
   std::vector<std::vector<Tensor>> p(L);
-  for (int64_t l = 0; l < L; ++l) p[l].assign(flat.begin() + l * N_PARAMS, flat.begin() + (l + 1) * N_PARAMS);
+  for (int64_t l = 0; l < L; ++l) {
+    p[l].assign(flat.begin() + l * N_PARAMS, flat.begin() + (l + 1) * N_PARAMS);
+    for (int k : {RT, CPOS}) p[l][k] = p[l][k].contiguous();  // WindowAttention indexes them
+  }
   return p;
 }
 
@@ -339,7 +488,7 @@ struct Backward {
   void shard(int64_t shard_id, int64_t b0, int64_t nb) const {
     const int64_t L = s.L, H = s.H, dk = lay.dk, D = lay.D, T = lay.T, n0 = lay.n0;
     const int64_t n_kv = lay.n_kv, S = n0 + T, nbH = nb * H, n_pos = p[0][RT].size(-1);
-    const bool drop = s.dropout > 0;
+    const bool drop = s.dropout > 0, loops = loops_for(hidden);
     const std::vector<int64_t> shape{D};
     const std::array<bool, 3> input_grad_only{true, false, false};
     const Tensor keys_s = keys.narrow(1, b0 * H, nbH), values_s = values.narrow(1, b0 * H, nbH);
@@ -402,25 +551,45 @@ struct Backward {
           } else {
             at::add_out(dz, d_ln2, dx);
           }
-          Tensor prob = tape.prob(PROB, l, t, ell, b0, nb);
-          Tensor prob_used = drop ? tape.prob(PROB_USED, l, t, ell, b0, nb) : prob;
-          Tensor qu = tape.att(QU, l, t, b0, nb);
-          Tensor d_o = at::mm(dz, wo_b).view({nbH, 1, dk});
-          Tensor d_prob = at::bmm(d_o, v_t[set]).view({nb, H, ell});
-          // Rank-1 updates, broadcast in place (baddbmm_ into a strided view falls back
-          // to one small matmul per batch row).
-          dv_w[set].addcmul_(prob_used.view({nbH, ell, 1}), d_o);
-          if (drop) d_prob.mul_(tape.prob(MASK_PROB, l, t, ell, b0, nb));
-          Tensor d_scores = at::_softmax_backward_data(d_prob, prob, -1, prob.scalar_type());
-          Tensor d_scores_hb = d_scores.transpose(0, 1);  // [H, nb, ell]
-          Tensor dqu = grad(DQU, l, t - lay.first_att, b0, nb), dqu3 = dqu.view({nbH, 1, dk});
-          at::bmm_out(dqu3, d_scores.view({nbH, 1, ell}), k_w[set]);
-          dqu.view({nb, H, dk}) += at::bmm(d_scores_hb, rt_b.narrow(1, n_pos - ell, ell))
-                                       .transpose(0, 1);
-          dk_w[set].addcmul_(d_scores.view({nbH, ell, 1}), qu.view({nbH, 1, dk}));
-          d_rt[shard_id][l].narrow(2, n_pos - ell, ell)
-              .add_(at::bmm(qu.view({nb, H, dk}).permute({1, 2, 0}), d_scores_hb));
-          d_c[shard_id][l].narrow(1, n_pos - ell, ell).add_(d_scores.sum(0));
+          const Tensor prob = tape.prob(PROB, l, t, ell, b0, nb);
+          const Tensor prob_used = drop ? tape.prob(PROB_USED, l, t, ell, b0, nb) : prob;
+          const Tensor qu = tape.att(QU, l, t, b0, nb);
+          Tensor dqu = grad(DQU, l, t - lay.first_att, b0, nb);
+          Tensor d_o = at::mm(dz, wo_b);  // [nb, D]
+          if (loops) {
+            AT_DISPATCH_FLOATING_TYPES(qu.scalar_type(), "attend_backward", [&] {
+              const WindowAttention<scalar_t> att{nb, H, dk, ell, n_pos, S * dk,
+                                                  w[RT].data_ptr<scalar_t>(),
+                                                  w[CPOS].data_ptr<scalar_t>()};
+              std::vector<scalar_t> scratch(2 * ell);
+              att.backward(qu.data_ptr<scalar_t>(), k_w[set].data_ptr<scalar_t>(),
+                           v_t[set].data_ptr<scalar_t>(), prob.data_ptr<scalar_t>(),
+                           prob_used.data_ptr<scalar_t>(),
+                           drop ? tape.prob(MASK_PROB, l, t, ell, b0, nb).data_ptr<scalar_t>()
+                                : nullptr,
+                           d_o.data_ptr<scalar_t>(), dqu.data_ptr<scalar_t>(),
+                           dk_w[set].data_ptr<scalar_t>(), dv_w[set].data_ptr<scalar_t>(),
+                           d_rt[shard_id][l].data_ptr<scalar_t>(),
+                           d_c[shard_id][l].data_ptr<scalar_t>(), scratch.data());
+            });
+          } else {  // any other device: the same, in ATen calls
+            d_o = d_o.view({nbH, 1, dk});
+            Tensor d_prob = at::bmm(d_o, v_t[set]).view({nb, H, ell});
+            // Rank-1 updates, broadcast in place (baddbmm_ into a strided view falls back
+            // to one small matmul per batch row).
+            dv_w[set].addcmul_(prob_used.view({nbH, ell, 1}), d_o);
+            if (drop) d_prob.mul_(tape.prob(MASK_PROB, l, t, ell, b0, nb));
+            Tensor d_scores = at::_softmax_backward_data(d_prob, prob, -1, prob.scalar_type());
+            Tensor d_scores_hb = d_scores.transpose(0, 1);  // [H, nb, ell]
+            Tensor dqu3 = dqu.view({nbH, 1, dk});
+            at::bmm_out(dqu3, d_scores.view({nbH, 1, ell}), k_w[set]);
+            dqu.view({nb, H, dk}) += at::bmm(d_scores_hb, rt_b.narrow(1, n_pos - ell, ell))
+                                         .transpose(0, 1);
+            dk_w[set].addcmul_(d_scores.view({nbH, ell, 1}), qu.view({nbH, 1, dk}));
+            d_rt[shard_id][l].narrow(2, n_pos - ell, ell)
+                .add_(at::bmm(qu.view({nb, H, dk}).permute({1, 2, 0}), d_scores_hb));
+            d_c[shard_id][l].narrow(1, n_pos - ell, ell).add_(d_scores.sum(0));
+          }
           Tensor da = grad(DA, l, t - lay.first_att, b0, nb);
           at::mm_out(da, dqu, wq_b);
           const Tensor d_ln1 = std::get<0>(at::native_layer_norm_backward(
@@ -484,8 +653,8 @@ std::tuple<Tensor, std::vector<Tensor>, Tensor, Tensor, Tensor> core_backward(
     bw.d_rt.emplace_back();
     bw.d_c.emplace_back();
     for (const auto& w : p) {
-      bw.d_rt.back().push_back(at::zeros_like(w[RT]));  // [H, dk, P]
-      bw.d_c.back().push_back(at::zeros_like(w[CPOS]).squeeze(1));  // [H, P]
+      bw.d_rt.back().push_back(at::zeros(w[RT].sizes(), w[RT].options()));  // [H, dk, P]
+      bw.d_c.back().push_back(at::zeros({w[CPOS].size(0), w[CPOS].size(2)}, w[CPOS].options()));
     }
   }
   for_each_shard(shards, B, [&](int64_t sh, int64_t b0, int64_t nb) { bw.shard(sh, b0, nb); });
