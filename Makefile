@@ -1,5 +1,5 @@
 # fbtrain: make install | train | test | lint | bench | bench-sample | clean
-# Needs only Python (3.11) and make; everything else goes into $(VENV).
+# Needs Python (3.11), make, and g++ with ninja (for the C++ core); the rest goes into $(VENV).
 #
 #   make train                                   # configs/tiny_shakespeare.yaml
 #   make train CONFIG=configs/tiny.yaml DATA=input.txt
