@@ -1,11 +1,12 @@
 // The sequential core of the Feedback Transformer: forward and hand-written backward.
 //
-// Why C++: a training step is seq_len * n_layers tiny steps of about twenty small ops each,
-// and at these sizes the cost is per-op overhead, not arithmetic. Driving the same ATen ops
-// from C++ removes the interpreter from the loop, and on a CPU the batch is split into one
-// shard per thread: rows of a batch never interact in the sweep, and one shard's small ops
-// leave the other cores idle. Everything else is as in the docstring of feedback_core.py,
-// which is the map of this file; tests/reference.py checks both against a slow autograd
+// Why C++: a training step is seq_len * n_layers tiny steps of a few dozen small ops each,
+// and at these sizes the cost is per-op overhead, not arithmetic. Driving ATen ops from
+// C++ removes the interpreter from the loop; on a CPU the batch is split into one shard per
+// thread (rows of a batch never interact in the sweep, and one shard's small ops leave the
+// other cores idle), and attention over a step's window is one loop per (row, head)
+// (WindowAttention) instead of a dozen tiny ATen calls. The algorithm is described in the
+// docstring of feedback_core.py; tests/reference.py checks it against a slow autograd
 // implementation written straight from the equations.
 //
 // Shapes: B batch, T steps in this call, D model width, H heads, dk = D / H, L layers,
@@ -158,7 +159,7 @@ void for_each_shard(int64_t shards, int64_t B, const Fn& fn) {
 // Attention over one step's memory window, for CPU tensors, as plain loops over
 // (row, head). At these sizes (d_k 32, a window of tens to hundreds of slots) one pass per
 // (row, head) costs less than the ten-odd ATen calls it replaces (each a dispatch and a
-// tiny batched gemm); the ATen version below serves every other device.
+// tiny batched gemm). Other devices and dtypes take the same steps as ATen calls.
 //
 // Pointers: qu [nb, H*dk]; keys/values of the window start at slot `lo` of each (row, head),
 // `kv_stride` apart; rt [H, dk, P] and c [H, P] (their last `ell` positions are this
