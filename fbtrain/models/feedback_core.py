@@ -8,7 +8,8 @@ backward sweeps the steps in reverse computing *activation* gradients only, and 
 *weight* gradient is one large matmul over all steps at the end. The step loops themselves
 are ATen calls driven from C++ (``csrc/feedback_core.cpp``, built on first use): that takes
 the interpreter out of the loop, and on a CPU it splits the batch into one shard per thread,
-since a batch row never interacts with another until the weight gradients.
+since a batch row never interacts with another until the weight gradients, and runs
+attention over each step's window as one vectorised loop per (row, head).
 ``tests/reference.py`` checks this against a slow autograd implementation written straight
 from the equations.
 
