@@ -61,8 +61,9 @@ def native_ops():
     avx2 = capability.startswith(("AVX2", "AVX512"))
     name = "fbtrain_core_avx2" if avx2 else "fbtrain_core"
     flags = ["-O3", *openmp, *(["-mavx2", "-mfma"] if avx2 else [])]
-    build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))
-    if not (build_dir / f"{name}.so").exists():
+    build_dir_of = getattr(cpp_extension, "_get_build_directory", None)  # private: optional
+    build_dir = Path(build_dir_of(name, verbose=False)) if build_dir_of else None
+    if build_dir is not None and not (build_dir / f"{name}.so").exists():
         print(f"fbtrain: compiling the C++ core into {build_dir} (once, about a minute)",
               file=sys.stderr, flush=True)
     try:
