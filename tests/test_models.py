@@ -41,9 +41,18 @@ def grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+@pytest.fixture(params=["loops", "aten"])
+def core_path(request, monkeypatch) -> str:
+    """Both attention paths of the C++ core: the CPU loops, and the ATen calls every other
+    device takes (forced on the CPU by FBTRAIN_CORE_ATEN)."""
+    if request.param == "aten":
+        monkeypatch.setenv("FBTRAIN_CORE_ATEN", "1")
+    return request.param
+
+
 @pytest.mark.parametrize("kind", FEEDBACK_KINDS)
 @pytest.mark.parametrize("mem_len", [None, 5])
-def test_fast_core_matches_reference_float64(kind, mem_len):
+def test_fast_core_matches_reference_float64(kind, mem_len, core_path):
     model = randomized(small(kind, mem_len=mem_len))
     tokens = torch.randint(0, 11, (3, 12))
     ref_logits = reference_forward(model, tokens)
@@ -82,7 +91,8 @@ def test_float32_core_matches_float64(kind):
 
 @pytest.mark.parametrize("kind", FEEDBACK_KINDS)
 @pytest.mark.parametrize("carry", [False, True])
-def test_gradient_with_dropout_and_carried_memory_matches_finite_differences(kind, carry):
+def test_gradient_with_dropout_and_carried_memory_matches_finite_differences(kind, carry,
+                                                                            core_path):
     """The hand-written backward in the cases the reference does not cover (dropout masks,
     memory carried in from an earlier call): the directional derivative along a random
     direction must equal a central finite difference. Same seed -> same dropout masks."""
