@@ -155,6 +155,11 @@ def program_words(programs: list[Program]) -> tuple[list[str], list[str | None]]
     return words, labels
 
 
+def program_size(program: Program) -> int:
+    """Tokens in a program, END included."""
+    return sum(len(s.words) for s in program) + 1
+
+
 def program_text(program: Program) -> str:
     """A program as text: its words joined by spaces, END last."""
     return " ".join([w for s in program for w in s.words] + [END])

@@ -43,6 +43,10 @@ class Corpus:
     tokenizer: Tokenizer
     splits: dict[str, Stream]
     labelled: bool  # True: only some targets are scored, and accuracy is reported
+    # Earlier tokens a prediction can depend on at most (0: unbounded, as in a text). The
+    # programs are independent, so for them it is the longest program's length: a window
+    # that reads that many tokens first scores as well as the whole stream would.
+    history: int = 0
 
     def stream(self, name: str) -> Stream:
         """The split ``name``; a ValueError naming the splits there are otherwise."""
@@ -74,12 +78,13 @@ def algorithmic_corpus(data_cfg: DataConfig, vocab: Sequence[str] | None = None)
     tokenizer = WordTokenizer(vocab if vocab else algorithmic.VOCABULARY)
     counts = {"train": data_cfg.train_programs, "val": data_cfg.valid_programs,
               "test": data_cfg.test_programs}
-    splits = {}
+    splits, history = {}, 0
     for name, count in counts.items():
         programs = algorithmic.generate_split(data_cfg.seed, name, count, data_cfg.variables,
                                               data_cfg.program_len)
         splits[name] = labelled_stream(*algorithmic.program_words(programs), tokenizer)
-    return Corpus(tokenizer, splits, labelled=True)
+        history = max(history, *(algorithmic.program_size(p) for p in programs))
+    return Corpus(tokenizer, splits, labelled=True, history=history)
 
 
 def labelled_stream(words: list[str], labels: list[str | None], tokenizer: Tokenizer

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from fbtrain.data import Stream, as_stream
+from fbtrain.data import IGNORE_INDEX, Stream, as_stream
 from fbtrain.scoring import Scores, window_scores
 
 LN2 = math.log(2.0)
@@ -36,15 +36,19 @@ CONTEXTS = ("reset", "carry")
 @torch.no_grad()
 def evaluate_split(
     model: nn.Module, ids: Tensor | Stream, seq_len: int, batch_size: int, *,
-    context: str = "reset"
+    context: str = "reset", history: int = 0
 ) -> dict[str, Any]:
     """Score every prediction of a split once: ``ids`` [n] (a text: n - 1 next-token
     predictions) or a :class:`~fbtrain.data.Stream` (its scored targets only).
 
     The predictions are cut into consecutive windows of ``seq_len`` (the last one shorter).
 
-    - ``context="reset"``: each window starts from empty memory, as in training; full windows
-      run ``batch_size`` side by side (tokens [B, seq_len]), the short last one on its own.
+    - ``context="reset"``: each window starts from empty memory ``history`` tokens before
+      it (those are read, not scored; 0: as in training with reset context); windows with
+      their whole history run ``batch_size`` side by side (tokens [B, history + seq_len]),
+      the first ones and the short last one on their own. A labelled dataset whose
+      predictions depend on at most ``history`` earlier tokens (the algorithmic programs:
+      the longest program) is then scored exactly, in parallel.
     - ``context="carry"``: the split is one stream fed in ``seq_len`` chunks with the memory
       state carried across them (batch 1), so every prediction sees up to ``mem_len`` earlier
       characters. Exact, but sequential: for a feedback model this costs n model steps
@@ -62,6 +66,8 @@ def evaluate_split(
         raise ValueError(f"seq_len = {seq_len!r}: must be an integer >= 1")
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size = {batch_size!r}: must be an integer >= 1")
+    if not isinstance(history, int) or history < 0:
+        raise ValueError(f"history = {history!r}: must be an integer >= 0")
     if not isinstance(ids, Stream) and (ids.dim() != 1 or len(ids) < 2):
         raise ValueError(f"need a 1-D tensor of at least 2 token ids, got shape "
                          f"{tuple(ids.shape)}")
@@ -83,13 +89,21 @@ def evaluate_split(
     model.eval()
     try:
         if context == "reset":
-            full = n // seq_len
-            x_full = inputs[: full * seq_len].view(full, seq_len)
-            y_full = targets[: full * seq_len].view(full, seq_len)
-            for start in range(0, full, batch_size):
-                add(x_full[start:start + batch_size], y_full[start:start + batch_size])
-            if n % seq_len:
-                add(inputs[full * seq_len:][None], targets[full * seq_len:][None])
+            # Windows with their full history and length run batched, the rest one by one.
+            starts = list(range(0, n, seq_len))
+            batched = [a for a in starts if a >= history and a + seq_len <= n]
+            span = torch.arange(history + seq_len, device=device)
+            for i in range(0, len(batched), batch_size):
+                index = torch.tensor(batched[i:i + batch_size], device=device)[:, None] + span
+                index -= history
+                y = targets[index].clone()
+                y[:, :history] = IGNORE_INDEX
+                add(inputs[index], y)
+            for a in sorted(set(starts) - set(batched)):
+                low, high = max(0, a - history), min(n, a + seq_len)
+                y = targets[low:high].clone()
+                y[: a - low] = IGNORE_INDEX
+                add(inputs[low:high][None], y[None])
         else:
             state = None
             for start in range(0, n, seq_len):
@@ -104,6 +118,7 @@ def evaluate_split(
         "scored": scores.count,
         "seq_len": seq_len,
         "context": context,
+        **({"history": history} if context == "reset" and history else {}),
     }
 
 
@@ -174,7 +189,8 @@ def run(
         stream = corpus.stream(split)
     except ValueError as e:
         raise ValueError(f"{e} ({where})") from None
-    result = evaluate_split(model, stream, seq_len, batch_size, context=context)
+    result = evaluate_split(model, stream, seq_len, batch_size, context=context,
+                            history=corpus.history)
     if not corpus.labelled:  # every target is scored: accuracy is not this data's figure
         result.pop("accuracy")
         result.pop("scored")
@@ -197,6 +213,7 @@ def format_result(result: dict[str, Any]) -> str:
         ("split", result.get("split")),
         ("context", result.get("context")),
         ("seq_len", result.get("seq_len")),
+        ("history", result.get("history")),
         ("tokens", f"{result['tokens']:,}"),
         ("scored", f"{result['scored']:,}" if "scored" in result else None),
         ("accuracy", f"{100 * result['accuracy']:.2f}%" if "accuracy" in result else None),

@@ -377,7 +377,8 @@ class Trainer:
             self.batches = RandomWindows(self.sampler, train.grad_accum)
         # Computed once: every evaluation scores the same windows, so curves are comparable.
         # With carried memory each scored window runs on a full memory window of context.
-        context = self.cfg.model.memory_window if carry else 0
+        # A labelled dataset may need more context to be scored exactly (corpus.history).
+        context = max(self.cfg.model.memory_window, corpus.history) if carry else 0
         val_x, val_y = fixed_windows(val_ids, self.cfg.max_seq_len, train.eval_windows,
                                      context=context)
         self.val_x, self.val_y = val_x.to(self.device), val_y.to(self.device)
@@ -490,7 +491,7 @@ class Trainer:
             streams = self.batches.layout
             log(f"context: carry ({len(streams.starts)} streams of {streams.length:,} tokens "
                 f"per rank, memory carried across segments; validation windows after "
-                f"{self.cfg.model.memory_window} tokens of context)")
+                f"{self.val_x.shape[1] - self.cfg.max_seq_len} tokens of context)")
         if resume_path is not None:
             log(f"resuming from {resume_path} at step {self.step}")
             if cfg.train.init_from:
