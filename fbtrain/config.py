@@ -91,7 +91,7 @@ class ModelConfig:
     memory_norm: str = _f(
         "none",
         "none (keys/values project memory as it is: the seed's model) or layernorm (they "
-        "project LayerNorm(memory), as the paper's code does; bounded when carried).",
+        "project LayerNorm(memory), as the paper's code does).",
         choices=("none", "layernorm"),
     )
 
