@@ -49,7 +49,15 @@ from fbtrain.checkpoint import (
     strip_wrapper_prefixes,
 )
 from fbtrain.config import Config, ConfigError, save_config
-from fbtrain.data import BatchSampler, CharTokenizer, DataError, fixed_windows, load_text, split
+from fbtrain.data import (
+    BatchSampler,
+    CharTokenizer,
+    DataError,
+    fixed_windows,
+    load_text,
+    require_tokens,
+    split,
+)
 from fbtrain.device import autocast, autocast_dtype
 from fbtrain.distributed import DistContext, rank_seed, session
 from fbtrain.evaluate import LN2, loss_figures, mean_loss
@@ -348,6 +356,8 @@ class Trainer:
         except DataError as e:
             raise DataError(f"vocabulary of checkpoint {vocab_source}: {e}") from None
         self.train_ids, val_ids = split(ids, self.cfg.data.val_fraction)
+        # Checked now, before the run directory is made (the sampler would only at step 1).
+        require_tokens(len(self.train_ids), self.cfg.max_seq_len, "training text")
         self.sampler = BatchSampler(self.train_ids, self.cfg.run.seed, rank=self.ctx.rank)
         # Computed once: every evaluation scores the same windows, so curves are comparable.
         val_x, val_y = fixed_windows(val_ids, self.cfg.max_seq_len, self.cfg.train.eval_windows)
