@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
-from fbtrain.io import atomic_write_text
+from fbtrain.io import FileWriteError, atomic_write_text, write_error
 
 JSONL_NAME = "metrics.jsonl"
 TB_DIR = "tb"
@@ -221,13 +221,29 @@ class MetricsLogger:
         if self._bar is not None:
             self._bar.close()
             self._bar = None
-        if self._writer is not None:
-            self._writer.flush()
-            self._writer.close()
-            self._writer = None
-        if self._jsonl is not None:
-            self._jsonl.close()
-            self._jsonl = None
+        failed: FileWriteError | None = None
+        for name, closer in (("tb", self._close_writer), (JSONL_NAME, self._close_jsonl)):
+            try:
+                closer()
+            except Exception as e:  # a full disk: close the rest, then say so in one line
+                failed = failed or write_error(self.run_dir / name if self.run_dir else name, e)
+                if failed is None:
+                    raise
+        # Closing in a `finally` while another error (say, the full disk that stopped a
+        # checkpoint save) unwinds: that error is the one to report, not this echo of it.
+        if failed is not None and sys.exc_info()[1] is None:
+            raise failed
+
+    def _close_writer(self) -> None:
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            writer.flush()
+            writer.close()
+
+    def _close_jsonl(self) -> None:
+        jsonl, self._jsonl = self._jsonl, None
+        if jsonl is not None:
+            jsonl.close()
 
     def __enter__(self) -> MetricsLogger:
         return self
@@ -261,8 +277,11 @@ class MetricsLogger:
                 # A killed run can leave half a line; start ours on a fresh one.
                 self._jsonl.write("\n")
         # default=: a stray tensor or array must cost a less tidy line, not the training run.
-        self._jsonl.write(json.dumps(record, default=_json_fallback) + "\n")
-        self._jsonl.flush()
+        try:
+            self._jsonl.write(json.dumps(record, default=_json_fallback) + "\n")
+            self._jsonl.flush()
+        except OSError as e:  # a full disk: say which file, in one line
+            raise FileWriteError(e.errno, e.strerror, str(self.jsonl_path)) from None
 
     def _get_bar(self) -> Any:
         if self._bar is None:

@@ -63,6 +63,7 @@ from fbtrain.distributed import DistContext, rank_seed, session
 from fbtrain.evaluate import LN2, loss_figures, mean_loss
 from fbtrain.metrics import TB_DIR, MetricsLogger, format_duration
 from fbtrain.models import build_model, count_parameters
+from fbtrain.rundir import RunDirLock
 from fbtrain.schedule import LRSchedule, build_optimizer
 
 EXIT_NONFINITE = 1
@@ -271,6 +272,7 @@ class Trainer:
         self.quiet = quiet
         self.run_dir = Path(cfg.run.out_dir) / cfg.run.name
         self.manager = CheckpointManager(self.run_dir, cfg.checkpoint.keep_last)
+        self.run_lock = RunDirLock(self.run_dir, enabled=ctx.is_main)
         self.step = 0
         self.tokens = 0
         self.val_loss: float | None = None
@@ -282,7 +284,15 @@ class Trainer:
     # ------------------------------------------------------------------ setup
 
     def fit(self, resume: str | None) -> Path:
-        """Set up (fresh, resumed or warm-started), train to ``max_steps``, return the run dir."""
+        """Set up (fresh, resumed or warm-started), train to ``max_steps``, return the run dir.
+
+        The run directory is owned (locked) throughout: from here when it exists, else from
+        its creation in :meth:`_prepare_run_dir`.
+        """
+        with self.run_lock:
+            return self._fit(resume)
+
+    def _fit(self, resume: str | None) -> Path:
         started = time.perf_counter()
         resume_path = self._resume_path(resume)
         payload = load_checkpoint(resume_path) if resume_path else None
@@ -438,6 +448,7 @@ class Trainer:
         """config.yaml and vocab.json (rank 0); a fresh start also drops old TensorBoard runs."""
         if self.ctx.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
+            self.run_lock.acquire()
             save_config(self.cfg, self.run_dir / "config.yaml")
             self.tokenizer.save(self.run_dir)
             if fresh:
@@ -449,6 +460,9 @@ class Trainer:
     def _announce(self, resume_path: Path | None) -> None:
         cfg, log = self.cfg, self.logger.info
         log(f"run directory: {self.run_dir}")
+        if self.run_lock.removed:
+            log(f"removed {len(self.run_lock.removed)} temp file(s) left by an interrupted "
+                f"save: {', '.join(p.name for p in self.run_lock.removed)}")
         log(f"model: {cfg.model.kind}, {count_parameters(self.raw_model):,} parameters "
             f"(d_model {cfg.model.d_model}, {cfg.model.n_layers} layers, "
             f"{cfg.model.n_heads} heads)")

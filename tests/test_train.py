@@ -490,3 +490,16 @@ def test_cuda_bf16_steps(tmp_path: Path) -> None:
                     train={"max_steps": 6, "eval_every": 2})
     run(more, resume="auto", quiet=True)
     assert [r["step"] for r in records(run_dir) if "loss" in r] == list(range(1, 7))
+
+
+def test_train_split_too_short_is_refused_before_anything_is_made(tmp_path: Path) -> None:
+    # 33 characters, half held out: 16 to train on (a window of 16 needs 17), 17 validation.
+    text = tmp_path / "short.txt"
+    text.write_text("abcdefghij" * 3 + "abc", encoding="utf-8")
+    cfg = make_cfg(tmp_path, data={"path": str(text), "val_fraction": 0.5},
+                   curriculum=[{"seq_len": 16}])
+    from fbtrain.data import DataError
+
+    with pytest.raises(DataError, match=r"^training text too short for seq_len 16: 16 tokens"):
+        run(cfg, quiet=True)
+    assert not (tmp_path / "runs").exists()
