@@ -48,7 +48,7 @@ from fbtrain.checkpoint import (
     restore_rng,
     strip_wrapper_prefixes,
 )
-from fbtrain.config import Config, ConfigError, save_config
+from fbtrain.config import Config, ConfigError, ModelConfig, save_config
 from fbtrain.data import (
     BatchSampler,
     CharTokenizer,
@@ -72,6 +72,8 @@ EVAL_BATCH = 64  # validation windows per forward: no gradients, so wide batches
 WARMUP_STEPS = 1  # steps of each process left out of tokens/s (allocations, first kernels)
 # Model fields that fix the shapes of the weights; a checkpoint must agree on all of them.
 ARCHITECTURE = ("kind", "d_model", "n_heads", "d_ff", "n_layers", "max_rel_pos")
+# A warm start changes the kind on purpose (transformer -> feedback); the rest must agree.
+WARM_START_ARCHITECTURE = tuple(k for k in ARCHITECTURE if k != "kind")
 
 
 class TrainingError(Exception):
@@ -204,6 +206,14 @@ def apply_warm_start(model: nn.Module, state: dict[str, Any], source: Path) -> W
     report.loaded = [n for n in own if n in matched]
     report.fresh = [n for n in own if n not in matched]
     return report
+
+
+def architecture_diff(saved: dict[str, Any], model: ModelConfig, keys: tuple[str, ...]
+                      ) -> list[str]:
+    """``"key: checkpoint X, config Y"`` for each of ``keys`` where a checkpoint's
+    ``model_config`` (``saved``) and ``model`` disagree; empty when they agree."""
+    return [f"{k}: checkpoint {saved.get(k)!r}, config {getattr(model, k)!r}"
+            for k in keys if saved.get(k) != getattr(model, k)]
 
 
 _LAYER = re.compile(r"^(.*?layers)\.(\d+)\.(.+)$")
@@ -341,9 +351,16 @@ class Trainer:
             return None, None
         path = resolve_checkpoint(source, prefer="best")
         init = load_checkpoint(path)
-        if not isinstance(init.get("model"), dict) or not isinstance(init.get("vocab"), list):
+        if not (isinstance(init.get("model"), dict) and isinstance(init.get("vocab"), list)
+                and isinstance(init.get("model_config"), dict)):
             raise CheckpointError(f"{path}: train.init_from needs a model checkpoint "
-                                  "(with 'model' and 'vocab')")
+                                  "(with 'model', 'model_config' and 'vocab')")
+        diff = architecture_diff(init["model_config"], self.cfg.model, WARM_START_ARCHITECTURE)
+        if diff:
+            raise CheckpointError(
+                f"{path}: train.init_from's model differs from model.* in the config "
+                f"({'; '.join(diff)}); a warm start needs the same "
+                f"{', '.join(WARM_START_ARCHITECTURE)}")
         return path, init
 
     def _seed_everything(self) -> None:
@@ -414,9 +431,7 @@ class Trainer:
         if missing:
             raise CheckpointError(f"{path}: cannot resume from it: missing "
                                   f"{', '.join(missing)}")
-        saved = payload["model_config"]
-        diff = [f"{k}: checkpoint {saved.get(k)!r}, config {getattr(self.cfg.model, k)!r}"
-                for k in ARCHITECTURE if saved.get(k) != getattr(self.cfg.model, k)]
+        diff = architecture_diff(payload["model_config"], self.cfg.model, ARCHITECTURE)
         if diff:
             raise CheckpointError(f"{path}: the checkpoint's model differs from model.* in the "
                                   f"config ({'; '.join(diff)}); resume with its config")

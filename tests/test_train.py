@@ -503,3 +503,18 @@ def test_train_split_too_short_is_refused_before_anything_is_made(tmp_path: Path
     with pytest.raises(DataError, match=r"^training text too short for seq_len 16: 16 tokens"):
         run(cfg, quiet=True)
     assert not (tmp_path / "runs").exists()
+
+
+def test_warm_start_refuses_another_architecture(tmp_path: Path) -> None:
+    source = run(make_cfg(tmp_path, "base", model={"kind": "transformer"},
+                          train={"max_steps": 1}), quiet=True)
+    from fbtrain.checkpoint import CheckpointError
+
+    cfg = make_cfg(tmp_path, "warm", model={"d_model": 32, "n_layers": 3},
+                   train={"max_steps": 1, "init_from": str(source)})
+    with pytest.raises(CheckpointError, match=r"best\.pt: train\.init_from's model differs "
+                       r"from model\.\* in the config \(d_model: checkpoint 16, config 32; "
+                       r"n_layers: checkpoint 2, config 3\); a warm start needs the same "
+                       r"d_model, n_heads, d_ff, n_layers, max_rel_pos$"):
+        run(cfg, quiet=True)
+    assert not (tmp_path / "runs" / "warm").exists()
