@@ -128,10 +128,13 @@ class TrainConfig:
     constant_tokens: bool = _f(
         True, "Scale each curriculum stage's batch so tokens per step match the last stage."
     )
-    eval_every: int = _f(250, "Evaluate on the fixed validation windows every N steps.", min=1)
+    eval_every: int = _f(75, "Evaluate on the fixed validation windows every N steps (and "
+                         "at step 0 and the last step).", min=1)
     eval_windows: int = _f(64, "Fixed validation windows per evaluation.", min=1)
     log_every: int = _f(25, "Log train metrics every N steps.", min=1)
-    sample_every: int = _f(0, "Log a generated sample every N steps (0: never).", min=0)
+    sample_every: int | None = _f(
+        None, "Log a generated sample every N steps and at the end (0: never; null: with "
+        "every evaluation, the first and the last included).", min=0)
     sample_length: int = _f(200, "Characters in each logged sample.", min=1)
     init_from: str | None = _f(None, "Warm start: a transformer checkpoint (or run dir).")
 
@@ -150,7 +153,8 @@ class CheckpointConfig:
 
 @dataclass
 class LoggingConfig:
-    tensorboard: bool = _f(True, "Write TensorBoard events under <run>/tb.")
+    tensorboard: bool = _f(True, "Write TensorBoard events into the run directory "
+                           "(tensorboard --logdir <out_dir>).")
     progress: bool = _f(True, "Show a progress bar on a terminal (plain lines otherwise).")
 
 
@@ -200,6 +204,17 @@ class Config:
     @property
     def max_seq_len(self) -> int:
         return max(s.seq_len for s in self.curriculum)
+
+    def total_tokens(self) -> int:
+        """Training tokens over all ``max_steps`` (one rank; micro-batches included)."""
+        total, start = 0, 0
+        for stage in self.curriculum:
+            end = self.train.max_steps if stage.until_step is None else min(
+                stage.until_step, self.train.max_steps)
+            if end > start:
+                total += (end - start) * self.batch_size_at(start) * stage.seq_len
+            start = max(start, end)
+        return total * self.train.grad_accum
 
 
 SECTIONS = {

@@ -61,7 +61,7 @@ from fbtrain.data import (
 from fbtrain.device import autocast, autocast_dtype
 from fbtrain.distributed import DistContext, rank_seed, session
 from fbtrain.evaluate import LN2, loss_figures, mean_loss
-from fbtrain.metrics import TB_DIR, MetricsLogger, format_duration
+from fbtrain.metrics import EVENTS_GLOB, MetricsLogger, format_duration, hparams_of
 from fbtrain.models import build_model, count_parameters
 from fbtrain.rundir import RunDirLock
 from fbtrain.schedule import LRSchedule, build_optimizer
@@ -319,7 +319,10 @@ class Trainer:
         )
         try:
             # Resumed: drop lines the abandoned run logged after the checkpoint. Fresh: all.
-            self.logger.truncate_after(self.step)
+            self.logger.truncate_after(self.step if payload is not None else -1)
+            if payload is None:
+                self.logger.start_run(hparams_of(self.cfg, self.ctx.world_size),
+                                      memory_weights=hasattr(self.raw_model, "memory_weights"))
             self._announce(resume_path)
             if self.warm_report is not None:
                 self.logger.info(self.warm_report.summary())
@@ -468,7 +471,7 @@ class Trainer:
             self.tokenizer.save(self.run_dir)
             if fresh:
                 # Left by a run killed before its first checkpoint: its curves are not ours.
-                for events in (self.run_dir / TB_DIR).glob("events.out.tfevents.*"):
+                for events in self.run_dir.glob(EVENTS_GLOB):
                     events.unlink(missing_ok=True)
         self.ctx.barrier()
 
@@ -490,7 +493,7 @@ class Trainer:
             if cfg.train.init_from:
                 log("train.init_from is ignored when resuming (the checkpoint has the weights)")
         if self.cfg.logging.tensorboard:
-            log(f"tensorboard --logdir {self.run_dir / TB_DIR}")
+            log(f"tensorboard --logdir {self.run_dir.parent}")
 
     def _device_text(self) -> str:
         dtype = {None: "fp32", torch.bfloat16: "bf16 autocast",
@@ -508,6 +511,8 @@ class Trainer:
             self.logger.info(f"nothing to train: the checkpoint is at step {self.step} and "
                              f"train.max_steps is {cfg.max_steps}")
         prev_seq_len = self.cfg.seq_len_at(max(0, self.step - 1)) if self.step else None
+        if self.step == 0 and cfg.max_steps > 0:
+            self._evaluate_untrained()
         while self.step < cfg.max_steps:
             seq_len = self.cfg.seq_len_at(self.step)
             if prev_seq_len is not None and seq_len != prev_seq_len:
@@ -601,11 +606,12 @@ class Trainer:
         if step % cfg.train.log_every == 0 or final:
             record.update(self._train_metrics(result))
         improved = False
-        if step % cfg.train.eval_every == 0 or final:
+        evaluated = step % cfg.train.eval_every == 0 or final
+        if evaluated:
             improved = self._evaluate(record)
         if record:
             self.logger.log(step, record)
-        if cfg.train.sample_every and step % cfg.train.sample_every == 0:
+        if self._sample_due(evaluated):
             self._log_sample()
         every = step % cfg.checkpoint.every == 0
         if every or final or improved or result.stop is not None:
@@ -638,15 +644,35 @@ class Trainer:
         self.logger.progress(self.step, shown)
         return metrics
 
-    def _evaluate(self, record: dict[str, Any]) -> bool:
-        """Validation loss on the fixed windows (rank 0); True when it is the best so far."""
+    def _evaluate_untrained(self) -> None:
+        """Step 0: the untrained model's validation loss (and a sample), so every curve
+        starts at the start. Not a candidate for best.pt: there is nothing to save yet."""
+        record: dict[str, Any] = {}
+        self._evaluate(record, candidate=False)
+        if record:
+            self.logger.log(0, record)
+        if self._sample_due(evaluated=True):
+            self._log_sample()
+
+    def _sample_due(self, evaluated: bool) -> bool:
+        """A sample with every evaluation (``sample_every: null``), or every N steps and at
+        the end (N > 0), or never (0)."""
+        every, step = self.cfg.train.sample_every, self.step
+        if every is None:
+            return evaluated
+        return every > 0 and (step % every == 0 or step == self.cfg.train.max_steps)
+
+    def _evaluate(self, record: dict[str, Any], candidate: bool = True) -> bool:
+        """Validation loss on the fixed windows (rank 0); True when it is the best so far.
+
+        ``candidate=False`` (step 0) logs the loss without making it the best to beat."""
         if not self.ctx.is_main:
             return False
         with preserve_rng(self.device), autocast(self.cfg.run.precision, self.device):
             loss = mean_loss(self.raw_model, self.val_x, self.val_y, EVAL_BATCH)
         self.val_loss = loss
-        improved = math.isfinite(loss) and (self.best_val_loss is None
-                                            or loss < self.best_val_loss)
+        improved = candidate and math.isfinite(loss) and (self.best_val_loss is None
+                                                          or loss < self.best_val_loss)
         if improved:
             self.best_val_loss = loss
         metrics = {f"val/{k}": v for k, v in loss_figures(loss).items()}
@@ -715,15 +741,8 @@ class Trainer:
     # ------------------------------------------------------------------ end
 
     def _finish(self, started: float) -> None:
-        """Hyperparameters with final metrics to TensorBoard, and a summary line."""
-        final: dict[str, Any] = {}
-        if self.val_loss is not None:
-            final.update({"val/loss": self.val_loss, "val/bpc": self.val_loss / LN2})
-        if self.best_val_loss is not None:
-            final["val/best_loss"] = self.best_val_loss
-        if self.last_loss is not None:
-            final["train/loss"] = self.last_loss
-        self.logger.log_hparams(self.cfg.to_dict(), final)
+        """Close the run's HParams session in TensorBoard, and a summary line."""
+        self.logger.end_run()
         parts = [f"done at step {self.step}"]
         if self.val_loss is not None:
             parts.append(f"val loss {self.val_loss:.4f} (bpc {self.val_loss / LN2:.4f})")

@@ -380,3 +380,13 @@ def test_val_fraction_message_gives_the_real_limits():
 
     with pytest.raises(DataError, match=r"^data.val_fraction = 0.7: must be > 0 and <= 0.5$"):
         split(torch.arange(100), 0.7)
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
+def test_total_tokens_is_the_sum_over_steps(path: Path):
+    cfg = load_config(path)
+    assert cfg.total_tokens() == total_tokens(cfg) * cfg.train.grad_accum
+    short = load_config(path, ["train.max_steps=7", "train.grad_accum=3",
+                               "curriculum=[{until_step: 5, seq_len: 8}, {until_step: 9, "
+                               "seq_len: 16}, {seq_len: 32}]", "model.max_rel_pos=64"])
+    assert short.total_tokens() == total_tokens(short) * 3
