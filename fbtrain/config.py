@@ -92,6 +92,12 @@ class ModelConfig:
     mem_len: int | None = _f(
         None, "Memory slots kept when decoding/carrying state (default max_rel_pos).", min=1
     )
+    memory_norm: str = _f(
+        "none",
+        "none (keys/values project memory as it is: the seed's model) or layernorm (they "
+        "project LayerNorm(memory), as the paper's code does; bounded when carried).",
+        choices=("none", "layernorm"),
+    )
 
     def problems(self) -> list[tuple[str, Any, str]]:
         out = _field_problems(self)
@@ -127,6 +133,12 @@ class TrainConfig:
     grad_clip: float = _f(1.0, "Clip the global gradient norm to this (0: off).", min=0)
     constant_tokens: bool = _f(
         True, "Scale each curriculum stage's batch so tokens per step match the last stage."
+    )
+    context: str = _f(
+        "reset",
+        "reset (every sequence starts from empty memory) or carry (batch_size contiguous "
+        "streams; each step trains the next segment on the memory the last one left).",
+        choices=("reset", "carry"),
     )
     eval_every: int = _f(75, "Evaluate on the fixed validation windows every N steps (and "
                          "at step 0 and the last step).", min=1)
@@ -372,6 +384,11 @@ def _cross_checks(cfg: Config, where: str) -> list[str]:
         if stage.seq_len > cfg.model.max_rel_pos:
             out.append(f"{where}: curriculum[{i}].seq_len = {stage.seq_len}: must be <= "
                        f"model.max_rel_pos ({cfg.model.max_rel_pos})")
+    lengths = {stage.seq_len for stage in cfg.curriculum}
+    if cfg.train.context == "carry" and cfg.train.constant_tokens and len(lengths) > 1:
+        out.append(f"{where}: train.context = carry with train.constant_tokens = true and "
+                   f"curriculum lengths {sorted(lengths)}: carried streams keep one batch "
+                   "size (train.batch_size), so set train.constant_tokens: false")
     if cfg.train.min_lr > cfg.train.lr:
         out.append(f"{where}: train.min_lr = {cfg.train.min_lr}: must be <= train.lr "
                    f"({cfg.train.lr})")

@@ -52,8 +52,9 @@ def core_path(request, monkeypatch) -> str:
 
 @pytest.mark.parametrize("kind", FEEDBACK_KINDS)
 @pytest.mark.parametrize("mem_len", [None, 5])
-def test_fast_core_matches_reference_float64(kind, mem_len, core_path):
-    model = randomized(small(kind, mem_len=mem_len))
+@pytest.mark.parametrize("memory_norm", ["none", "layernorm"])
+def test_fast_core_matches_reference_float64(kind, mem_len, memory_norm, core_path):
+    model = randomized(small(kind, mem_len=mem_len, memory_norm=memory_norm))
     tokens = torch.randint(0, 11, (3, 12))
     ref_logits = reference_forward(model, tokens)
     loss_of(ref_logits).backward()
@@ -90,13 +91,15 @@ def test_float32_core_matches_float64(kind):
 
 
 @pytest.mark.parametrize("kind", FEEDBACK_KINDS)
-@pytest.mark.parametrize("carry", [False, True])
-def test_gradient_with_dropout_and_carried_memory_matches_finite_differences(kind, carry,
-                                                                            core_path):
+@pytest.mark.parametrize(("carry", "memory_norm"),
+                         [(False, "none"), (True, "none"), (True, "layernorm")])
+def test_gradient_with_dropout_and_carried_memory_matches_finite_differences(
+        kind, carry, memory_norm, core_path):
     """The hand-written backward in the cases the reference does not cover (dropout masks,
     memory carried in from an earlier call): the directional derivative along a random
     direction must equal a central finite difference. Same seed -> same dropout masks."""
-    model = randomized(small(kind, dropout=0.3 if not carry else 0.0, n_layers=2))
+    model = randomized(small(kind, dropout=0.3 if not carry else 0.0, n_layers=2,
+                             memory_norm=memory_norm))
     model.train()
     tokens = torch.randint(0, 11, (2, 7))
     state = None
@@ -130,8 +133,9 @@ def test_gradient_with_dropout_and_carried_memory_matches_finite_differences(kin
 
 @pytest.mark.parametrize("kind", ALL_KINDS)
 @pytest.mark.parametrize("grad", [False, True])
-def test_chunked_equals_whole(kind, grad):
-    model = randomized(small(kind, mem_len=6)).eval()
+@pytest.mark.parametrize("memory_norm", ["none", "layernorm"])
+def test_chunked_equals_whole(kind, grad, memory_norm):
+    model = randomized(small(kind, mem_len=6, memory_norm=memory_norm)).eval()
     tokens = torch.randint(0, 11, (2, 15))
     with torch.set_grad_enabled(grad):
         whole, _ = model(tokens)
