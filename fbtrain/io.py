@@ -16,6 +16,9 @@ from typing import IO
 # Temp files atomic_write makes: ".<name>.<8 random characters>.tmp" (tempfile.mkstemp).
 _TEMP = re.compile(r"^\..+\.[A-Za-z0-9_]{8}\.tmp$")
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+# Errors of the file system itself; others (a network error while streaming a download into
+# the file, say) say what they are about and pass through unchanged.
+_FILE_SYSTEM = (*_DISK_FULL, errno.EIO, errno.EROFS)
 
 
 class FileWriteError(OSError):
@@ -35,13 +38,14 @@ class FileWriteError(OSError):
 
 
 def write_error(path: str | Path, error: BaseException) -> FileWriteError | None:
-    """The OSError behind ``error`` (itself or one it was raised from), as a
-    :class:`FileWriteError` about ``path``; None when no OSError is in the chain."""
+    """The file-system error behind ``error`` (a full disk, an I/O error, a read-only file
+    system: ``error`` itself or one it was raised from), as a :class:`FileWriteError` about
+    ``path``; None when there is none in the chain."""
     seen: BaseException | None = error
     while seen is not None:
         if isinstance(seen, FileWriteError):
             return seen
-        if isinstance(seen, OSError):
+        if isinstance(seen, OSError) and seen.errno in _FILE_SYSTEM:
             return FileWriteError(seen.errno, seen.strerror or str(seen), str(path))
         seen = seen.__cause__ or seen.__context__
     return None
@@ -52,7 +56,7 @@ def atomic_write(path: str | Path, write: Callable[[IO[bytes]], None]) -> None:
 
     On any failure the temp file is removed and ``path`` keeps its old content; a failure
     of the file system (a full disk, say, even when torch wraps it in a RuntimeError) is
-    raised as a one-line :class:`FileWriteError` naming ``path``.
+    raised as a one-line :class:`FileWriteError` naming ``path``, anything else as it is.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -349,7 +349,10 @@ class MetricsLogger:
             self._jsonl.write(json.dumps(record, default=_json_fallback) + "\n")
             self._jsonl.flush()
         except OSError as e:  # a full disk: say which file, in one line
-            raise FileWriteError(e.errno, e.strerror, str(self.jsonl_path)) from None
+            failed = write_error(self.jsonl_path, e)
+            if failed is None:
+                raise
+            raise failed from None
 
     def _get_bar(self) -> Any:
         if self._bar is None:

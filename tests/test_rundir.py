@@ -260,3 +260,16 @@ EOF
     assert len(errors) == 1, proc.stderr
     assert errors[0].startswith(f"error: {mnt}/tiny/") and errors[0].endswith(DISK_FULL)
     assert "all load" in out and ".tmp" not in out.split("files", 1)[1], out
+
+
+def test_other_errors_while_writing_pass_through(tmp_path: Path) -> None:
+    """Only file-system failures become FileWriteError: a network error while a download
+    streams into the file must still say what it is."""
+
+    def interrupted(f: IO[bytes]) -> None:
+        f.write(b"partial")
+        raise TimeoutError("read timed out")
+
+    with pytest.raises(TimeoutError, match="^read timed out$"):
+        fbio.atomic_write(tmp_path / "x.txt", interrupted)
+    assert list(tmp_path.iterdir()) == []

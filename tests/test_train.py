@@ -448,7 +448,7 @@ def test_memory_norm_keeps_carried_memory_bounded(tmp_path: Path) -> None:
                               "warmup_steps": 0, "grad_clip": 0.0, "weight_decay": 0.0,
                               "max_steps": STEPS_TO_RUN_AWAY, "eval_every": 100},
                        curriculum=[{"seq_len": 16}])
-        rms[norm] = [r["memory_rms"] for r in records(run(cfg, quiet=True))]
+        rms[norm] = [r["memory_rms"] for r in records(run(cfg, quiet=True)) if "memory_rms" in r]
     assert all(math.isfinite(v) and v < 10 for v in rms["layernorm"]), rms
     assert max(rms["none"]) > 100 * max(rms["layernorm"]), rms
 
