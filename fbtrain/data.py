@@ -25,7 +25,7 @@ from typing import IO, Any
 import requests
 import torch
 
-from fbtrain.config import DataConfig
+from fbtrain.config import MAX_VAL_FRACTION, DataConfig
 from fbtrain.io import atomic_write, atomic_write_text
 
 log = logging.getLogger(__name__)
@@ -313,8 +313,9 @@ def split(ids: torch.Tensor, val_fraction: float) -> tuple[torch.Tensor, torch.T
     keeps float noise (e.g. 0.7 * 10 = 6.9999...) from losing a token; it never rounds up
     a genuine fraction, which is what the documented split relies on.
     """
-    if not 0 < val_fraction < 1:
-        raise DataError(f"data.val_fraction = {val_fraction}: must be between 0 and 1")
+    if not 0 < val_fraction <= MAX_VAL_FRACTION:  # also refuses NaN
+        raise DataError(f"data.val_fraction = {val_fraction}: must be > 0 and <= "
+                        f"{MAX_VAL_FRACTION}")
     n = len(ids)
     n_train = min(n, max(0, math.floor(n * (1 - val_fraction) + 1e-9)))
     train, val = ids[:n_train], ids[n_train:]
@@ -331,11 +332,13 @@ def _check_data(data: torch.Tensor) -> None:
         raise TypeError("data must be a 1-D tensor of token ids")
 
 
-def _too_short(n: int, seq_len: int, what: str) -> DataError:
-    return DataError(
-        f"{what} too short for seq_len {seq_len}: {n} tokens, need at least {seq_len + 1}; "
-        "use a shorter curriculum seq_len or a longer text"
-    )
+def require_tokens(n: int, seq_len: int, what: str) -> None:
+    """Raise DataError unless ``n`` tokens hold one window of ``seq_len`` inputs + target."""
+    if n < seq_len + 1:
+        raise DataError(
+            f"{what} too short for seq_len {seq_len}: {n} tokens, need at least {seq_len + 1};"
+            " use a shorter curriculum seq_len or a longer text"
+        )
 
 
 def derived_seed(*parts: object) -> int:
@@ -370,8 +373,7 @@ class BatchSampler:
         if batch_size < 1 or seq_len < 1:
             raise ValueError(f"batch_size and seq_len must be >= 1, got {batch_size}, {seq_len}")
         n = len(self.data)
-        if n < seq_len + 1:
-            raise _too_short(n, seq_len, "training text")
+        require_tokens(n, seq_len, "training text")
         starts = torch.randint(0, n - seq_len, (batch_size,), generator=self.generator)
         windows = self.data[starts[:, None] + torch.arange(seq_len + 1)]
         # One host->device copy; x and y are made contiguous on the device so that callers
@@ -409,9 +411,8 @@ def fixed_windows(
         raise ValueError(f"count and seq_len must be >= 1 and context >= 0, got {count}, "
                          f"{seq_len}, {context}")
     n, span = len(data), context + seq_len
-    if n < span + 1:
-        what = "validation text" + (f" (with {context} tokens of context)" if context else "")
-        raise _too_short(n, span, what)
+    what = "validation text" + (f" (with {context} tokens of context)" if context else "")
+    require_tokens(n, span, what)
     k = min(count, (n - 1) // span)
     last = n - span - 1
     # Integer spacing: floor(i * last / (k - 1)); consecutive starts differ by >= span.

@@ -63,8 +63,8 @@ def evaluate_split(
 
     Deterministic (eval mode, no sampling); the model's mode is restored afterwards. Summed
     cross-entropy is accumulated in float64. Returns ``loss`` (mean nats per character),
-    ``bpc`` (loss / ln 2), ``perplexity`` (exp(loss)), ``tokens`` (n - 1), ``seq_len`` and
-    ``context``.
+    ``bpc`` (loss / ln 2), ``perplexity`` (exp(loss)), ``tokens`` (n - 1), ``seq_len`` (the
+    window length used: n - 1 when the split is shorter than ``seq_len``) and ``context``.
     """
     if context not in CONTEXTS:
         raise ValueError(f"context = {context!r}: must be one of {', '.join(CONTEXTS)}")
@@ -110,7 +110,7 @@ def evaluate_split(
     return {
         **loss_figures(total.item() / n),
         "tokens": n,
-        "seq_len": seq_len,
+        "seq_len": min(seq_len, n),  # what was used: a split shorter than one window is one
         "context": context,
     }
 
