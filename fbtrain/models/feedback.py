@@ -4,7 +4,7 @@
 the lowest layer sees the highest representations of the past. ``kind: feedback`` gives every
 layer its own key/value projection of memory (computed for all layers in one matmul when the
 slot is created); ``kind: feedback_kv`` shares one pair, so each step adds one key/value.
-The step loop itself is in ``feedback_core.py``.
+The step loop itself is in ``feedback_core.py`` (C++) or ``python_core.py`` (the fallback).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from fbtrain.config import ModelConfig
 from fbtrain.models.feedback_core import (
     CoreSpec,
     FeedbackCoreFunction,
+    core_choice,
     core_forward,
     flatten_layers,
 )
@@ -29,6 +30,7 @@ from fbtrain.models.state import MemoryState
 class FeedbackTransformer(nn.Module):
     def __init__(self, cfg: ModelConfig, vocab_size: int):
         super().__init__()
+        core_choice()  # a bad $FBTRAIN_CORE is a CoreError now, not at the first step
         self.cfg = cfg
         self.shared_kv = cfg.kind == "feedback_kv"
         d = cfg.d_model
