@@ -88,6 +88,12 @@ class ModelConfig:
     mem_len: int | None = _f(
         None, "Memory slots kept when decoding/carrying state (default max_rel_pos).", min=1
     )
+    memory_norm: str = _f(
+        "none",
+        "none (keys/values project memory as it is: the seed's model) or layernorm (they "
+        "project LayerNorm(memory), as the paper's code does; bounded when carried).",
+        choices=("none", "layernorm"),
+    )
 
     def problems(self) -> list[tuple[str, Any, str]]:
         out = _field_problems(self)

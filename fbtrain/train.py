@@ -48,7 +48,7 @@ from fbtrain.checkpoint import (
     restore_rng,
     strip_wrapper_prefixes,
 )
-from fbtrain.config import Config, ConfigError, save_config
+from fbtrain.config import Config, ConfigError, ModelConfig, save_config
 from fbtrain.data import BatchSampler, CharTokenizer, DataError, fixed_windows, load_text, split
 from fbtrain.device import autocast, autocast_dtype
 from fbtrain.distributed import DistContext, rank_seed, session
@@ -62,7 +62,7 @@ EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}  # 128 + signal number, a
 EVAL_BATCH = 64  # validation windows per forward: no gradients, so wide batches are cheap
 WARMUP_STEPS = 1  # steps of each process left out of tokens/s (allocations, first kernels)
 # Model fields that fix the shapes of the weights; a checkpoint must agree on all of them.
-ARCHITECTURE = ("kind", "d_model", "n_heads", "d_ff", "n_layers", "max_rel_pos")
+ARCHITECTURE = ("kind", "d_model", "n_heads", "d_ff", "n_layers", "max_rel_pos", "memory_norm")
 
 
 class TrainingError(Exception):
@@ -396,7 +396,8 @@ class Trainer:
                                   f"{', '.join(missing)}")
         saved = payload["model_config"]
         diff = [f"{k}: checkpoint {saved.get(k)!r}, config {getattr(self.cfg.model, k)!r}"
-                for k in ARCHITECTURE if saved.get(k) != getattr(self.cfg.model, k)]
+                for k in ARCHITECTURE
+                if saved.get(k, getattr(ModelConfig, k, None)) != getattr(self.cfg.model, k)]
         if diff:
             raise CheckpointError(f"{path}: the checkpoint's model differs from model.* in the "
                                   f"config ({'; '.join(diff)}); resume with its config")

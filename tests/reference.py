@@ -6,6 +6,8 @@ step loop, and (``feedback``) every layer re-projecting all of memory at every s
 (``feedback_kv``) one key/value per step kept in lists and stacked anew each step. It reads
 the parameters of a real fbtrain model, so both compute with the same weights; the tests
 check the fast core against it, and ``scripts/benchmark.py`` times it as the baseline.
+With ``memory_norm: layernorm`` keys and values project LayerNorm(memory): the layer's own
+``ln1`` (``feedback``) or the shared ``mem_norm`` (``feedback_kv``), applied as modules.
 """
 
 from __future__ import annotations
@@ -44,7 +46,11 @@ def reference_forward(model: FeedbackTransformer, tokens: Tensor) -> Tensor:
             attn = layer.attn
             if memory:
                 # [B, n, D]; the original variant re-projects all of memory in every layer
-                k, v = shared if model.shared_kv else (attn.key(mem), attn.value(mem))
+                if model.shared_kv:
+                    k, v = shared
+                else:
+                    normed = layer.ln1(mem) if model.memory_norm else mem
+                    k, v = attn.key(normed), attn.value(normed)
                 n = k.shape[1]
                 k, v = k.view(B, n, H, dk), v.view(B, n, H, dk)
                 q = attn.query(layer.ln1(x)).view(B, H, dk)
@@ -64,7 +70,8 @@ def reference_forward(model: FeedbackTransformer, tokens: Tensor) -> Tensor:
         m = sum(mix[i] * outputs[i] for i in range(L + 1))
         memory.append(m)
         if model.shared_kv:
-            shared_k.append(model.key(m))
-            shared_v.append(model.value(m))
+            normed = model.mem_norm(m) if model.memory_norm else m
+            shared_k.append(model.key(normed))
+            shared_v.append(model.value(normed))
         logits.append(model.head(model.ln_f(x)))
     return torch.stack(logits, dim=1)

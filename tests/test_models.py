@@ -65,8 +65,9 @@ def core_name(request, monkeypatch) -> str:
 
 @pytest.mark.parametrize("kind", FEEDBACK_KINDS)
 @pytest.mark.parametrize("mem_len", [None, 5])
-def test_fast_core_matches_reference_float64(kind, mem_len, core_path):
-    model = randomized(small(kind, mem_len=mem_len))
+@pytest.mark.parametrize("memory_norm", ["none", "layernorm"])
+def test_fast_core_matches_reference_float64(kind, mem_len, memory_norm, core_path):
+    model = randomized(small(kind, mem_len=mem_len, memory_norm=memory_norm))
     tokens = torch.randint(0, 11, (3, 12))
     ref_logits = reference_forward(model, tokens)
     loss_of(ref_logits).backward()
@@ -106,13 +107,15 @@ def test_float32_core_matches_float64(kind, core_name):
 
 
 @pytest.mark.parametrize("kind", FEEDBACK_KINDS)
-@pytest.mark.parametrize("carry", [False, True])
-def test_gradient_with_dropout_and_carried_memory_matches_finite_differences(kind, carry,
-                                                                            core_path):
+@pytest.mark.parametrize(("carry", "memory_norm"),
+                         [(False, "none"), (True, "none"), (True, "layernorm")])
+def test_gradient_with_dropout_and_carried_memory_matches_finite_differences(
+        kind, carry, memory_norm, core_path):
     """The hand-written backward in the cases the reference does not cover (dropout masks,
     memory carried in from an earlier call): the directional derivative along a random
     direction must equal a central finite difference. Same seed -> same dropout masks."""
-    model = randomized(small(kind, dropout=0.3 if not carry else 0.0, n_layers=2))
+    model = randomized(small(kind, dropout=0.3 if not carry else 0.0, n_layers=2,
+                             memory_norm=memory_norm))
     model.train()
     tokens = torch.randint(0, 11, (2, 7))
     state = None
@@ -146,8 +149,9 @@ def test_gradient_with_dropout_and_carried_memory_matches_finite_differences(kin
 
 @pytest.mark.parametrize(("kind", "core_name"), KIND_CORES, indirect=["core_name"])
 @pytest.mark.parametrize("grad", [False, True])
-def test_chunked_equals_whole(kind, grad, core_name):
-    model = randomized(small(kind, mem_len=6)).eval()
+@pytest.mark.parametrize("memory_norm", ["none", "layernorm"])
+def test_chunked_equals_whole(kind, grad, memory_norm, core_name):
+    model = randomized(small(kind, mem_len=6, memory_norm=memory_norm)).eval()
     tokens = torch.randint(0, 11, (2, 15))
     with torch.set_grad_enabled(grad):
         whole, _ = model(tokens)
@@ -259,11 +263,12 @@ def test_no_grad_shards_never_share_scratch(kind, threads):
 
 
 @pytest.mark.parametrize("kind", FEEDBACK_KINDS)
-def test_cores_agree_with_dropout_and_carried_memory(kind, monkeypatch):
+@pytest.mark.parametrize("memory_norm", ["none", "layernorm"])
+def test_cores_agree_with_dropout_and_carried_memory(kind, memory_norm, monkeypatch):
     """Both cores draw the dropout masks alike (same shapes, same order, before the sweep),
     so from one seed they compute the same training step: logits, carried memory and every
     gradient, over two calls that carry memory (the second with a full window)."""
-    model = randomized(small(kind, dropout=0.3, mem_len=4)).train()
+    model = randomized(small(kind, dropout=0.3, mem_len=4, memory_norm=memory_norm)).train()
     tokens = torch.randint(0, 11, (3, 7))
     runs = []
     for name in ("native", "python"):

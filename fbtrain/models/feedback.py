@@ -4,7 +4,10 @@
 the lowest layer sees the highest representations of the past. ``kind: feedback`` gives every
 layer its own key/value projection of memory (computed for all layers in one matmul when the
 slot is created); ``kind: feedback_kv`` shares one pair, so each step adds one key/value.
-The step loop itself is in ``feedback_core.py`` (C++) or ``python_core.py`` (the fallback).
+With ``memory_norm: layernorm`` keys and values project ``LayerNorm(m_t)`` (as the paper's
+code does): each layer's own pre-attention LayerNorm for ``feedback``, one shared
+``mem_norm`` for ``feedback_kv``. The step loop itself is in ``feedback_core.py``
+(C++) or ``python_core.py`` (the fallback).
 """
 
 from __future__ import annotations
@@ -39,9 +42,12 @@ class FeedbackTransformer(nn.Module):
             Layer(d, cfg.n_heads, cfg.d_ff, cfg.max_rel_pos, own_kv=not self.shared_kv)
             for _ in range(cfg.n_layers)
         )
+        self.memory_norm = cfg.memory_norm == "layernorm"
         if self.shared_kv:
             self.key = nn.Linear(d, d, bias=False)
             self.value = nn.Linear(d, d, bias=False)
+            if self.memory_norm:
+                self.mem_norm = nn.LayerNorm(d)
         self.mem_weights = nn.Parameter(torch.ones(cfg.n_layers + 1))
         self.ln_f = nn.LayerNorm(d)
         self.head = nn.Linear(d, vocab_size)
@@ -61,7 +67,11 @@ class FeedbackTransformer(nn.Module):
 
     def core_params(self, n_pos: int) -> tuple[list[dict[str, Tensor]], Tensor, Tensor | None]:
         """Per-layer tensors for the core (constants folded; see RelativeAttention.folded),
-        the memory key/value projection ``wkv`` [D, 2*n_sets*D] and its bias (or None)."""
+        the memory key/value projection ``wkv`` [D, 2*n_sets*D] and its bias (or None).
+
+        With memory norm the core projects the affine-free ``norm(m)``, and the LayerNorm's
+        weight g and bias b are folded in here: ``(norm(m) * g + b) @ W = norm(m) @ (g W) +
+        b @ W``, so the core needs no per-set LayerNorm parameters."""
         layers = []
         for layer in self.layers:
             fa = layer.attn.folded(n_pos)
@@ -74,11 +84,23 @@ class FeedbackTransformer(nn.Module):
                 "w2_t": layer.ff2.weight.t(), "b2": layer.ff2.bias,
             })
         if self.shared_kv:
-            return layers, torch.cat([self.key.weight.t(), self.value.weight.t()], 1), None
+            wkv = torch.cat([self.key.weight.t(), self.value.weight.t()], 1)  # [D, 2D]
+            if not self.memory_norm:
+                return layers, wkv, None
+            norm = self.mem_norm
+            return layers, norm.weight[:, None] * wkv, norm.bias @ wkv
         attns = [layer.attn for layer in self.layers]
-        wkv = torch.cat([a.key.weight.t() for a in attns] + [a.value.weight.t() for a in attns], 1)
-        no_key_bias = wkv.new_zeros(len(attns) * self.cfg.d_model)
-        return layers, wkv, torch.cat([no_key_bias, *(a.value.bias for a in attns)])
+        w_k = [a.key.weight.t() for a in attns]  # [D, D] each
+        w_v = [a.value.weight.t() for a in attns]
+        b_k = [w.new_zeros(self.cfg.d_model) for w in w_k]
+        b_v = [a.value.bias for a in attns]
+        if self.memory_norm:  # each layer's keys/values read memory through its own ln1
+            norms = [layer.ln1 for layer in self.layers]
+            b_k = [n.bias @ w for n, w in zip(norms, w_k, strict=True)]
+            b_v = [n.bias @ w + b for n, w, b in zip(norms, w_v, b_v, strict=True)]
+            w_k = [n.weight[:, None] * w for n, w in zip(norms, w_k, strict=True)]
+            w_v = [n.weight[:, None] * w for n, w in zip(norms, w_v, strict=True)]
+        return layers, torch.cat(w_k + w_v, 1), torch.cat(b_k + b_v)
 
     @contextmanager
     def frozen_weights(self) -> Iterator[None]:
@@ -121,6 +143,7 @@ class FeedbackTransformer(nn.Module):
         spec = CoreSpec(
             n_layers=self.cfg.n_layers, n_heads=self.cfg.n_heads, shared_kv=self.shared_kv,
             window=window, dropout=self.cfg.dropout if self.training else 0.0,
+            memory_norm=self.memory_norm,
         )
         mem_k, mem_v = state.keys.to(x0.dtype), state.values.to(x0.dtype)
         # The core runs in the embedding's dtype even under autocast: its hand-written

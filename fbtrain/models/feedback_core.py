@@ -134,10 +134,13 @@ class CoreSpec:
     window: int  # memory slots a step may attend to (mem_len <= max_rel_pos)
     dropout: float  # 0 when not training
     eps: float = 1e-5
+    # Keys/values read LayerNorm(m_t) instead of m_t. Only the normalisation happens in the
+    # core: the LayerNorm's weight and bias are folded into wkv/bkv by the model.
+    memory_norm: bool = False
 
-    def args(self) -> tuple[int, int, bool, int, float, float]:
+    def args(self) -> tuple[int, int, bool, int, float, float, bool]:
         return (self.n_layers, self.n_heads, self.shared_kv, self.window, self.dropout,
-                self.eps)
+                self.eps, self.memory_norm)
 
 
 # Per-layer tensors in the order the core takes them (see FeedbackTransformer.core_params).
@@ -158,8 +161,10 @@ class Core(Protocol):
         layers: L * 14 tensors, as :func:`flatten_layers` (``rt`` [H, d_k, P], ``c``
         [H, 1, P] hold the P = min(S, window) position rows a window can use, largest
         offset first). mix: [L+1] softmax memory weights. wkv: [D, 2*n_kv*D] (all keys,
-        then all values); bkv: [2*n_kv*D] or None. Returns hidden [T, L+1, B, D] (every
-        layer's output at every step), the memory vectors [T, B, D], the key/value buffers
+        then all values); bkv: [2*n_kv*D] or None; the keys/values of step t are
+        ``m_t @ wkv + bkv``, or with ``spec.memory_norm`` ``norm(m_t) @ wkv + bkv`` (norm:
+        LayerNorm without affine). Returns hidden [T, L+1, B, D] (every layer's output at
+        every step), the memory vectors [T, B, D] (before any norm), the key/value buffers
         [n_kv, B*H, S, d_k], and the tape the backward needs (its own kind per core; empty
         unless ``keep_tape``). Dropout masks are drawn from the global generator before the
         sweep, in the same order by both cores. Results are inference tensors: to reach

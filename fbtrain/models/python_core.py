@@ -59,11 +59,13 @@ class Tape:
 
     ``att[l]`` holds (a, mu1, rs1, qu, prob, prob_used, o, mask_prob, mask_att) for the
     steps that attend (non-empty memory); ``ff[l]`` holds (y, mu2, rs2, c, h, h_used,
-    mask_h, mask_ff) for every step. Masks are None without dropout.
+    mask_h, mask_ff) for every step. Masks are None without dropout. ``mem`` holds, with
+    memory norm, (norm(m_t) [B, D], mean [B, 1], rstd [B, 1]) for every step.
     """
 
     att: list[list[tuple]] = field(default_factory=list)
     ff: list[list[tuple]] = field(default_factory=list)
+    mem: list[tuple] = field(default_factory=list)
 
 
 def _window(slot: int, window: int) -> tuple[int, int]:
@@ -179,6 +181,13 @@ def _forward(spec: CoreSpec, x0: Tensor, mem_k: Tensor, mem_v: Tensor,
         # m_t = sum_l softmax(w)_l h_t^l, then its keys/values for every key set at once.
         m = torch.mm(mix.view(1, L + 1), hidden[t].view(L + 1, B * D), out=memory[t].view(1, -1))
         m = m.view(B, D)
+        # With memory norm the projection reads LayerNorm(m_t); its affine part is folded
+        # into wkv/bkv by the model, so only the normalisation happens here.
+        if spec.memory_norm:
+            m_hat, mu_m, rs_m = _layer_norm(m, shape, None, None, eps)
+            if tape is not None:
+                tape.mem.append((m_hat, mu_m, rs_m))
+            m = m_hat
         kv_new = torch.mm(m, wkv) if bkv is None else torch.addmm(bkv, m, wkv)
         kv_new = kv_new.view(B, 2, n_kv, H, dk)
         key_rows[:, :, :, slot] = kv_new[:, 0].transpose(0, 1)
@@ -237,6 +246,10 @@ def _backward(spec: CoreSpec, d_top: Tensor, hidden: Tensor, memory: Tensor, key
             d_kv[t, :, 0] = d_key_rows[:, :, :, slot].transpose(0, 1)
             d_kv[t, :, 1] = d_value_rows[:, :, :, slot].transpose(0, 1)
             dm = torch.mm(d_kv[t].view(B, -1), wkv.t(), out=d_memory[t])  # [B, D]
+            if spec.memory_norm:  # through the normalisation, back to m_t
+                _, mu_m, rs_m = tape.mem[t]
+                dm.copy_(_layer_norm_backward(dm, memory[t], shape, mu_m, rs_m, None, None,
+                                              (True, False, False))[0])
         if ell:
             k_w = [k.narrow(1, lo, ell) for k in key_sets]  # [BH, ell, dk]
             v_t = [v.narrow(1, lo, ell).transpose(1, 2) for v in value_sets]  # [BH, dk, ell]
@@ -297,7 +310,8 @@ def _backward(spec: CoreSpec, d_top: Tensor, hidden: Tensor, memory: Tensor, key
         layer_grads += [grads[name] for name in LAYER_PARAMS]
     d_mix = torch.einsum("tbd,tlbd->l", d_memory, hidden)
     d_kv_flat = d_kv.view(T * B, -1)
-    d_wkv = torch.mm(memory.view(T * B, D).t(), d_kv_flat)
+    kv_in = _stacked(tape.mem, 0) if spec.memory_norm else memory.view(T * B, D)  # projected
+    d_wkv = torch.mm(kv_in.t(), d_kv_flat)
     return d_x0, layer_grads, d_mix, d_wkv, d_kv_flat.sum(0)
 
 

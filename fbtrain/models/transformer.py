@@ -2,8 +2,10 @@
 
 Layer l attends to the *previous layer's outputs* at earlier positions (offsets 1..mem_len;
 a position never attends to itself, as in the feedback model) through its own key/value
-projections, with the same relative positions. Its parameter names match the feedback
-models', so a transformer checkpoint can warm-start them.
+projections, with the same relative positions. With ``memory_norm: layernorm`` keys and
+values project the layer's normalised input ``ln1(x)`` (the usual pre-norm transformer).
+Its parameter names match the feedback models', so a transformer checkpoint can warm-start
+them.
 """
 
 from __future__ import annotations
@@ -57,14 +59,16 @@ class Transformer(nn.Module):
         pos_index = (n_pos - offset).clamp(0, n_pos - 1).expand(B, H, T, S)
         new_keys, new_values = [], []
         drop = self.cfg.dropout if self.training else 0.0
+        memory_norm = self.cfg.memory_norm == "layernorm"
         for li, layer in enumerate(self.layers):
             attn = layer.attn
             fa = attn.folded(n_pos)
-            k = attn.key(x).view(B, T, H, dk).transpose(1, 2)  # [B, H, T, dk]
-            v = attn.value(x).view(B, T, H, dk).transpose(1, 2)
+            a = layer.ln1(x)
+            kv_in = a if memory_norm else x  # as the feedback models' memory_norm
+            k = attn.key(kv_in).view(B, T, H, dk).transpose(1, 2)  # [B, H, T, dk]
+            v = attn.value(kv_in).view(B, T, H, dk).transpose(1, 2)
             keys = torch.cat([state.keys[li].view(B, H, n0, dk).to(x.dtype), k], dim=2)
             values = torch.cat([state.values[li].view(B, H, n0, dk).to(x.dtype), v], dim=2)
-            a = layer.ln1(x)
             qu = torch.addmm(fa.uq, a.view(B * T, D), fa.wq).view(B, T, H, dk).transpose(1, 2)
             scores = qu @ keys.transpose(2, 3)  # [B, H, T, S]
             by_offset = qu @ fa.rt + fa.c  # [B, H, T, n_pos], largest offset first

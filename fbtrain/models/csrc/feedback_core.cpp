@@ -36,13 +36,17 @@ enum Param { LN1_W, LN1_B, WQ, UQ, RT, CPOS, WO_T, BO, LN2_W, LN2_B, W1_T, B1, W
 // Attention records are [L, n_att, B, .] over the steps that attend (non-empty memory);
 // feed-forward records are [L, T, B, .]. The attention probabilities have a different
 // width every step, so they are packed per layer as [L, sum_t B*H*ell_t].
+// MEM_HAT, MEM_MU, MEM_RS: the normalised memory [T, B, D] and its statistics [T, B, 1]
+// (empty unless memory_norm).
 enum Record { A, MU1, RS1, QU, O, MASK_ATT, PROB, PROB_USED, MASK_PROB,
-              Y, MU2, RS2, CN, HID, H_USED, MASK_H, MASK_FF, N_RECORDS };
+              Y, MU2, RS2, CN, HID, H_USED, MASK_H, MASK_FF, MEM_HAT, MEM_MU, MEM_RS,
+              N_RECORDS };
 
 struct Spec {
   int64_t L, H, window;
   bool shared_kv;
   double dropout, eps;
+  bool memory_norm;  // keys/values from the (affine-free) LayerNorm of memory
 };
 
 // First slot and length of the memory window seen by the step that creates `slot`.
@@ -134,6 +138,7 @@ Tape make_tape(const Spec& s, const Layout& lay, const Tensor& like) {
   r[H_USED] = drop ? buf({L, n_ff, B, F}) : r[HID];
   r[MASK_H] = drop ? mask(buf({L, n_ff, B, F})) : none();
   r[MASK_FF] = drop ? mask(buf({L, n_ff, B, D})) : none();
+  r[MEM_HAT] = r[MEM_MU] = r[MEM_RS] = none();  // see record_memory_norm
   return Tape{std::move(r), &lay};
 }
 
@@ -379,7 +384,11 @@ struct Forward {
       // m_t = sum_l softmax(w)_l h_t^l, then its keys/values for every key set at once.
       Tensor m = memory.select(0, t).narrow(0, b0, nb), m_row = m.view({1, nb * D});  // [nb, D]
       at::mm_out(m_row, mix.view({1, L + 1}), hid_t.view({L + 1, nb * D}));
-      Tensor kv_new = bkv ? at::addmm(*bkv, m, wkv) : at::mm(m, wkv);
+      // With memory_norm the projection reads LayerNorm(m_t); its affine part is folded
+      // into wkv/bkv by the caller, so only the normalisation happens here.
+      const Tensor kv_in =
+          s.memory_norm ? std::get<0>(at::native_layer_norm(m, shape, {}, {}, s.eps)) : m;
+      Tensor kv_new = bkv ? at::addmm(*bkv, kv_in, wkv) : at::mm(kv_in, wkv);
       kv_new = kv_new.view({nb, 2, n_kv, H, dk});
       key_rows.select(3, slot).copy_(kv_new.select(1, 0).transpose(0, 1));
       value_rows.select(3, slot).copy_(kv_new.select(1, 1).transpose(0, 1));
@@ -419,10 +428,20 @@ void record_layer_norms(const Spec& s, const Layout& lay,
   rec[RS2] = at::stack(rs2);
 }
 
+// The normalised memory and its statistics, recomputed from the memory buffer in one call
+// (rows equal the sweep's, as in record_layer_norms).
+void record_memory_norm(const Spec& s, const Tensor& memory, std::vector<Tensor>& rec) {
+  if (!s.memory_norm) return;
+  auto [hat, mu, rs] = at::native_layer_norm(memory, {memory.size(-1)}, {}, {}, s.eps);
+  rec[MEM_HAT] = hat;
+  rec[MEM_MU] = mu;
+  rec[MEM_RS] = rs;
+}
+
 Spec make_spec(int64_t n_layers, int64_t n_heads, bool shared_kv, int64_t window,
-               double dropout, double eps) {
+               double dropout, double eps, bool memory_norm) {
   TORCH_CHECK(n_layers > 0 && n_heads > 0 && window > 0, "fbtrain core: bad spec");
-  return Spec{n_layers, n_heads, window, shared_kv, dropout, eps};
+  return Spec{n_layers, n_heads, window, shared_kv, dropout, eps, memory_norm};
 }
 
 std::vector<std::vector<Tensor>> split_layers(at::TensorList flat, int64_t L) {
@@ -444,9 +463,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, std::vector<Tensor>> core_forward(
     const Tensor& x0, const Tensor& mem_k, const Tensor& mem_v, at::TensorList layers,
     const Tensor& mix, const Tensor& wkv, const std::optional<Tensor>& bkv, int64_t n_layers,
     int64_t n_heads, bool shared_kv, int64_t window, double dropout, double eps,
-    bool keep_tape) {
+    bool memory_norm, bool keep_tape) {
   at::InferenceMode guard;
-  const Spec s = make_spec(n_layers, n_heads, shared_kv, window, dropout, eps);
+  const Spec s = make_spec(n_layers, n_heads, shared_kv, window, dropout, eps, memory_norm);
   const auto p = split_layers(layers, s.L);
   const int64_t B = x0.size(0), T = x0.size(1), D = x0.size(2), H = s.H, dk = D / H;
   const int64_t n_kv = mem_k.size(0), n0 = mem_k.size(2), S = n0 + T;
@@ -465,6 +484,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, std::vector<Tensor>> core_forward(
     fw.tape.rec.clear();
   } else {
     record_layer_norms(s, lay, p, fw.hidden, fw.tape.rec);
+    record_memory_norm(s, fw.memory, fw.tape.rec);
   }
   return {fw.hidden, fw.memory, fw.keys, fw.values, fw.tape.rec};
 }
@@ -481,7 +501,7 @@ struct Backward {
   const std::vector<Tensor>& back;  // per layer: wq^T, rt^T [H, P, dk], wo^T, w1^T, w2^T
   const Tape& tape;
   const std::vector<double>& mix;
-  const Tensor &wkv_t, &d_top, &hidden, &keys, &values;
+  const Tensor &wkv_t, &d_top, &hidden, &memory, &keys, &values;
   Tensor d_keys, d_values, d_kv, d_memory, d_x0;  // d_kv: [T, B, 2, n_kv, H, dk]
   std::vector<Tensor> g;  // Grad order
   std::vector<std::vector<Tensor>> d_rt, d_c;  // per shard, per layer: [H, dk, P], [H, P]
@@ -512,6 +532,11 @@ struct Backward {
         dkv_t.select(1, 1).copy_(d_value_rows.select(3, slot).transpose(0, 1));
         dm = d_memory.select(0, t).narrow(0, b0, nb);
         at::mm_out(dm, dkv_t.view({nb, -1}), wkv_t);
+        if (s.memory_norm) {  // through the normalisation, back to m_t
+          dm.copy_(std::get<0>(at::native_layer_norm_backward(
+              dm, rows(memory, t, b0, nb), shape, rows(tape.rec[MEM_MU], t, b0, nb),
+              rows(tape.rec[MEM_RS], t, b0, nb), {}, {}, input_grad_only)));
+        }
       }
       for (int64_t kv = 0; ell && kv < n_kv; ++kv) {
         k_w[kv] = keys_s.select(0, kv).narrow(1, lo, ell);  // [nbH, ell, dk]
@@ -625,9 +650,9 @@ std::tuple<Tensor, std::vector<Tensor>, Tensor, Tensor, Tensor> core_backward(
     const Tensor& d_top, const Tensor& hidden, const Tensor& memory, const Tensor& keys,
     const Tensor& values, at::TensorList tape_records, at::TensorList layers,
     const Tensor& mix, const Tensor& wkv, int64_t n0, int64_t n_layers, int64_t n_heads,
-    bool shared_kv, int64_t window, double dropout, double eps) {
+    bool shared_kv, int64_t window, double dropout, double eps, bool memory_norm) {
   at::InferenceMode guard;
-  const Spec s = make_spec(n_layers, n_heads, shared_kv, window, dropout, eps);
+  const Spec s = make_spec(n_layers, n_heads, shared_kv, window, dropout, eps, memory_norm);
   const auto p = split_layers(layers, s.L);
   const int64_t T = hidden.size(0), L = s.L, B = hidden.size(2), D = hidden.size(3);
   const int64_t n_kv = keys.size(0), F = p[0][W1_T].size(1);
@@ -645,7 +670,7 @@ std::tuple<Tensor, std::vector<Tensor>, Tensor, Tensor, Tensor> core_backward(
   }();
   const int64_t shards = shard_count(hidden, B), n_att = lay.n_att;
   const Tensor wkv_t = wkv.t();
-  Backward bw{s, lay, p, back, tape, mix_f, wkv_t, d_top, hidden, keys, values,
+  Backward bw{s, lay, p, back, tape, mix_f, wkv_t, d_top, hidden, memory, keys, values,
               at::zeros_like(keys), at::zeros_like(values),
               hidden.new_zeros({T, B, 2, n_kv, s.H, lay.dk}), hidden.new_zeros({T, B, D}),
               hidden.new_empty({B, T, D}), {}, {}, {}};
@@ -699,7 +724,8 @@ std::tuple<Tensor, std::vector<Tensor>, Tensor, Tensor, Tensor> core_backward(
   }
   const Tensor d_mix = at::einsum("tbd,tlbd->l", {bw.d_memory, hidden});
   const Tensor d_kv_flat = bw.d_kv.view({T * B, -1});
-  const Tensor d_wkv = at::mm(memory.view({T * B, D}).t(), d_kv_flat);
+  const Tensor& kv_in = s.memory_norm ? tape.rec[MEM_HAT] : memory;  // what was projected
+  const Tensor d_wkv = at::mm(kv_in.reshape({T * B, D}).t(), d_kv_flat);
   return {bw.d_x0, grads, d_mix, d_wkv, d_kv_flat.sum(0)};
 }
 
@@ -708,12 +734,13 @@ std::tuple<Tensor, std::vector<Tensor>, Tensor, Tensor, Tensor> core_backward(
 TORCH_LIBRARY(fbtrain, m) {
   m.def("core_forward(Tensor x0, Tensor mem_k, Tensor mem_v, Tensor[] layers, Tensor mix, "
         "Tensor wkv, Tensor? bkv, int n_layers, int n_heads, bool shared_kv, int window, "
-        "float dropout, float eps, bool keep_tape) -> "
+        "float dropout, float eps, bool memory_norm, bool keep_tape) -> "
         "(Tensor, Tensor, Tensor, Tensor, Tensor[])",
         &core_forward);
   m.def("core_backward(Tensor d_top, Tensor hidden, Tensor memory, Tensor keys, "
         "Tensor values, Tensor[] tape, Tensor[] layers, Tensor mix, Tensor wkv, int n0, "
-        "int n_layers, int n_heads, bool shared_kv, int window, float dropout, float eps) -> "
+        "int n_layers, int n_heads, bool shared_kv, int window, float dropout, float eps, "
+        "bool memory_norm) -> "
         "(Tensor, Tensor[], Tensor, Tensor, Tensor)",
         &core_backward);
 }
