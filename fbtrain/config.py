@@ -128,6 +128,12 @@ class TrainConfig:
     constant_tokens: bool = _f(
         True, "Scale each curriculum stage's batch so tokens per step match the last stage."
     )
+    context: str = _f(
+        "reset",
+        "reset (every sequence starts from empty memory) or carry (batch_size contiguous "
+        "streams; each step trains the next segment on the memory the last one left).",
+        choices=("reset", "carry"),
+    )
     eval_every: int = _f(250, "Evaluate on the fixed validation windows every N steps.", min=1)
     eval_windows: int = _f(64, "Fixed validation windows per evaluation.", min=1)
     log_every: int = _f(25, "Log train metrics every N steps.", min=1)
@@ -341,6 +347,11 @@ def _cross_checks(cfg: Config, where: str) -> list[str]:
         if stage.seq_len > cfg.model.max_rel_pos:
             out.append(f"{where}: curriculum[{i}].seq_len = {stage.seq_len}: must be <= "
                        f"model.max_rel_pos ({cfg.model.max_rel_pos})")
+    lengths = {stage.seq_len for stage in cfg.curriculum}
+    if cfg.train.context == "carry" and cfg.train.constant_tokens and len(lengths) > 1:
+        out.append(f"{where}: train.context = carry with train.constant_tokens = true and "
+                   f"curriculum lengths {sorted(lengths)}: carried streams keep one batch "
+                   "size (train.batch_size), so set train.constant_tokens: false")
     if cfg.train.min_lr > cfg.train.lr:
         out.append(f"{where}: train.min_lr = {cfg.train.min_lr}: must be <= train.lr "
                    f"({cfg.train.lr})")

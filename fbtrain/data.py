@@ -6,6 +6,7 @@ the user can get wrong here raises :class:`DataError` with a one-line message th
 which file or URL is at fault and what to do; the CLI turns it into exit code 2.
 
 Shapes: token ids are 1-D ``LongTensor`` s; batches are ``[batch, seq_len]`` (batch first).
+Targets equal to :data:`IGNORE_INDEX` are not scored (PyTorch's cross-entropy convention).
 """
 
 from __future__ import annotations
@@ -40,6 +41,9 @@ _TRANSIENT = (
     requests.exceptions.ChunkedEncodingError,  # connection dropped mid-body
     requests.exceptions.ContentDecodingError,
 )
+
+
+IGNORE_INDEX = -100  # a target position that no loss or metric counts (F.cross_entropy's default)
 
 
 class DataError(Exception):
@@ -389,23 +393,83 @@ class BatchSampler:
 
 
 def fixed_windows(
-    data: torch.Tensor, seq_len: int, count: int
+    data: torch.Tensor, seq_len: int, count: int, context: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Deterministic evaluation windows: x, y ``[count', seq_len]`` spread evenly over ``data``.
+    """Deterministic evaluation windows: x, y ``[count', context + seq_len]`` spread evenly
+    over ``data``, the first ``context`` targets of each set to :data:`IGNORE_INDEX`.
 
-    ``count' = min(count, (len(data) - 1) // seq_len)``: the number of windows whose inputs
-    do not overlap. Starts run from the first token to the last possible one, so the
-    windows sample the whole split and every call (and every run) sees the same ones.
+    With ``context`` > 0 every scored prediction runs on memory filled by ``context``
+    earlier tokens, as in training with carried memory. ``count' = min(count, (len(data) -
+    1) // (context + seq_len))``: the number of windows whose inputs do not overlap. Starts
+    run from the first token to the last possible one, so the windows sample the whole
+    split and every call (and every run) sees the same ones.
     """
     _check_data(data)
-    if count < 1 or seq_len < 1:
-        raise ValueError(f"count and seq_len must be >= 1, got {count}, {seq_len}")
-    n = len(data)
-    if n < seq_len + 1:
-        raise _too_short(n, seq_len, "validation text")
-    k = min(count, (n - 1) // seq_len)
-    last = n - seq_len - 1
-    # Integer spacing: floor(i * last / (k - 1)); consecutive starts differ by >= seq_len.
+    if count < 1 or seq_len < 1 or context < 0:
+        raise ValueError(f"count and seq_len must be >= 1 and context >= 0, got {count}, "
+                         f"{seq_len}, {context}")
+    n, span = len(data), context + seq_len
+    if n < span + 1:
+        what = "validation text" + (f" (with {context} tokens of context)" if context else "")
+        raise _too_short(n, span, what)
+    k = min(count, (n - 1) // span)
+    last = n - span - 1
+    # Integer spacing: floor(i * last / (k - 1)); consecutive starts differ by >= span.
     starts = torch.tensor([i * last // (k - 1) for i in range(k)] if k > 1 else [0])
-    windows = data.long()[starts[:, None] + torch.arange(seq_len + 1)]
-    return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
+    windows = data.long()[starts[:, None] + torch.arange(span + 1)]
+    x, y = windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
+    y[:, :context] = IGNORE_INDEX
+    return x, y
+
+
+class StreamLayout:
+    """The split cut into contiguous streams, for training with carried memory.
+
+    ``n_streams * world_size`` streams of ``length`` inputs each; rank r owns streams
+    ``[r * n_streams, (r + 1) * n_streams)``, so ranks never share a token. Stream s reads
+    inputs ``data[s * length : (s + 1) * length]`` and their next tokens as targets (the
+    one after its last input is the next stream's first), so one pass over all streams
+    feeds every token of ``data[: n_streams * world_size * length]`` exactly once; the
+    fewer than ``n_streams * world_size + 1`` tokens left at the end are never read.
+    :meth:`segment` walks all streams together; at the end of the streams it wraps to
+    their start, and the caller resets the memory there. The layout is a function of the
+    data and the rank alone: its only state is the cursor.
+    """
+
+    def __init__(self, data: torch.Tensor, n_streams: int, rank: int = 0, world_size: int = 1):
+        _check_data(data)
+        if n_streams < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"need n_streams >= 1 and 0 <= rank < world_size, got "
+                             f"{n_streams}, {rank}, {world_size}")
+        total = n_streams * world_size
+        self.length = (len(data) - 1) // total
+        if self.length < 1:
+            raise DataError(f"training text too short for {total} streams: {len(data)} tokens, "
+                            f"need at least {total + 1}; use a smaller train.batch_size")
+        self.data = data.long()
+        self.starts = (rank * n_streams + torch.arange(n_streams)) * self.length  # [n_streams]
+        self.cursor = 0
+
+    def segment(self, seq_len: int, device: torch.device | str = "cpu"
+                ) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """The next ``seq_len`` inputs and targets of every stream, x, y ``[n_streams, T]``
+        (``T`` shorter at the end of the streams), and whether they start the streams (the
+        carried memory must then be empty)."""
+        if seq_len < 1:
+            raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+        begin = self.cursor
+        end = min(begin + seq_len, self.length)
+        self.cursor = end % self.length
+        windows = self.data[self.starts[:, None] + torch.arange(begin, end + 1)].to(device)
+        return windows[:, :-1].contiguous(), windows[:, 1:].contiguous(), begin == 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"cursor": self.cursor, "length": self.length}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the cursor; refuses a state made for streams of another length."""
+        if state.get("length") != self.length:
+            raise DataError(f"carried streams of length {state.get('length')} do not fit this "
+                            f"data and batch (streams of {self.length} tokens); resume with "
+                            "the same data, batch size and number of ranks")
+        self.cursor = int(state["cursor"])

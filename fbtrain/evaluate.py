@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from fbtrain.data import IGNORE_INDEX
+
 LN2 = math.log(2.0)
 
 
@@ -23,8 +25,9 @@ def loss_figures(loss: float) -> dict[str, float]:
 
 @torch.no_grad()
 def mean_loss(model: nn.Module, x: Tensor, y: Tensor, batch_size: int) -> float:
-    """Mean cross-entropy in nats over every target of windows x, y: [N, T] (each window
-    from empty memory). Runs in eval mode and restores the model's mode afterwards."""
+    """Mean cross-entropy in nats over the scored targets of windows x, y: [N, T] (each
+    window from empty memory; targets equal to IGNORE_INDEX are not scored). Runs in eval
+    mode and restores the model's mode afterwards."""
     was_training = model.training
     model.eval()
     total, count = 0.0, 0
@@ -34,7 +37,7 @@ def mean_loss(model: nn.Module, x: Tensor, y: Tensor, batch_size: int) -> float:
             logits, _ = model(xb)
             total += F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
                                      yb.reshape(-1), reduction="sum").item()
-            count += yb.numel()
+            count += int((yb != IGNORE_INDEX).sum())
     finally:
         model.train(was_training)
     return total / count

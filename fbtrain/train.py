@@ -10,8 +10,13 @@ number minus one); the curriculum, the batch size and the learning rate are look
 that index (``cfg.seq_len_at(index)``), so ``until_step: 300`` means exactly the steps
 logged 1..300 run at that stage.
 
+Context: ``train.context: reset`` trains on random windows from empty memory;
+``carry`` trains on contiguous streams with the memory carried from step to step
+(``batches.py``).
+
 Exact resume: the checkpoint holds the model, optimizer, step, tokens and every random
-stream (Python, torch, CUDA, the batch sampler). Evaluation and sampling run under
+stream (Python, torch, CUDA, the batch sampler), and in carry mode the stream cursor and
+the carried memory. Evaluation and sampling run under
 :func:`preserve_rng`, so they never shift those streams, and the learning rate is a pure
 function of the step. On the CPU, N steps + resume + N steps is bitwise 2N straight steps.
 
@@ -39,6 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from fbtrain.batches import CarriedStreams, RandomWindows
 from fbtrain.checkpoint import (
     CheckpointError,
     CheckpointManager,
@@ -49,7 +55,15 @@ from fbtrain.checkpoint import (
     strip_wrapper_prefixes,
 )
 from fbtrain.config import Config, ConfigError, ModelConfig, save_config
-from fbtrain.data import BatchSampler, CharTokenizer, DataError, fixed_windows, load_text, split
+from fbtrain.data import (
+    BatchSampler,
+    CharTokenizer,
+    DataError,
+    StreamLayout,
+    fixed_windows,
+    load_text,
+    split,
+)
 from fbtrain.device import autocast, autocast_dtype
 from fbtrain.distributed import DistContext, rank_seed, session
 from fbtrain.evaluate import LN2, loss_figures, mean_loss
@@ -248,6 +262,7 @@ class StepResult:
     batch_size: int
     tokens: int  # over all ranks and micro-batches
     stop: int | None  # the signal that asks to stop after this step, if any
+    memory_rms: Tensor  # RMS of the memory keys the step left (rank 0's last micro-batch)
 
 
 # ----------------------------------------------------------------------------- trainer
@@ -348,9 +363,21 @@ class Trainer:
         except DataError as e:
             raise DataError(f"vocabulary of checkpoint {vocab_source}: {e}") from None
         self.train_ids, val_ids = split(ids, self.cfg.data.val_fraction)
+        train = self.cfg.train
         self.sampler = BatchSampler(self.train_ids, self.cfg.run.seed, rank=self.ctx.rank)
+        carry = train.context == "carry"
+        if carry:
+            layout = StreamLayout(self.train_ids, train.batch_size * train.grad_accum,
+                                  self.ctx.rank, self.ctx.world_size)
+            self.batches: CarriedStreams | RandomWindows = CarriedStreams(layout,
+                                                                          train.grad_accum)
+        else:
+            self.batches = RandomWindows(self.sampler, train.grad_accum)
         # Computed once: every evaluation scores the same windows, so curves are comparable.
-        val_x, val_y = fixed_windows(val_ids, self.cfg.max_seq_len, self.cfg.train.eval_windows)
+        # With carried memory each scored window runs on a full memory window of context.
+        context = self.cfg.model.memory_window if carry else 0
+        val_x, val_y = fixed_windows(val_ids, self.cfg.max_seq_len, train.eval_windows,
+                                     context=context)
         self.val_x, self.val_y = val_x.to(self.device), val_y.to(self.device)
         self.n_chars = (len(self.train_ids), len(val_ids))
 
@@ -416,6 +443,14 @@ class Trainer:
         rng = payload["rng"]
         restore_rng(rng)
         same_world = payload.get("world_size", 1) == self.ctx.world_size
+        if isinstance(self.batches, CarriedStreams):
+            if "streams" not in payload:
+                raise CheckpointError(f"{path}: cannot resume with train.context = carry: the "
+                                      "checkpoint holds no carried streams (it was trained "
+                                      "with context reset)")
+            # Only rank 0's memory is saved: other ranks go on from empty memory.
+            self.batches.load_state_dict(payload["streams"], self.device,
+                                         memory=self.ctx.rank == 0)
         if self.ctx.rank == 0 and same_world and "sampler" in rng:
             self.sampler.load_state_dict(rng["sampler"])
         else:
@@ -496,16 +531,20 @@ class Trainer:
         lr = self.schedule.apply(self.optimizer, index)
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = torch.zeros((), device=self.device)
-        for micro in range(accum):
-            x, y = self.sampler.sample(batch, seq_len, self.device)
+        tokens = 0
+        for micro, (x, y, state) in enumerate(
+                self.batches.micro_batches(seq_len, batch, self.device)):
             # DDP all-reduces gradients on the last micro-batch only.
             sync = micro == accum - 1 or not self.ctx.enabled
             with contextlib.nullcontext() if sync else self.model.no_sync():
                 with autocast(cfg.run.precision, self.device):
-                    logits, _ = self.model(x)
+                    logits, new_state = self.model(x, state)
                 loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
                 self.scaler.scale(loss / accum).backward()
+            self.batches.keep(micro, new_state)
             loss_sum += loss.detach()
+            tokens += x.numel()
+        memory_rms = new_state.keys.detach().float().square().mean().sqrt()
         self.scaler.unscale_(self.optimizer)
         clip = cfg.train.grad_clip if cfg.train.grad_clip > 0 else math.inf
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, clip)
@@ -513,9 +552,9 @@ class Trainer:
         self._check_finite(index + 1, loss_value, norm_value)
         self.scaler.step(self.optimizer)  # skips the step if fp16 gradients overflowed
         self.scaler.update()
-        tokens = batch * seq_len * accum * self.ctx.world_size
+        tokens *= self.ctx.world_size
         self.throughput.add(tokens, time.perf_counter() - start)
-        return StepResult(loss_value, norm_value, lr, seq_len, batch, tokens, stop)
+        return StepResult(loss_value, norm_value, lr, seq_len, batch, tokens, stop, memory_rms)
 
     def _agree(self, loss: Tensor, grad_norm: Tensor, signals: StopSignals
                ) -> tuple[float, float, int | None]:
@@ -587,6 +626,8 @@ class Trainer:
             "loss": result.loss, "bpc": result.loss / LN2, "lr": result.lr,
             "grad_norm": result.grad_norm, "tokens_per_sec": rate, "seq_len": result.seq_len,
             "batch_size": result.batch_size, "tokens": self.tokens,
+            # Bounded when the memory recursion is stable; growing without end, it is not.
+            "memory_rms": result.memory_rms.item(),
         }
         if hasattr(self.raw_model, "memory_weights"):
             with torch.no_grad():
@@ -658,6 +699,8 @@ class Trainer:
         }
         if self.scaler.is_enabled():
             payload["scaler"] = self.scaler.state_dict()
+        if isinstance(self.batches, CarriedStreams):
+            payload["streams"] = self.batches.state_dict()
         return payload
 
     def _save(self, *, numbered: bool, best: bool) -> None:

@@ -37,7 +37,7 @@ def total_tokens(cfg: Config) -> int:
 def test_configs_are_shipped():
     names = {p.stem for p in CONFIGS}
     assert {"tiny_shakespeare", "tiny_shakespeare_feedback", "tiny_shakespeare_transformer",
-            "tiny_shakespeare_fixed", "gpu", "tiny"} <= names
+            "tiny_shakespeare_fixed", "tiny_shakespeare_carry", "gpu", "tiny"} <= names
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
@@ -50,7 +50,8 @@ def test_shipped_config_validates(path: Path):
 
 
 @pytest.mark.parametrize("stem", ["tiny_shakespeare", "tiny_shakespeare_feedback",
-                                  "tiny_shakespeare_transformer", "tiny_shakespeare_fixed"])
+                                  "tiny_shakespeare_transformer", "tiny_shakespeare_fixed",
+                                  "tiny_shakespeare_carry"])
 def test_cpu_configs_share_one_token_budget(stem: str):
     cfg = load_config(Path(CONFIGS[0].parent, f"{stem}.yaml"))
     assert total_tokens(cfg) == CPU_BUDGET_TOKENS
@@ -198,6 +199,12 @@ def test_bad_set_syntax(override: str, message: str):
         (["curriculum=[{seq_len: 8, until: 3}]"], r"unknown key curriculum\[0\]\.until"),
         (["curriculum=[]"], r"curriculum = \[\]: must be a list of stages"),
         (["model=3"], r"--set 'model=3': key must be section.key \(or curriculum\)"),
+        (["train.context=carry"],  # the default curriculum has two lengths
+         r"train\.context = carry with train\.constant_tokens = true and curriculum lengths "
+         r"\[32, 64\]: carried streams keep one batch size"),
+        (["train.context=stream"], r"train\.context = 'stream': must be one of reset, carry"),
+        (["model.memory_norm=rms"], r"model\.memory_norm = 'rms': must be one of none, "
+                                    r"layernorm"),
     ],
 )
 def test_problem_messages(overrides: list[str], message: str):

@@ -18,9 +18,11 @@ import torch
 
 from fbtrain.config import DataConfig
 from fbtrain.data import (
+    IGNORE_INDEX,
     BatchSampler,
     CharTokenizer,
     DataError,
+    StreamLayout,
     cache_dir,
     download,
     fixed_windows,
@@ -389,3 +391,56 @@ def test_fixed_windows() -> None:
     assert x.shape == (9, 100)  # (1000 - 1) // 100
     with pytest.raises(DataError, match="too short for seq_len 1000"):
         fixed_windows(data, 1000, 1)
+
+
+def test_fixed_windows_with_context_ignore_the_context_targets() -> None:
+    data = torch.arange(1000)
+    x, y = fixed_windows(data, 10, 5, context=20)
+    assert x.shape == y.shape == (5, 30)
+    assert (y[:, :20] == IGNORE_INDEX).all() and torch.equal(y[:, 20:], x[:, 20:] + 1)
+    starts = x[:, 0].tolist()
+    assert all(b - a >= 30 for a, b in zip(starts[:-1], starts[1:], strict=True))
+    with pytest.raises(DataError, match=r"validation text \(with 990 tokens of context\) too "
+                                        r"short for seq_len 1000"):
+        fixed_windows(data, 10, 1, context=990)
+
+
+@pytest.mark.parametrize("seq_len", [1, 4, 7, 40])
+def test_stream_layout_reads_every_token_once_per_pass_across_ranks(seq_len: int) -> None:
+    """2 ranks x 3 streams over 100 tokens: streams of 16 inputs, disjoint, covering tokens
+    0..95 once per pass; targets are the next tokens; at the end they wrap, fresh."""
+    data = torch.arange(100) * 10  # values != positions, so a shifted index would show
+    seen: list[int] = []
+    for rank in range(2):
+        layout = StreamLayout(data, n_streams=3, rank=rank, world_size=2)
+        assert layout.length == 16
+        rows: list[list[int]] = [[], [], []]
+        fresh = []
+        while True:
+            x, y, starts = layout.segment(seq_len)
+            fresh.append(starts)
+            assert x.shape == y.shape and x.shape[0] == 3 and 1 <= x.shape[1] <= seq_len
+            assert torch.equal(y, x + 10)
+            for row, values in zip(rows, x.tolist(), strict=True):
+                row.extend(values)
+            if layout.cursor == 0:
+                break
+        assert fresh[0] and not any(fresh[1:])
+        assert [len(r) for r in rows] == [16] * 3  # whole streams, each contiguous
+        assert all(r == list(range(r[0], r[0] + 160, 10)) for r in rows)
+        seen += [v for r in rows for v in r]
+        x, _, starts = layout.segment(seq_len)  # the next pass starts again, fresh
+        assert starts and x[:, 0].tolist() == [r[0] for r in rows]
+    assert sorted(seen) == list(range(0, 960, 10))  # no overlap, nothing skipped
+
+
+def test_stream_layout_state_and_problems() -> None:
+    layout = StreamLayout(torch.arange(50), n_streams=2)
+    layout.segment(5)
+    other = StreamLayout(torch.arange(50), n_streams=2)
+    other.load_state_dict(layout.state_dict())
+    assert torch.equal(other.segment(5)[0], layout.segment(5)[0])
+    with pytest.raises(DataError, match="carried streams of length 24 do not fit"):
+        StreamLayout(torch.arange(80), n_streams=2).load_state_dict(layout.state_dict())
+    with pytest.raises(DataError, match="too short for 8 streams: 8 tokens, need at least 9"):
+        StreamLayout(torch.arange(8), n_streams=4, rank=1, world_size=2)
