@@ -482,6 +482,11 @@ class Trainer:
         log(f"device: {self._device_text()}{ranks}")
         log(f"data: {self.n_chars[0]:,} train / {self.n_chars[1]:,} val characters, "
             f"vocabulary {self.tokenizer.vocab_size}, {len(self.val_x)} validation windows")
+        if isinstance(self.batches, CarriedStreams):
+            streams = self.batches.layout
+            log(f"context: carry ({len(streams.starts)} streams of {streams.length:,} tokens "
+                f"per rank, memory carried across segments; validation windows after "
+                f"{self.cfg.model.memory_window} tokens of context)")
         if resume_path is not None:
             log(f"resuming from {resume_path} at step {self.step}")
             if cfg.train.init_from:

@@ -8,6 +8,7 @@ from test_models import ALL_KINDS, randomized, small
 
 from fbtrain.batches import CarriedStreams, RandomWindows
 from fbtrain.data import BatchSampler, StreamLayout
+from fbtrain.models import MemoryState
 
 VOCAB = 11
 
@@ -86,3 +87,29 @@ def test_random_windows_carry_nothing() -> None:
     assert len(micro) == 3
     assert all(x.shape == (2, 8) and torch.equal(y, x + 1) and state is None
                for x, y, state in micro)
+
+
+@pytest.mark.parametrize("kind", ALL_KINDS)
+@pytest.mark.parametrize("memory_norm", ["none", "layernorm"])
+def test_carried_keys_are_reprojected_with_the_current_weights(kind: str,
+                                                               memory_norm: str) -> None:
+    """A training call keeps what its keys/values were projected from; the next call
+    re-projects them with the weights of that moment (as the paper's code and
+    Transformer-XL do), so after an optimizer step the carried keys are not last step's.
+    With unchanged weights re-projecting changes nothing."""
+    model = randomized(small(kind, memory_norm=memory_norm))
+    first, second = torch.randint(0, VOCAB, (2, 2, 6))
+    _, state = model(first)  # differentiable: keeps sources
+    state = state.detached()
+    assert state.sources is not None
+    as_carried = MemoryState(state.keys, state.values, state.steps)  # no sources
+    with torch.no_grad():
+        same, _ = model(second, state)
+        torch.testing.assert_close(same, model(second, as_carried)[0], rtol=0, atol=1e-12)
+        projections = [m for name, m in model.named_modules()
+                       if name.endswith(("key", "value")) and isinstance(m, torch.nn.Linear)]
+        for linear in projections:  # an "optimizer step" on the memory projections alone
+            linear.weight.add_(0.1)
+        moved, _ = model(second, state)
+        stale, _ = model(second, as_carried)
+    assert not torch.allclose(moved, stale)

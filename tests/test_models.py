@@ -108,20 +108,25 @@ def test_float32_core_matches_float64(kind, core_name):
 
 @pytest.mark.parametrize("kind", FEEDBACK_KINDS)
 @pytest.mark.parametrize(("carry", "memory_norm"),
-                         [(False, "none"), (True, "none"), (True, "layernorm")])
+                         [("none", "none"), ("keys", "none"), ("sources", "none"),
+                          ("sources", "layernorm")])
 def test_gradient_with_dropout_and_carried_memory_matches_finite_differences(
         kind, carry, memory_norm, core_path):
     """The hand-written backward in the cases the reference does not cover (dropout masks,
     memory carried in from an earlier call): the directional derivative along a random
-    direction must equal a central finite difference. Same seed -> same dropout masks."""
-    model = randomized(small(kind, dropout=0.3 if not carry else 0.0, n_layers=2,
+    direction must equal a central finite difference. Same seed -> same dropout masks.
+    Carried memory comes as fixed keys/values (from a no-grad call) or as memory vectors
+    that the call re-projects with the current weights (from a training call, detached)."""
+    model = randomized(small(kind, dropout=0.3 if carry == "none" else 0.0, n_layers=2,
                              memory_norm=memory_norm))
     model.train()
     tokens = torch.randint(0, 11, (2, 7))
     state = None
-    if carry:
-        with torch.no_grad():
+    if carry != "none":
+        with torch.set_grad_enabled(carry == "sources"):
             _, state = model(torch.randint(0, 11, (2, 4)))
+        assert (state.sources is not None) == (carry == "sources")
+        state = state.detached()
     params = list(model.parameters())
     direction = [torch.randn_like(p) for p in params]
 

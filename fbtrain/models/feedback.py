@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fbtrain.config import ModelConfig
@@ -27,7 +28,7 @@ from fbtrain.models.feedback_core import (
     flatten_layers,
 )
 from fbtrain.models.layers import Layer, init_weights
-from fbtrain.models.state import MemoryState
+from fbtrain.models.state import MemoryState, kept_sources
 
 
 class FeedbackTransformer(nn.Module):
@@ -145,22 +146,43 @@ class FeedbackTransformer(nn.Module):
             window=window, dropout=self.cfg.dropout if self.training else 0.0,
             memory_norm=self.memory_norm,
         )
-        mem_k, mem_v = state.keys.to(x0.dtype), state.values.to(x0.dtype)
         # The core runs in the embedding's dtype even under autocast: its hand-written
         # backward and the memory it accumulates over many steps want one precision.
         with torch.autocast(device_type=x0.device.type, enabled=False):
-            top, keys, values = self._core(spec, x0, mem_k, mem_v, layers, wkv, bkv)
+            mem_k, mem_v = self._carried_keys_values(state, x0.dtype, wkv, bkv, spec.eps)
+            top, keys, values, memory = self._core(spec, x0, mem_k, mem_v, layers, wkv, bkv)
         logits = self.head(self.ln_f(top))
-        return logits, MemoryState(keys, values, state.steps + steps)
+        sources = kept_sources(state, memory.unsqueeze(0), window)
+        return logits, MemoryState(keys, values, state.steps + steps, sources)
+
+    def _carried_keys_values(self, state: MemoryState, dtype: torch.dtype, wkv: Tensor,
+                             bkv: Tensor | None, eps: float) -> tuple[Tensor, Tensor]:
+        """Keys and values [n_sets, B*H, n0, d_k] of the carried slots: projected from the
+        state's memory vectors with the current weights (as the core projects a new slot)
+        when it has them, else as carried (see MemoryState)."""
+        if state.sources is None or not state.slots:
+            return state.keys.to(dtype), state.values.to(dtype)
+        memory = state.sources[0].to(dtype)  # [B, n0, D]
+        if self.memory_norm:  # affine-free: the LayerNorm's affine part is folded into wkv
+            memory = F.layer_norm(memory, memory.shape[-1:], eps=eps)
+        kv = memory @ wkv if bkv is None else torch.addmm(bkv, memory.flatten(0, 1), wkv)
+        batch, n0 = memory.shape[:2]
+        heads, n_sets = self.cfg.n_heads, state.keys.shape[0]
+        # [B, n0, (key|value), set, H, dk] -> [(key|value), set, B, H, n0, dk]
+        kv = kv.view(batch, n0, 2, n_sets, heads, -1).permute(2, 3, 0, 4, 1, 5)
+        return (kv[0].reshape(n_sets, batch * heads, n0, -1),
+                kv[1].reshape(n_sets, batch * heads, n0, -1))
 
     def _core(self, spec: CoreSpec, x0: Tensor, mem_k: Tensor, mem_v: Tensor,
               layers: list[dict[str, Tensor]], wkv: Tensor, bkv: Tensor | None
-              ) -> tuple[Tensor, Tensor, Tensor]:
-        """Last layer's output [B, T, D] and the newest ``window`` memory keys/values."""
+              ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Last layer's output [B, T, D], the newest ``window`` memory keys/values and this
+        call's memory vectors [B, T, D]."""
         if torch.is_grad_enabled():
             return FeedbackCoreFunction.apply(
                 spec, x0, mem_k, mem_v, self.memory_weights(), wkv, bkv, *flatten_layers(layers))
-        hidden, _, keys, values, _ = core_forward(
+        hidden, memory, keys, values, _ = core_forward(
             spec, x0, mem_k, mem_v, flatten_layers(layers), self.memory_weights(), wkv, bkv)
         window = spec.window
-        return hidden[:, -1].transpose(0, 1), keys[:, :, -window:], values[:, :, -window:]
+        return (hidden[:, -1].transpose(0, 1), keys[:, :, -window:], values[:, :, -window:],
+                memory.transpose(0, 1))

@@ -175,12 +175,14 @@ class Core(Protocol):
     def core_backward(self, spec: CoreSpec, d_top: Tensor, hidden: Tensor, memory: Tensor,
                       keys: Tensor, values: Tensor, n0: int, layers: Sequence[Tensor],
                       mix: Tensor, wkv: Tensor, tape: Any
-                      ) -> tuple[Tensor, Sequence[Tensor], Tensor, Tensor, Tensor]:
+                      ) -> tuple[Tensor, Sequence[Tensor], Tensor, Tensor, Tensor, Tensor,
+                                 Tensor]:
         """Gradients given ``d_top`` [B, T, D], the gradient of the last layer's output, and
         what the same core's :meth:`core_forward` returned.
 
         Returns d_x0 [B, T, D], the layer gradients (flat, as :func:`flatten_layers`),
-        d_mix [L+1], d_wkv [D, 2*n_kv*D] and d_bkv [2*n_kv*D].
+        d_mix [L+1], d_wkv [D, 2*n_kv*D], d_bkv [2*n_kv*D], and d_mem_k, d_mem_v
+        [n_kv, B*H, n0, d_k] for the carried memory's keys and values.
         """
         ...
 
@@ -199,7 +201,8 @@ class NativeCore:
     def core_backward(spec: CoreSpec, d_top: Tensor, hidden: Tensor, memory: Tensor,
                       keys: Tensor, values: Tensor, n0: int, layers: Sequence[Tensor],
                       mix: Tensor, wkv: Tensor, tape: Any
-                      ) -> tuple[Tensor, Sequence[Tensor], Tensor, Tensor, Tensor]:
+                      ) -> tuple[Tensor, Sequence[Tensor], Tensor, Tensor, Tensor, Tensor,
+                                 Tensor]:
         return native_ops().core_backward(d_top, hidden, memory, keys, values, tape, layers,
                                           mix, wkv, n0, *spec.args())
 
@@ -252,9 +255,12 @@ def core_forward(
 class FeedbackCoreFunction(torch.autograd.Function):
     """Autograd wrapper: inputs (spec, x0, mem_k, mem_v, mix, wkv, bkv, *layer tensors).
 
-    Outputs the last layer's hidden states [B, T, D] plus the new memory keys/values (the
-    last ``window`` slots; non-differentiable: carried memory is detached, as in TBPTT).
-    The backward runs on the core the forward ran on.
+    Outputs the last layer's hidden states [B, T, D], the new memory keys/values (the last
+    ``window`` slots) and the memory vectors [B, T, D] of this call. The latter three are
+    non-differentiable: memory is carried on detached, as in truncated BPTT. The carried
+    keys/values ``mem_k``, ``mem_v`` do get gradients, so a caller may project them from
+    carried memory vectors with the current weights. The backward runs on the core the
+    forward ran on.
     """
 
     @staticmethod
@@ -268,21 +274,22 @@ class FeedbackCoreFunction(torch.autograd.Function):
         top = hidden[:, -1].transpose(0, 1).clone(memory_format=torch.contiguous_format)
         new_k = keys[:, :, -spec.window:].clone()
         new_v = values[:, :, -spec.window:].clone()
-        ctx.mark_non_differentiable(new_k, new_v)
+        new_memory = memory.transpose(0, 1).clone(memory_format=torch.contiguous_format)
+        ctx.mark_non_differentiable(new_k, new_v, new_memory)
         ctx.spec, ctx.n0, ctx.tape, ctx.has_bkv = spec, mem_k.shape[2], tape, bkv is not None
         ctx.buffers = (hidden, memory, keys, values)
         ctx.save_for_backward(mix, wkv, *flat)
-        return top, new_k, new_v
+        return top, new_k, new_v, new_memory
 
     @staticmethod
-    def backward(ctx, d_top: Tensor, _dk: Tensor, _dv: Tensor):
+    def backward(ctx, d_top: Tensor, _dk: Tensor, _dv: Tensor, _dm: Tensor):
         mix, wkv, *flat = ctx.saved_tensors
-        d_x0, flat_grads, d_mix, d_wkv, d_bkv = ctx.core.core_backward(
+        d_x0, flat_grads, d_mix, d_wkv, d_bkv, d_mem_k, d_mem_v = ctx.core.core_backward(
             ctx.spec, d_top.contiguous(), *ctx.buffers, ctx.n0, flat, mix, wkv, ctx.tape)
         ctx.buffers = ctx.tape = None
-        d_x0, d_mix, d_wkv, d_bkv, *flat_grads = (  # out of inference mode, see forward
-            g.clone() for g in (d_x0, d_mix, d_wkv, d_bkv, *flat_grads))
-        return (None, d_x0, None, None, d_mix, d_wkv, d_bkv if ctx.has_bkv else None,
+        d_x0, d_mem_k, d_mem_v, d_mix, d_wkv, d_bkv, *flat_grads = (  # out of inference mode
+            g.clone() for g in (d_x0, d_mem_k, d_mem_v, d_mix, d_wkv, d_bkv, *flat_grads))
+        return (None, d_x0, d_mem_k, d_mem_v, d_mix, d_wkv, d_bkv if ctx.has_bkv else None,
                 *flat_grads)
 
 

@@ -198,7 +198,7 @@ def _forward(spec: CoreSpec, x0: Tensor, mem_k: Tensor, mem_v: Tensor,
 def core_backward(
     spec: CoreSpec, d_top: Tensor, hidden: Tensor, memory: Tensor, keys: Tensor,
     values: Tensor, n0: int, layers: Sequence[Tensor], mix: Tensor, wkv: Tensor, tape: Tape,
-) -> tuple[Tensor, list[Tensor], Tensor, Tensor, Tensor]:
+) -> tuple[Tensor, list[Tensor], Tensor, Tensor, Tensor, Tensor, Tensor]:
     """:meth:`fbtrain.models.feedback_core.Core.core_backward` in PyTorch calls (inference
     mode), given this module's :class:`Tape`."""
     with torch.inference_mode():
@@ -208,7 +208,8 @@ def core_backward(
 
 def _backward(spec: CoreSpec, d_top: Tensor, hidden: Tensor, memory: Tensor, keys: Tensor,
               values: Tensor, n0: int, params: list[tuple[Tensor, ...]], mix: Tensor,
-              wkv: Tensor, tape: Tape) -> tuple[Tensor, list[Tensor], Tensor, Tensor, Tensor]:
+              wkv: Tensor, tape: Tape
+              ) -> tuple[Tensor, list[Tensor], Tensor, Tensor, Tensor, Tensor, Tensor]:
     T, _, B, D = hidden.shape
     L, H = spec.n_layers, spec.n_heads
     dk, BH = D // H, B * H
@@ -312,7 +313,9 @@ def _backward(spec: CoreSpec, d_top: Tensor, hidden: Tensor, memory: Tensor, key
     d_kv_flat = d_kv.view(T * B, -1)
     kv_in = _stacked(tape.mem, 0) if spec.memory_norm else memory.view(T * B, D)  # projected
     d_wkv = torch.mm(kv_in.t(), d_kv_flat)
-    return d_x0, layer_grads, d_mix, d_wkv, d_kv_flat.sum(0)
+    # The carried slots' key/value gradients, for callers that projected them differentiably.
+    return (d_x0, layer_grads, d_mix, d_wkv, d_kv_flat.sum(0), d_keys[:, :, :n0],
+            d_values[:, :, :n0])
 
 
 def _stacked(records: list[tuple], index: int, reverse: bool = False) -> Tensor:

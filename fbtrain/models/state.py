@@ -1,4 +1,5 @@
-"""The memory a model carries between calls (chunked evaluation, incremental sampling)."""
+"""The memory a model carries between calls (chunked evaluation, incremental sampling,
+training on carried streams)."""
 
 from __future__ import annotations
 
@@ -16,11 +17,21 @@ class MemoryState:
     keys, values: [n_sets, batch * heads, slots, d_k]. A feedback_kv model keeps one set
     (shared by all layers: one key/value pair per past step); feedback and transformer keep
     one per layer. ``steps`` counts every token consumed so far.
+
+    ``sources``: what those keys and values were projected from - the memory vectors
+    (feedback kinds, [1, batch, slots, D]) or each layer's inputs (transformer,
+    [n_layers, batch, slots, D]). Differentiable calls keep them, and a call that gets them
+    re-projects the carried keys and values with the current weights, as Transformer-XL and
+    the paper's code do when training on carried memory: keys made by last step's weights
+    would not fit this step's queries, and the weights would get no gradient from the
+    carried slots. Decoding and evaluation (no gradients, fixed weights) keep none and use
+    the keys and values as they are, at no extra cost per token.
     """
 
     keys: Tensor
     values: Tensor
     steps: int
+    sources: Tensor | None = None
 
     @property
     def slots(self) -> int:
@@ -29,12 +40,26 @@ class MemoryState:
     def detached(self) -> MemoryState:
         """The same memory cut from the graph: what a later segment may read but not
         back-propagate into (truncated back-propagation through time)."""
-        return MemoryState(self.keys.detach(), self.values.detach(), self.steps)
+        sources = None if self.sources is None else self.sources.detach()
+        return MemoryState(self.keys.detach(), self.values.detach(), self.steps, sources)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain tensors and ints, safe for ``torch.load(weights_only=True)``."""
-        return {"keys": self.keys, "values": self.values, "steps": self.steps}
+        return {"keys": self.keys, "values": self.values, "steps": self.steps,
+                "sources": self.sources}
 
     @classmethod
     def from_dict(cls, state: dict[str, Any], device: torch.device | str) -> MemoryState:
-        return cls(state["keys"].to(device), state["values"].to(device), int(state["steps"]))
+        sources = state.get("sources")
+        return cls(state["keys"].to(device), state["values"].to(device), int(state["steps"]),
+                   None if sources is None else sources.to(device))
+
+
+def kept_sources(state: MemoryState, new: Tensor, window: int) -> Tensor | None:
+    """The sources of the state after a call that added ``new`` [n, batch, T, D]: the newest
+    ``window`` slots, or None when the call is not differentiable or the carried slots
+    came without sources (they could not be re-projected)."""
+    if not torch.is_grad_enabled() or (state.sources is None and state.slots):
+        return None
+    old = state.sources if state.sources is not None else new[:, :, :0]
+    return torch.cat([old.to(new.dtype), new], 2)[:, :, -window:]

@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 from fbtrain.config import ModelConfig
 from fbtrain.models.layers import Layer, init_weights
-from fbtrain.models.state import MemoryState
+from fbtrain.models.state import MemoryState, kept_sources
 
 
 class Transformer(nn.Module):
@@ -57,18 +57,28 @@ class Transformer(nn.Module):
         # Rows that see nothing keep finite scores (no NaN); their output is zeroed below.
         blocked = ~allowed & attends[:, None]
         pos_index = (n_pos - offset).clamp(0, n_pos - 1).expand(B, H, T, S)
-        new_keys, new_values = [], []
+        new_keys, new_values, inputs = [], [], []  # inputs: each layer's, [B, T, D]
+        # Carried layer inputs are re-projected with the current weights (Transformer-XL;
+        # see MemoryState).
+        reproject = state.sources is not None and n0 > 0
         drop = self.cfg.dropout if self.training else 0.0
         memory_norm = self.cfg.memory_norm == "layernorm"
         for li, layer in enumerate(self.layers):
             attn = layer.attn
             fa = attn.folded(n_pos)
+            inputs.append(x)
             a = layer.ln1(x)
-            kv_in = a if memory_norm else x  # as the feedback models' memory_norm
-            k = attn.key(kv_in).view(B, T, H, dk).transpose(1, 2)  # [B, H, T, dk]
-            v = attn.value(kv_in).view(B, T, H, dk).transpose(1, 2)
-            keys = torch.cat([state.keys[li].view(B, H, n0, dk).to(x.dtype), k], dim=2)
-            values = torch.cat([state.values[li].view(B, H, n0, dk).to(x.dtype), v], dim=2)
+            if reproject:
+                kv_in = torch.cat([state.sources[li].to(x.dtype), x], 1)  # [B, n0 + T, D]
+                kv_in = layer.ln1(kv_in) if memory_norm else kv_in
+                keys = attn.key(kv_in).view(B, S, H, dk).transpose(1, 2)  # [B, H, S, dk]
+                values = attn.value(kv_in).view(B, S, H, dk).transpose(1, 2)
+            else:
+                kv_in = a if memory_norm else x  # as the feedback models' memory_norm
+                k = attn.key(kv_in).view(B, T, H, dk).transpose(1, 2)  # [B, H, T, dk]
+                v = attn.value(kv_in).view(B, T, H, dk).transpose(1, 2)
+                keys = torch.cat([state.keys[li].view(B, H, n0, dk).to(x.dtype), k], dim=2)
+                values = torch.cat([state.values[li].view(B, H, n0, dk).to(x.dtype), v], dim=2)
             qu = torch.addmm(fa.uq, a.view(B * T, D), fa.wq).view(B, T, H, dk).transpose(1, 2)
             scores = qu @ keys.transpose(2, 3)  # [B, H, T, S]
             by_offset = qu @ fa.rt + fa.c  # [B, H, T, n_pos], largest offset first
@@ -83,4 +93,6 @@ class Transformer(nn.Module):
             new_values.append(values[:, :, -window:].reshape(B * H, -1, dk))
             x = y + F.dropout(layer.ff2(h), drop, self.training)
         logits = self.head(self.ln_f(x))
-        return logits, MemoryState(torch.stack(new_keys), torch.stack(new_values), state.steps + T)
+        sources = kept_sources(state, torch.stack(inputs), window)
+        return logits, MemoryState(torch.stack(new_keys), torch.stack(new_values),
+                                   state.steps + T, sources)

@@ -645,8 +645,9 @@ std::pair<Tensor, Tensor> layer_norm_affine_grads(const Tensor& d, const Tensor&
 
 // Gradients given d_top [B, T, D], the gradient of the last layer's output. Returns
 // d_x0 [B, T, D], the layer gradients (L * 14, as LAYER_PARAMS), d_mix [L+1],
-// d_wkv [D, 2*n_kv*D] and d_bkv [2*n_kv*D].
-std::tuple<Tensor, std::vector<Tensor>, Tensor, Tensor, Tensor> core_backward(
+// d_wkv [D, 2*n_kv*D], d_bkv [2*n_kv*D] and the carried memory's d_mem_k, d_mem_v
+// [n_kv, B*H, n0, dk].
+std::tuple<Tensor, std::vector<Tensor>, Tensor, Tensor, Tensor, Tensor, Tensor> core_backward(
     const Tensor& d_top, const Tensor& hidden, const Tensor& memory, const Tensor& keys,
     const Tensor& values, at::TensorList tape_records, at::TensorList layers,
     const Tensor& mix, const Tensor& wkv, int64_t n0, int64_t n_layers, int64_t n_heads,
@@ -726,7 +727,9 @@ std::tuple<Tensor, std::vector<Tensor>, Tensor, Tensor, Tensor> core_backward(
   const Tensor d_kv_flat = bw.d_kv.view({T * B, -1});
   const Tensor& kv_in = s.memory_norm ? tape.rec[MEM_HAT] : memory;  // what was projected
   const Tensor d_wkv = at::mm(kv_in.reshape({T * B, D}).t(), d_kv_flat);
-  return {bw.d_x0, grads, d_mix, d_wkv, d_kv_flat.sum(0)};
+  // The carried slots' key/value gradients, for callers that projected them differentiably.
+  return {bw.d_x0, grads, d_mix, d_wkv, d_kv_flat.sum(0), bw.d_keys.narrow(2, 0, n0),
+          bw.d_values.narrow(2, 0, n0)};
 }
 
 }  // namespace
@@ -741,6 +744,6 @@ TORCH_LIBRARY(fbtrain, m) {
         "Tensor values, Tensor[] tape, Tensor[] layers, Tensor mix, Tensor wkv, int n0, "
         "int n_layers, int n_heads, bool shared_kv, int window, float dropout, float eps, "
         "bool memory_norm) -> "
-        "(Tensor, Tensor[], Tensor, Tensor, Tensor)",
+        "(Tensor, Tensor[], Tensor, Tensor, Tensor, Tensor, Tensor)",
         &core_backward);
 }
