@@ -42,7 +42,8 @@ CORE_ENV = "FBTRAIN_CORE"
 CORE_CHOICES = ("auto", "native", "python")
 # How much slower a training step is on the PyTorch core than on the C++ one, for the
 # fallback notice: feedback_kv at the benchmark sizes (d_model 128, 4 layers, batch 16) on
-# a 2-core CPU, 1346 vs 481 ms at length 64 (2.8x), 8562 vs 1889 ms at 256 (4.5x).
+# a busy 2-core CPU, two interleaved runs: 2.8x and 3.9x at length 64 (1346 vs 481 ms a
+# step in the first), 4.5x and 4.7x at 256 (8562 vs 1889 ms).
 PYTHON_CORE_SLOWDOWN = "3-5x"
 
 
