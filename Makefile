@@ -1,5 +1,6 @@
-# fbtrain: make install | train | test | lint | bench | bench-sample | clean
-# Needs Python (3.11), make, and g++ with ninja (for the C++ core); the rest goes into $(VENV).
+# fbtrain: make install | train | test | lint | bench | bench-sample | gpu-check | clean
+# Needs Python (3.11), make, and for the fast C++ core a C++ compiler (g++); the rest, ninja
+# included, goes into $(VENV). Without a compiler fbtrain runs on its slower PyTorch core.
 #
 #   make train                                   # configs/tiny_shakespeare.yaml
 #   make train CONFIG=configs/tiny.yaml DATA=input.txt
@@ -17,7 +18,7 @@ TORCH_INDEX ?=
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install train test lint bench bench-sample clean distclean
+.PHONY: install train test lint bench bench-sample gpu-check clean distclean
 
 install: $(STAMP)
 
@@ -26,7 +27,8 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) '$(TORCH)'
 	$(BIN)/python -m pip install -e '.[dev]'
-	$(BIN)/python -c 'from fbtrain.models.feedback_core import native_ops; native_ops()'
+	@# Compile the C++ core now (once); without a compiler say so and go on (FBTRAIN_CORE).
+	$(BIN)/python -c 'from fbtrain.models.feedback_core import core; core()'
 	touch $@
 
 train: install
@@ -43,6 +45,11 @@ bench: install
 
 bench-sample: install
 	$(BIN)/python scripts/bench_sample.py
+
+# On a CUDA machine: tests, exactness, benchmarks, a short training run, sampling and
+# profiling in one report (at most about 8 minutes); elsewhere a toy run on the CPU.
+gpu-check: install
+	$(BIN)/python scripts/gpu_check.py $(if $(DATA),--data $(DATA))
 
 # Build and tool caches; keeps $(VENV) and runs/ (see distclean).
 clean:

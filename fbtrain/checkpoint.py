@@ -101,13 +101,17 @@ def _why_unreadable(path: Path, head: bytes, error: Exception) -> str:
     if isinstance(error, pickle.UnpicklingError) and "Weights only load failed" in str(error):
         if not zipfile.is_zipfile(path):
             return "not a PyTorch checkpoint file (a plain pickle or some other format)"
-        # torch names the offending class in "Unsupported global: GLOBAL pkg.Class was not
-        # an allowed global"; any other complaint (an unknown opcode) means damaged bytes.
-        found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(error))
+        # torch names what it refused: a class ("Unsupported global: GLOBAL pkg.Class was
+        # not an allowed global"), a function a __reduce__ payload would call ("unsupported
+        # GLOBAL posix.system whose module posix is blocked", "call reduce for unrecognized
+        # function ..."). Both are the same danger and get the same words; any other
+        # complaint (an unknown opcode) means damaged bytes.
+        found = re.search(r"GLOBAL ([\w.]+)|reduce for unrecognized function (\S+)",
+                          str(error))
         if found:
             return (
-                f"refusing to load: it holds a {found.group(1)} object, and unpickling "
-                "anything but tensors and plain containers could run code"
+                f"refusing to load: it holds a {found.group(1) or found.group(2)} object, "
+                "and unpickling anything but tensors and plain containers could run code"
             )
         detail = re.search(r"Unsupported \w+ [^\n]*", str(error))
         return "checkpoint file is corrupt (unreadable pickle data" + (

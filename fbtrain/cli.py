@@ -15,15 +15,22 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import sys
 from collections.abc import Iterator
 from enum import Enum
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
+from typer.core import TyperGroup
+
+try:  # newer typer vendors click; older releases use the click package
+    from typer import _click as click
+except ImportError:  # pragma: no cover
+    import click  # type: ignore[no-redef]
 
 from fbtrain import __version__
-from fbtrain.config import ConfigError
+from fbtrain.config import INT64_MAX, ConfigError
 
 
 def _examples(*lines: str) -> str:
@@ -31,10 +38,46 @@ def _examples(*lines: str) -> str:
     return "\b\nExamples:\n" + "\n".join(f"  {line}" for line in lines)
 
 
+EXIT_USAGE = 2  # bad input, as click's own usage errors
+EXIT_INTERRUPTED = 130  # 128 + SIGINT
+
+
+class OneLineErrors(TyperGroup):
+    """Click's own usage errors (a flag value out of range, an unknown choice, a missing
+    option) as one ``error:`` line and exit code 2, like every other bad input, instead of
+    click's usage block. ``fbtrain`` alone still prints the help."""
+
+    def main(self, args: Any = None, prog_name: str | None = None,
+             complete_var: str | None = None, standalone_mode: bool = True,
+             **extra: Any) -> Any:
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode, **extra)
+        try:
+            code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except click.exceptions.NoArgsIsHelpError as e:
+            e.show()
+            sys.exit(e.exit_code)
+        except click.exceptions.UsageError as e:
+            message = e.format_message().rstrip(".")
+            where = f"{e.ctx.command_path}: " if e.ctx is not None else ""
+            _error(f"{where}{message[:1].lower()}{message[1:]}")
+            sys.exit(EXIT_USAGE)
+        except click.exceptions.ClickException as e:
+            e.show()
+            sys.exit(e.exit_code)
+        except typer.Abort:
+            typer.echo("Aborted!", err=True)
+            sys.exit(1)
+        # Without standalone mode click returns a command's result, or the code it exited
+        # with; fbtrain's commands return None.
+        sys.exit(code if isinstance(code, int) else 0)
+
+
 app = typer.Typer(
     name="fbtrain",
+    cls=OneLineErrors,
     epilog=_examples(
-        "fbtrain train --config configs/tiny_shakespeare.yaml   # train (~15 min on 2 cores)",
+        "fbtrain train --config configs/tiny_shakespeare.yaml   # train (3-5 min on 2 cores)",
         "fbtrain sample --checkpoint runs/tiny_shakespeare       # generate text",
         "fbtrain eval --checkpoint runs/tiny_shakespeare         # bits per character",
     ),
@@ -44,9 +87,6 @@ app = typer.Typer(
     rich_markup_mode=None,  # help text is printed as written: no [markup] eaten
     context_settings={"help_option_names": ["-h", "--help"]},
 )
-
-EXIT_USAGE = 2  # bad input, as click's own usage errors
-EXIT_INTERRUPTED = 130  # 128 + SIGINT
 
 
 class Split(str, Enum):
@@ -80,6 +120,20 @@ CheckpointOption = Annotated[
 def _error(message: str) -> None:
     for line in str(message).splitlines() or [""]:
         typer.echo(f"error: {line}", err=True)
+
+
+def _finite(value: float | None) -> float | None:
+    """Option callback: refuse NaN and infinity (click's float ranges let NaN through)."""
+    if value is not None and not math.isfinite(value):
+        raise typer.BadParameter(f"{value}: must be a finite number")
+    return value
+
+
+def _probability(value: float | None) -> float | None:
+    """Option callback for --top-p: a finite number in (0, 1]."""
+    if value is not None and not 0 < value <= 1:
+        raise typer.BadParameter(f"{value}: must be > 0 and <= 1")
+    return value
 
 
 @contextlib.contextmanager
@@ -215,30 +269,32 @@ def sample(
     ] = None,
     length: Annotated[
         int,
-        typer.Option("--length", "-n", metavar="N", min=1,
+        typer.Option("--length", "-n", metavar="N", min=1, max=INT64_MAX,
                      help="Characters to generate per sample."),
     ] = 500,
     temperature: Annotated[
         float,
-        typer.Option("--temperature", "-t", metavar="T", min=0.0,
+        typer.Option("--temperature", "-t", metavar="T", min=0.0, callback=_finite,
                      help="Softmax temperature: lower is more conservative."),
     ] = 0.8,
     top_k: Annotated[
         int | None,
-        typer.Option("--top-k", metavar="K", min=1, show_default=False,
+        typer.Option("--top-k", metavar="K", min=1, max=INT64_MAX, show_default=False,
                      help="Sample only from the K most likely characters."),
     ] = None,
     top_p: Annotated[
         float | None,
-        typer.Option("--top-p", metavar="P", show_default=False,
+        typer.Option("--top-p", metavar="P", show_default=False, callback=_probability,
                      help="Nucleus sampling: the smallest set of characters whose "
                      "probability adds up to P (0 < P <= 1)."),
     ] = None,
     num_samples: Annotated[
-        int, typer.Option("--num-samples", metavar="N", min=1, help="Independent samples to draw."),
+        int, typer.Option("--num-samples", metavar="N", min=1, max=INT64_MAX,
+                          help="Independent samples to draw."),
     ] = 1,
     seed: Annotated[
-        int, typer.Option("--seed", metavar="S", min=0, help="Random seed (same seed, same text)."),
+        int, typer.Option("--seed", metavar="S", min=0, max=INT64_MAX,
+                          help="Random seed (same seed, same text)."),
     ] = 1337,
     device: DeviceOption = None,
 ) -> None:
@@ -272,12 +328,12 @@ def evaluate(
     ] = Split.val,
     seq_len: Annotated[
         int | None,
-        typer.Option("--seq-len", metavar="N", min=1, show_default=False,
+        typer.Option("--seq-len", metavar="N", min=1, max=INT64_MAX, show_default=False,
                      help="Window length (default: the last curriculum stage's length)."),
     ] = None,
     batch_size: Annotated[
         int,
-        typer.Option("--batch-size", "-b", metavar="B", min=1,
+        typer.Option("--batch-size", "-b", metavar="B", min=1, max=INT64_MAX,
                      help="Windows per forward pass."),
     ] = 64,
     data_path: Annotated[

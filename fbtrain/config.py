@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -24,6 +25,9 @@ TINY_SHAKESPEARE_URL = (
 TINY_SHAKESPEARE_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
 
 MODEL_KINDS = ("feedback", "feedback_kv", "transformer")
+# Integers are stored and used as 64-bit (torch seeds, step counters, tensor sizes).
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+MAX_VAL_FRACTION = 0.5  # more held out than trained on is a mistake, not a choice
 
 
 class ConfigError(ValueError):
@@ -69,7 +73,7 @@ class DataConfig:
         None, "Download cache; default $FBTRAIN_CACHE, else ~/.cache/fbtrain."
     )
     val_fraction: float = _f(0.1, "Last fraction of the text held out for validation.",
-                             gt=0, max=0.5)
+                             gt=0, max=MAX_VAL_FRACTION)
     # The state-tracking task (data.dataset: algorithmic; fbtrain/algorithmic.py).
     variables: int = _f(3, "algorithmic: variables per program (the first N of x y z p r).",
                         min=1, max=5)
@@ -100,13 +104,15 @@ class ModelConfig:
     memory_norm: str = _f(
         "none",
         "none (keys/values project memory as it is: the seed's model) or layernorm (they "
-        "project LayerNorm(memory), as the paper's code does; bounded when carried).",
+        "project LayerNorm(memory), as the paper's code does).",
         choices=("none", "layernorm"),
     )
 
     def problems(self) -> list[tuple[str, Any, str]]:
         out = _field_problems(self)
+        bad = {key for key, _, _ in out}
         ints = isinstance(self.d_model, int) and isinstance(self.n_heads, int)
+        ints = ints and not bad & {"d_model", "n_heads"}
         if ints and self.n_heads > 0 and self.d_model % self.n_heads:
             out.append(("d_model", self.d_model, f"must be divisible by n_heads ({self.n_heads})"))
         ints = isinstance(self.mem_len, int) and isinstance(self.max_rel_pos, int)
@@ -143,10 +149,13 @@ class TrainConfig:
         "streams; each step trains the next segment on the memory the last one left).",
         choices=("reset", "carry"),
     )
-    eval_every: int = _f(250, "Evaluate on the fixed validation windows every N steps.", min=1)
+    eval_every: int = _f(75, "Evaluate on the fixed validation windows every N steps (and "
+                         "at step 0 and the last step).", min=1)
     eval_windows: int = _f(64, "Fixed validation windows per evaluation.", min=1)
     log_every: int = _f(25, "Log train metrics every N steps.", min=1)
-    sample_every: int = _f(0, "Log a generated sample every N steps (0: never).", min=0)
+    sample_every: int | None = _f(
+        None, "Log a generated sample every N steps and at the end (0: never; null: with "
+        "every evaluation, the first and the last included).", min=0)
     sample_length: int = _f(200, "Characters in each logged sample.", min=1)
     init_from: str | None = _f(None, "Warm start: a transformer checkpoint (or run dir).")
 
@@ -165,7 +174,8 @@ class CheckpointConfig:
 
 @dataclass
 class LoggingConfig:
-    tensorboard: bool = _f(True, "Write TensorBoard events under <run>/tb.")
+    tensorboard: bool = _f(True, "Write TensorBoard events into the run directory "
+                           "(tensorboard --logdir <out_dir>).")
     progress: bool = _f(True, "Show a progress bar on a terminal (plain lines otherwise).")
 
 
@@ -216,6 +226,17 @@ class Config:
     def max_seq_len(self) -> int:
         return max(s.seq_len for s in self.curriculum)
 
+    def total_tokens(self) -> int:
+        """Training tokens over all ``max_steps`` (one rank; micro-batches included)."""
+        total, start = 0, 0
+        for stage in self.curriculum:
+            end = self.train.max_steps if stage.until_step is None else min(
+                stage.until_step, self.train.max_steps)
+            if end > start:
+                total += (end - start) * self.batch_size_at(start) * stage.seq_len
+            start = max(start, end)
+        return total * self.train.grad_accum
+
 
 SECTIONS = {
     "run": RunConfig, "data": DataConfig, "model": ModelConfig, "train": TrainConfig,
@@ -244,7 +265,7 @@ def _coerce(value: Any, allowed: tuple[type, ...]) -> tuple[bool, Any]:
     if isinstance(value, bool):
         return bool in allowed, value
     if isinstance(value, int) and int not in allowed and float in allowed:
-        return True, float(value)
+        return True, float(value) if abs(value) < 2**1024 else math.inf if value > 0 else -math.inf
     if isinstance(value, str) and float in allowed:
         # YAML 1.1 reads 1e-3 (no dot) as a string; take it as the number it means.
         try:
@@ -269,6 +290,10 @@ def _field_problems(section: Any) -> list[tuple[str, Any, str]]:
             out.append((f.name, value, f"must be one of {', '.join(meta['choices'])}{hint}"))
         if isinstance(value, str):
             continue
+        unfit = _unfit_number(value)
+        if unfit:
+            out.append((f.name, value, unfit))
+            continue
         if "min" in meta and value < meta["min"]:
             out.append((f.name, value, f"must be >= {meta['min']}"))
         if "gt" in meta and value <= meta["gt"]:
@@ -276,6 +301,15 @@ def _field_problems(section: Any) -> list[tuple[str, Any, str]]:
         if "max" in meta and value > meta["max"]:
             out.append((f.name, value, f"must be <= {meta['max']}"))
     return out
+
+
+def _unfit_number(value: int | float) -> str:
+    """Why a number cannot be used at all ('' when it can): NaN, infinity, beyond int64."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "must be a finite number (not NaN or infinity)"
+    if isinstance(value, int) and not INT64_MIN <= value <= INT64_MAX:
+        return f"must fit in a 64-bit integer ({INT64_MIN} to {INT64_MAX})"
+    return ""
 
 
 def _build_section(cls: type, raw: Any, name: str, where: str, problems: list[str]) -> Any:
@@ -332,8 +366,10 @@ def _build_curriculum(raw: Any, where: str, problems: list[str]) -> list[Curricu
             problems.append(f"{where}: unknown key {key}.{sorted(unknown)[0]}; "
                             "allowed: seq_len, until_step")
         seq_len, until = item["seq_len"], item.get("until_step")
-        if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 1:
-            problems.append(f"{where}: {key}.seq_len = {seq_len!r}: must be an integer >= 1")
+        if (not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 1
+                or seq_len > INT64_MAX):
+            problems.append(f"{where}: {key}.seq_len = {seq_len!r}: must be an integer >= 1"
+                            f" (at most {INT64_MAX})")
             continue
         last = i == len(raw) - 1
         if until is None and not last:
@@ -341,9 +377,10 @@ def _build_curriculum(raw: Any, where: str, problems: list[str]) -> list[Curricu
                             "needs one")
             continue
         if until is not None:
-            if not isinstance(until, int) or isinstance(until, bool) or until <= previous:
+            if (not isinstance(until, int) or isinstance(until, bool) or until <= previous
+                    or until > INT64_MAX):
                 problems.append(f"{where}: {key}.until_step = {until!r}: must be an integer "
-                                f"> {previous} (stages run in order)")
+                                f"> {previous} (stages run in order; at most {INT64_MAX})")
                 continue
             previous = until
         stages.append(CurriculumStage(seq_len=seq_len, until_step=until))
@@ -406,13 +443,44 @@ def read_yaml(path: str | Path) -> Any:
         raise ConfigError([f"{path}: config file not found"]) from None
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError([f"{path}: cannot read config file: {e}"]) from None
+    loader = _UniqueKeyLoader(text)
     try:
-        return yaml.safe_load(text)
+        data = loader.get_single_data()
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         line = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
         raise ConfigError([f"{path}:{line}: malformed YAML: {problem}"]) from None
+    finally:
+        loader.dispose()
+    if loader.duplicates:
+        raise ConfigError([f"{path}: {d}" for _, d in sorted(loader.duplicates)])
+    return data
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.safe_load that notes every key given twice in one mapping (YAML keeps the last
+    silently, so a second ``lr:`` further down would quietly win over the first)."""
+
+    def __init__(self, stream: str):
+        super().__init__(stream)
+        self.duplicates: list[tuple[int, str]] = []  # (line, message)
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        first_line: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            try:
+                if key in first_line:
+                    self.duplicates.append((line, f"duplicate key {key!r} at line {line} "
+                                            f"(first given at line {first_line[key]}); "
+                                            "give each key once"))
+                else:
+                    first_line[key] = line
+            except TypeError:  # an unhashable key: construct_mapping below reports it
+                pass
+        return super().construct_mapping(node, deep=deep)
 
 
 def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
@@ -464,8 +532,22 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
     where = str(path) if path is not None else "<defaults>"
     if not isinstance(raw, dict):
         raise ConfigError([f"{where}: the top level must be a mapping of sections"])
-    raw = apply_overrides(_copy(raw), list(overrides))
-    return config_from_dict(raw, where + (" (with --set)" if overrides else ""))
+    raw = _copy(raw)
+    # A section the file gets wrong is the file's problem, whatever --set adds to it.
+    file_problems = []
+    for name in SECTIONS:
+        if raw.get(name) is not None and not isinstance(raw[name], dict):
+            file_problems.append(f"{where}: {name} = {raw[name]!r}: must be a mapping of "
+                                 "keys to values")
+            raw[name] = {}
+    try:
+        raw = apply_overrides(raw, list(overrides))
+        cfg = config_from_dict(raw, where + (" (with --set)" if overrides else ""))
+    except ConfigError as e:
+        raise ConfigError(file_problems + e.problems) from None
+    if file_problems:
+        raise ConfigError(file_problems)
+    return cfg
 
 
 def save_config(cfg: Config, path: Path) -> None:

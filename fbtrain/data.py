@@ -25,7 +25,7 @@ from typing import IO, Any, NamedTuple
 import requests
 import torch
 
-from fbtrain.config import DataConfig
+from fbtrain.config import MAX_VAL_FRACTION, DataConfig
 from fbtrain.io import atomic_write, atomic_write_text
 
 log = logging.getLogger(__name__)
@@ -416,8 +416,9 @@ def split(ids: torch.Tensor, val_fraction: float) -> tuple[torch.Tensor, torch.T
     keeps float noise (e.g. 0.7 * 10 = 6.9999...) from losing a token; it never rounds up
     a genuine fraction, which is what the documented split relies on.
     """
-    if not 0 < val_fraction < 1:
-        raise DataError(f"data.val_fraction = {val_fraction}: must be between 0 and 1")
+    if not 0 < val_fraction <= MAX_VAL_FRACTION:  # also refuses NaN
+        raise DataError(f"data.val_fraction = {val_fraction}: must be > 0 and <= "
+                        f"{MAX_VAL_FRACTION}")
     n = len(ids)
     n_train = min(n, max(0, math.floor(n * (1 - val_fraction) + 1e-9)))
     train, val = ids[:n_train], ids[n_train:]
@@ -434,11 +435,13 @@ def _check_data(data: torch.Tensor) -> None:
         raise TypeError("data must be a 1-D tensor of token ids")
 
 
-def _too_short(n: int, seq_len: int, what: str) -> DataError:
-    return DataError(
-        f"{what} too short for seq_len {seq_len}: {n} tokens, need at least {seq_len + 1}; "
-        "use a shorter curriculum seq_len or a longer text"
-    )
+def require_tokens(n: int, seq_len: int, what: str) -> None:
+    """Raise DataError unless ``n`` tokens hold one window of ``seq_len`` inputs + target."""
+    if n < seq_len + 1:
+        raise DataError(
+            f"{what} too short for seq_len {seq_len}: {n} tokens, need at least {seq_len + 1};"
+            " use a shorter curriculum seq_len or a longer text"
+        )
 
 
 def derived_seed(*parts: object) -> int:
@@ -473,9 +476,8 @@ class BatchSampler:
         shifted by one)."""
         if batch_size < 1 or seq_len < 1:
             raise ValueError(f"batch_size and seq_len must be >= 1, got {batch_size}, {seq_len}")
-        n = len(self.stream.inputs)
-        if n < seq_len:
-            raise _too_short(n + 1, seq_len, "training text")
+        n = len(self.stream.inputs)  # predictions (a text: tokens - 1)
+        require_tokens(n + 1, seq_len, "training text")
         starts = torch.randint(0, n - seq_len + 1, (batch_size,), generator=self.generator)
         index = starts[:, None] + torch.arange(seq_len)
         # One host->device copy; x and y are made contiguous on the device so that callers
@@ -515,9 +517,8 @@ def fixed_windows(
         raise ValueError(f"count and seq_len must be >= 1 and context >= 0, got {count}, "
                          f"{seq_len}, {context}")
     n, span = len(stream.inputs), context + seq_len
-    if n < span:
-        what = "validation text" + (f" (with {context} tokens of context)" if context else "")
-        raise _too_short(n + 1, span, what)
+    what = "validation text" + (f" (with {context} tokens of context)" if context else "")
+    require_tokens(n + 1, span, what)
     k = min(count, n // span)
     last = n - span
     # Integer spacing: floor(i * last / (k - 1)); consecutive starts differ by >= span.

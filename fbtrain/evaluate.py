@@ -58,7 +58,8 @@ def evaluate_split(
     cross-entropy is accumulated in float64. Returns ``loss`` (mean nats per scored
     target), ``bpc`` (loss / ln 2), ``perplexity`` (exp(loss)), ``accuracy`` (arg-max
     right, over the scored targets), ``tokens`` (predictions run), ``scored`` (targets
-    scored), ``seq_len`` and ``context``.
+    scored), ``seq_len`` (the window length used: the number of predictions when the split
+    is shorter than ``seq_len``) and ``context``.
     """
     if context not in CONTEXTS:
         raise ValueError(f"context = {context!r}: must be one of {', '.join(CONTEXTS)}")
@@ -116,7 +117,7 @@ def evaluate_split(
         "accuracy": scores.accuracy,
         "tokens": n,
         "scored": scores.count,
-        "seq_len": seq_len,
+        "seq_len": min(seq_len, n),  # what was used: a split shorter than one window is one
         "context": context,
         **({"history": history} if context == "reset" and history else {}),
     }

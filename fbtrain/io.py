@@ -5,15 +5,59 @@ A process killed at any point leaves either the old file or the new one, never h
 
 from __future__ import annotations
 
+import errno
 import os
+import re
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
+# Temp files atomic_write makes: ".<name>.<8 random characters>.tmp" (tempfile.mkstemp).
+_TEMP = re.compile(r"^\..+\.[A-Za-z0-9_]{8}\.tmp$")
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+# Errors of the file system itself; others (a network error while streaming a download into
+# the file, say) say what they are about and pass through unchanged.
+_FILE_SYSTEM = (*_DISK_FULL, errno.EIO, errno.EROFS)
+
+
+class FileWriteError(OSError):
+    """Writing ``filename`` failed; ``str()`` is one user-facing line that names the file.
+
+    A full disk reads "<file>: cannot write: the disk is full (no space left on device)"
+    rather than torch's "[enforce fail at inline_container.cc] unexpected pos" or a bare
+    "[Errno 28] No space left on device" that names no file.
+    """
+
+    def __str__(self) -> str:
+        if self.errno in _DISK_FULL:
+            reason = "the disk is full (no space left on device)"
+        else:
+            reason = (self.strerror or "write failed").lower()
+        return f"{self.filename}: cannot write: {reason}"
+
+
+def write_error(path: str | Path, error: BaseException) -> FileWriteError | None:
+    """The file-system error behind ``error`` (a full disk, an I/O error, a read-only file
+    system: ``error`` itself or one it was raised from), as a :class:`FileWriteError` about
+    ``path``; None when there is none in the chain."""
+    seen: BaseException | None = error
+    while seen is not None:
+        if isinstance(seen, FileWriteError):
+            return seen
+        if isinstance(seen, OSError) and seen.errno in _FILE_SYSTEM:
+            return FileWriteError(seen.errno, seen.strerror or str(seen), str(path))
+        seen = seen.__cause__ or seen.__context__
+    return None
+
 
 def atomic_write(path: str | Path, write: Callable[[IO[bytes]], None]) -> None:
-    """Call ``write(f)`` on a temp file in ``path``'s folder, fsync it and move it into place."""
+    """Call ``write(f)`` on a temp file in ``path``'s folder, fsync it and move it into place.
+
+    On any failure the temp file is removed and ``path`` keeps its old content; a failure
+    of the file system (a full disk, say, even when torch wraps it in a RuntimeError) is
+    raised as a one-line :class:`FileWriteError` naming ``path``, anything else as it is.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
@@ -23,10 +67,28 @@ def atomic_write(path: str | Path, write: Callable[[IO[bytes]], None]) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         Path(tmp).unlink(missing_ok=True)
+        failed = write_error(path, e) if isinstance(e, Exception) else None
+        if failed is not None:
+            raise failed from None
         raise
     _fsync_dir(path.parent)
+
+
+def remove_stale_temps(folder: str | Path) -> list[Path]:
+    """Delete the temp files :func:`atomic_write` left in ``folder`` when its process was
+    killed mid-write (SIGKILL, power loss); returns them. Only for a folder whose writer is
+    known to be gone (the caller holds the run directory's lock)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    removed = []
+    for p in sorted(folder.iterdir()):
+        if _TEMP.match(p.name) and p.is_file():
+            p.unlink(missing_ok=True)
+            removed.append(p)
+    return removed
 
 
 def atomic_write_text(path: str | Path, text: str) -> None:

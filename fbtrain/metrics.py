@@ -8,23 +8,57 @@ Files in the run directory:
 
 - ``metrics.jsonl``: one JSON object per :meth:`MetricsLogger.log` call, ``{"step": N, ...}``,
   flushed at once so a killed run keeps every line it logged;
-- ``tb/``: TensorBoard events (scalars, text samples, hyperparameters).
+- ``events.out.tfevents.*``: TensorBoard events (scalars, text samples, hyperparameters,
+  the chart layout), in the run directory itself, so that ``tensorboard --logdir runs``
+  lists each run under its own name.
+
+TensorBoard layout. Its first view (Time Series) groups charts by the tag up to the first
+``/``, in natural sort order, and opens only the first two groups; so the losses get the
+groups that sort first: ``loss/train`` and ``loss/val``, then ``loss_bpc/train`` and
+``loss_bpc/val`` (bits per character). Everything else of the training steps stays under
+``train/`` and ``val/``, the memory weights under ``mem_weight/``. The Custom Scalars tab
+(:func:`chart_layout`) draws train and validation loss on one chart, bpc on another, and
+the memory weights ``softmax(w)`` as one multi-line chart; the HParams tab compares runs by
+:func:`hparams_of` with the validation loss as its metric.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import numbers
 import sys
 import time
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
-from fbtrain.io import atomic_write_text
+from fbtrain.io import FileWriteError, atomic_write_text, write_error
+
+if TYPE_CHECKING:
+    from fbtrain.config import Config
 
 JSONL_NAME = "metrics.jsonl"
-TB_DIR = "tb"
+EVENTS_GLOB = "events.out.tfevents.*"  # TensorBoard's event files, in the run directory
+# Metric keys whose TensorBoard tag is not the key itself (see the module docstring).
+TB_TAGS = {"loss": "loss/train", "val/loss": "loss/val",
+           "bpc": "loss_bpc/train", "val/bpc": "loss_bpc/val"}
+# What a chart shows, for TensorBoard's description of each tag (by tag or tag group).
+TB_DESCRIPTIONS = {
+    "loss/train": "Cross-entropy of the step's training batch, nats per character.",
+    "loss/val": "Cross-entropy on the fixed validation windows (the same every evaluation), "
+                "nats per character.",
+    "loss_bpc": "Bits per character: the loss divided by ln 2.",
+    "mem_weight": "softmax(w): the share of the embedding (mem_weight/0) and of each layer's "
+                  "output (mem_weight/1..L) in the memory vector every layer attends to.",
+}
+# HParams metrics: tags that are logged as scalars anyway (no one-point duplicates).
+HPARAM_METRICS = {"loss/val": "val loss (nats)", "loss_bpc/val": "val bpc",
+                  "loss/train": "train loss (nats)"}
+# Train keys a user compares runs by; the rest (logging cadence, paths) is left out.
+_TRAIN_HPARAMS = ("lr", "min_lr", "schedule", "warmup_steps", "weight_decay", "beta1", "beta2",
+                  "grad_clip", "batch_size", "grad_accum", "max_steps", "constant_tokens",
+                  "context")
 # Keys the console line formats specially, in this order, before any others.
 _CONSOLE_ORDER = ("loss", "bpc", "seq_len", "tokens_per_sec", "tok/s")
 
@@ -65,6 +99,7 @@ class MetricsLogger:
         self._start = time.perf_counter()
         self._last_step = initial_step  # newest step seen; final hparams are logged there
         self._closed = False
+        self._described: set[str] = set()  # tags whose description was written
         if enabled and tensorboard and self.run_dir is not None:
             self._writer = self._open_tensorboard()
 
@@ -76,16 +111,19 @@ class MetricsLogger:
 
     @property
     def tb_dir(self) -> Path | None:
-        return self.run_dir / TB_DIR if self.run_dir is not None else None
+        """Where the event files go: the run directory itself (see the module docstring)."""
+        return self.run_dir
 
     # ------------------------------------------------------------------ logging
 
     def log(self, step: int, metrics: dict[str, Any], *, prefix: str = "") -> None:
         """Record ``metrics`` at ``step``: one JSONL line and one TensorBoard scalar each.
 
-        Keys are used as given (after ``prefix``); TensorBoard tags without a slash get
-        ``train/`` in front (``loss`` -> ``train/loss``; ``val/loss``, ``mem_weight/0`` stay).
-        Non-numeric values go to the JSONL line only.
+        Keys are used as given (after ``prefix``). TensorBoard tags: the losses as
+        :data:`TB_TAGS` says (``loss`` -> ``loss/train``, ``val/bpc`` -> ``loss_bpc/val``),
+        other keys without a slash get ``train/`` in front (``lr`` -> ``train/lr``), keys
+        with one stay (``val/perplexity``, ``mem_weight/0``). Non-numeric values go to the
+        JSONL line only.
         """
         if not self.enabled:
             return
@@ -99,8 +137,8 @@ class MetricsLogger:
             for key, value in record.items():
                 if key == "step" or not _is_number(value):
                     continue
-                tag = key if "/" in key else f"train/{key}"
-                self._writer.add_scalar(tag, value, step)
+                tag = TB_TAGS.get(key) or (key if "/" in key else f"train/{key}")
+                self._add_scalar(tag, value, step)
 
     def log_text(self, step: int, tag: str, text: str) -> None:
         """Log a text (e.g. a generated sample) to TensorBoard and print it on the console.
@@ -114,33 +152,50 @@ class MetricsLogger:
             self._writer.add_text(tag, "```\n" + text + "\n```", step)
         self.info(f"[{tag} @ step {step}]\n{text}")
 
-    def log_hparams(self, hparams: dict[str, Any], final_metrics: dict[str, Any]) -> None:
-        """Record the run's hyperparameters and final metrics in TensorBoard's HPARAMS tab.
+    def start_run(self, hparams: dict[str, Any], *, memory_weights: bool = True) -> None:
+        """Once, when a run starts afresh: the Custom Scalars layout and the HParams entry.
 
-        Nested dicts are flattened with dots (``train.lr``); values that are not
-        int/float/str/bool become strings. Metric keys get an ``hparam/`` prefix so their
-        single point does not land on the training curves of the same name.
+        ``hparams`` (see :func:`hparams_of`) become the run's session in the HParams tab,
+        with the scalar tags of :data:`HPARAM_METRICS` as its metrics, so HParams shows
+        the run's real (latest) validation loss. Numbers stay numbers, booleans booleans;
+        any other value becomes a string. Written at step 0: a resume keeps them.
         """
         if not self.enabled or self._writer is None:
             return
-        from torch.utils.tensorboard.summary import hparams as hparams_summary
+        from tensorboard.plugins.hparams import api_pb2, plugin_data_pb2
 
-        flat = {k: _hparam_value(v) for k, v in _flatten(hparams).items()}
-        metrics = {
-            (k if k.startswith("hparam/") else f"hparam/{k}"): float(_plain(v))
-            for k, v in final_metrics.items()
-            if _is_number(_plain(v))
-        }
-        # SummaryWriter.add_hparams(run_name=".") would write the same summaries, but through
-        # a second writer and so a second events file in tb/; writing them with our own
-        # writer keeps one file per run and the hparams in the same TensorBoard run.
-        # Logged at the last step, so a later resume from an earlier step purges these too.
-        exp, ssi, sei = hparams_summary(flat, metrics)
+        values = {k: _hparam_value(v) for k, v in hparams.items()}
+        kinds = {bool: api_pb2.DATA_TYPE_BOOL, str: api_pb2.DATA_TYPE_STRING}
+        experiment = api_pb2.Experiment(
+            hparam_infos=[api_pb2.HParamInfo(
+                name=k, type=kinds.get(type(v), api_pb2.DATA_TYPE_FLOAT64))
+                for k, v in values.items()],
+            metric_infos=[api_pb2.MetricInfo(name=api_pb2.MetricName(tag=tag), display_name=name)
+                          for tag, name in HPARAM_METRICS.items()])
+        start = plugin_data_pb2.SessionStartInfo(start_time_secs=time.time())
+        for key, value in values.items():
+            # bool before int: True is an int too, and would show as 1.0.
+            field = ("bool_value" if isinstance(value, bool) else
+                     "string_value" if isinstance(value, str) else "number_value")
+            setattr(start.hparams[key], field, value)
         file_writer = self._writer._get_file_writer()
-        for summary in (exp, ssi, sei):
-            file_writer.add_summary(summary, self._last_step)
-        for key, value in metrics.items():
-            self._writer.add_scalar(key, value, self._last_step)
+        for summary in (_layout_summary(chart_layout(memory_weights)),
+                        _hparams_summary(experiment=experiment),
+                        _hparams_summary(session_start_info=start)):
+            file_writer.add_summary(summary, 0)
+        self._writer.flush()
+
+    def end_run(self) -> None:
+        """Mark the HParams session finished (at the newest step, so a resume from an
+        earlier one purges it along with the steps it repeats)."""
+        if not self.enabled or self._writer is None:
+            return
+        from tensorboard.plugins.hparams import api_pb2, plugin_data_pb2
+
+        end = plugin_data_pb2.SessionEndInfo(status=api_pb2.STATUS_SUCCESS,
+                                             end_time_secs=time.time())
+        summary = _hparams_summary(session_end_info=end)
+        self._writer._get_file_writer().add_summary(summary, self._last_step)
         self._writer.flush()
 
     def truncate_after(self, step: int) -> None:
@@ -221,13 +276,29 @@ class MetricsLogger:
         if self._bar is not None:
             self._bar.close()
             self._bar = None
-        if self._writer is not None:
-            self._writer.flush()
-            self._writer.close()
-            self._writer = None
-        if self._jsonl is not None:
-            self._jsonl.close()
-            self._jsonl = None
+        failed: FileWriteError | None = None
+        for name, closer in (("tb", self._close_writer), (JSONL_NAME, self._close_jsonl)):
+            try:
+                closer()
+            except Exception as e:  # a full disk: close the rest, then say so in one line
+                failed = failed or write_error(self.run_dir / name if self.run_dir else name, e)
+                if failed is None:
+                    raise
+        # Closing in a `finally` while another error (say, the full disk that stopped a
+        # checkpoint save) unwinds: that error is the one to report, not this echo of it.
+        if failed is not None and sys.exc_info()[1] is None:
+            raise failed
+
+    def _close_writer(self) -> None:
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            writer.flush()
+            writer.close()
+
+    def _close_jsonl(self) -> None:
+        jsonl, self._jsonl = self._jsonl, None
+        if jsonl is not None:
+            jsonl.close()
 
     def __enter__(self) -> MetricsLogger:
         return self
@@ -249,6 +320,19 @@ class MetricsLogger:
         purge = self.initial_step + 1 if self.initial_step > 0 else None
         return SummaryWriter(log_dir=str(self.tb_dir), purge_step=purge)
 
+    def _add_scalar(self, tag: str, value: float, step: int) -> None:
+        """One scalar; the first of each tag (in this writer) carries its description."""
+        description = TB_DESCRIPTIONS.get(tag) or TB_DESCRIPTIONS.get(tag.split("/", 1)[0])
+        if description is None or tag in self._described:
+            self._writer.add_scalar(tag, value, step)
+            return
+        from torch.utils.tensorboard.summary import scalar
+
+        summary = scalar(tag, value)
+        summary.value[0].metadata.summary_description = description
+        self._writer._get_file_writer().add_summary(summary, step)
+        self._described.add(tag)
+
     def _write_jsonl(self, record: dict[str, Any]) -> None:
         if self.jsonl_path is None:
             return
@@ -261,8 +345,14 @@ class MetricsLogger:
                 # A killed run can leave half a line; start ours on a fresh one.
                 self._jsonl.write("\n")
         # default=: a stray tensor or array must cost a less tidy line, not the training run.
-        self._jsonl.write(json.dumps(record, default=_json_fallback) + "\n")
-        self._jsonl.flush()
+        try:
+            self._jsonl.write(json.dumps(record, default=_json_fallback) + "\n")
+            self._jsonl.flush()
+        except OSError as e:  # a full disk: say which file, in one line
+            failed = write_error(self.jsonl_path, e)
+            if failed is None:
+                raise
+            raise failed from None
 
     def _get_bar(self) -> Any:
         if self._bar is None:
@@ -326,15 +416,79 @@ def format_duration(seconds: float) -> str:
     return f"{s // 3600}h{(s % 3600) // 60:02d}m"
 
 
-def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in d.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, dict):
-            out.update(_flatten(value, name + "."))
-        else:
-            out[name] = value
-    return out
+def chart_layout(memory_weights: bool = True) -> Any:
+    """TensorBoard's Custom Scalars layout: losses first, train and val on one chart each."""
+    from tensorboard.plugins.custom_scalar import layout_pb2
+
+    def chart(title: str, regex: str) -> Any:
+        return layout_pb2.Chart(title=title, multiline=layout_pb2.MultilineChartContent(
+            tag=[regex]))
+
+    categories = [layout_pb2.Category(title="loss", chart=[
+        chart("loss (nats per character): train and validation", r"^loss/(train|val)$"),
+        chart("bits per character: train and validation", r"^loss_bpc/(train|val)$"),
+    ])]
+    if memory_weights:
+        categories.append(layout_pb2.Category(title="memory", chart=[chart(
+            "softmax(w): share of the embedding (0) and of each layer (1..L) in memory",
+            r"^mem_weight/\d+$")]))
+    categories.append(layout_pb2.Category(title="training", chart=[
+        chart("learning rate", r"^train/lr$"), chart("sequence length", r"^train/seq_len$"),
+        chart("gradient norm (before clipping)", r"^train/grad_norm$"),
+        chart("tokens/s", r"^train/tokens_per_sec$"),
+    ], closed=True))
+    return layout_pb2.Layout(category=categories)
+
+
+def _hparams_summary(**data: Any) -> Any:
+    """A Summary holding one HParams plugin message (experiment, session start or end).
+
+    Built here because tensorboard's own helpers for this need TensorFlow, and torch's
+    ``add_hparams`` stores booleans as numbers and writes through a second events file.
+    """
+    from tensorboard.compat.proto.summary_pb2 import Summary
+    from tensorboard.plugins.hparams import metadata, plugin_data_pb2
+
+    (kind,) = data
+    tag = {"experiment": metadata.EXPERIMENT_TAG,
+           "session_start_info": metadata.SESSION_START_INFO_TAG,
+           "session_end_info": metadata.SESSION_END_INFO_TAG}[kind]
+    content = plugin_data_pb2.HParamsPluginData(**data)
+    return Summary(value=[Summary.Value(tag=tag, tensor=metadata.NULL_TENSOR,
+                                        metadata=metadata.create_summary_metadata(content))])
+
+
+def _layout_summary(layout: Any) -> Any:
+    """A Summary holding a Custom Scalars layout (tensorboard's helper needs TensorFlow)."""
+    from tensorboard.compat.proto.summary_pb2 import Summary, SummaryMetadata
+    from tensorboard.compat.proto.tensor_pb2 import TensorProto
+    from tensorboard.compat.proto.types_pb2 import DT_STRING
+    from tensorboard.plugins.custom_scalar import metadata
+
+    tensor = TensorProto(dtype=DT_STRING, string_val=[layout.SerializeToString()])
+    plugin = SummaryMetadata.PluginData(plugin_name=metadata.PLUGIN_NAME)
+    return Summary(value=[Summary.Value(tag=metadata.CONFIG_SUMMARY_TAG, tensor=tensor,
+                                        metadata=SummaryMetadata(plugin_data=plugin))])
+
+
+def hparams_of(cfg: Config, world_size: int = 1) -> dict[str, Any]:
+    """The hyper-parameters runs are compared by: every model key, the optimizer and
+    schedule keys, the final sequence length and the token budget (over all ranks).
+
+    No paths, URLs or hashes; ``model.mem_len`` is the window in use (an int, never None);
+    ``train.init_from`` only says whether the run was warm-started.
+    """
+    model = {f"model.{k}": v for k, v in dataclasses.asdict(cfg.model).items()}
+    model["model.mem_len"] = cfg.model.memory_window
+    train = {f"train.{k}": getattr(cfg.train, k) for k in _TRAIN_HPARAMS
+             if hasattr(cfg.train, k)}
+    return {**model, **train,
+            "train.warm_start": cfg.train.init_from is not None,
+            "seq_len": cfg.curriculum[-1].seq_len,
+            "curriculum_stages": len(cfg.curriculum),
+            "tokens": cfg.total_tokens() * world_size,
+            "run.seed": cfg.run.seed,
+            "run.precision": cfg.run.precision}
 
 
 def _hparam_value(value: Any) -> int | float | str | bool:

@@ -61,12 +61,14 @@ from fbtrain.data import (
     StreamLayout,
     fixed_windows,
     load_text,
+    require_tokens,
 )
 from fbtrain.device import autocast, autocast_dtype
 from fbtrain.distributed import DistContext, rank_seed, session
 from fbtrain.evaluate import LN2, loss_figures
-from fbtrain.metrics import TB_DIR, MetricsLogger, format_duration
+from fbtrain.metrics import EVENTS_GLOB, MetricsLogger, format_duration, hparams_of
 from fbtrain.models import build_model, count_parameters
+from fbtrain.rundir import RunDirLock
 from fbtrain.schedule import LRSchedule, build_optimizer
 from fbtrain.scoring import count_scored, score_sums, window_scores
 
@@ -76,6 +78,8 @@ EVAL_BATCH = 64  # validation windows per forward: no gradients, so wide batches
 WARMUP_STEPS = 1  # steps of each process left out of tokens/s (allocations, first kernels)
 # Model fields that fix the shapes of the weights; a checkpoint must agree on all of them.
 ARCHITECTURE = ("kind", "d_model", "n_heads", "d_ff", "n_layers", "max_rel_pos", "memory_norm")
+# What a warm start (transformer -> feedback, on purpose) must agree on: the weights' shapes.
+WARM_START_ARCHITECTURE = ("d_model", "n_heads", "d_ff", "n_layers", "max_rel_pos")
 
 
 class TrainingError(Exception):
@@ -210,6 +214,19 @@ def apply_warm_start(model: nn.Module, state: dict[str, Any], source: Path) -> W
     return report
 
 
+def architecture_diff(saved: dict[str, Any], model: ModelConfig, keys: tuple[str, ...]
+                      ) -> list[str]:
+    """``"key: checkpoint X, config Y"`` for each of ``keys`` where a checkpoint's
+    ``model_config`` (``saved``) and ``model`` disagree; empty when they agree. A key the
+    checkpoint lacks (saved before the key existed) counts as the key's default."""
+    out = []
+    for k in keys:
+        theirs, ours = saved.get(k, getattr(ModelConfig, k, None)), getattr(model, k)
+        if theirs != ours:
+            out.append(f"{k}: checkpoint {theirs!r}, config {ours!r}")
+    return out
+
+
 _LAYER = re.compile(r"^(.*?layers)\.(\d+)\.(.+)$")
 
 
@@ -278,6 +295,7 @@ class Trainer:
         self.quiet = quiet
         self.run_dir = Path(cfg.run.out_dir) / cfg.run.name
         self.manager = CheckpointManager(self.run_dir, cfg.checkpoint.keep_last)
+        self.run_lock = RunDirLock(self.run_dir, enabled=ctx.is_main)
         self.step = 0
         self.tokens = 0
         self.val_loss: float | None = None
@@ -289,7 +307,15 @@ class Trainer:
     # ------------------------------------------------------------------ setup
 
     def fit(self, resume: str | None) -> Path:
-        """Set up (fresh, resumed or warm-started), train to ``max_steps``, return the run dir."""
+        """Set up (fresh, resumed or warm-started), train to ``max_steps``, return the run dir.
+
+        The run directory is owned (locked) throughout: from here when it exists, else from
+        its creation in :meth:`_prepare_run_dir`.
+        """
+        with self.run_lock:
+            return self._fit(resume)
+
+    def _fit(self, resume: str | None) -> Path:
         started = time.perf_counter()
         resume_path = self._resume_path(resume)
         payload = load_checkpoint(resume_path) if resume_path else None
@@ -306,7 +332,10 @@ class Trainer:
         )
         try:
             # Resumed: drop lines the abandoned run logged after the checkpoint. Fresh: all.
-            self.logger.truncate_after(self.step)
+            self.logger.truncate_after(self.step if payload is not None else -1)
+            if payload is None:
+                self.logger.start_run(hparams_of(self.cfg, self.ctx.world_size),
+                                      memory_weights=hasattr(self.raw_model, "memory_weights"))
             self._announce(resume_path)
             if self.warm_report is not None:
                 self.logger.info(self.warm_report.summary())
@@ -338,9 +367,16 @@ class Trainer:
             return None, None
         path = resolve_checkpoint(source, prefer="best")
         init = load_checkpoint(path)
-        if not isinstance(init.get("model"), dict) or not isinstance(init.get("vocab"), list):
+        if not (isinstance(init.get("model"), dict) and isinstance(init.get("vocab"), list)
+                and isinstance(init.get("model_config"), dict)):
             raise CheckpointError(f"{path}: train.init_from needs a model checkpoint "
-                                  "(with 'model' and 'vocab')")
+                                  "(with 'model', 'model_config' and 'vocab')")
+        diff = architecture_diff(init["model_config"], self.cfg.model, WARM_START_ARCHITECTURE)
+        if diff:
+            raise CheckpointError(
+                f"{path}: train.init_from's model differs from model.* in the config "
+                f"({'; '.join(diff)}); a warm start needs the same "
+                f"{', '.join(WARM_START_ARCHITECTURE)}")
         return path, init
 
     def _seed_everything(self) -> None:
@@ -365,6 +401,8 @@ class Trainer:
             raise DataError(f"vocabulary of checkpoint {vocab_source}: {e}") from None
         self.tokenizer, self.labelled = corpus.tokenizer, corpus.labelled
         self.train_ids, val_ids = corpus.splits["train"], corpus.splits["val"]
+        # Checked now, before the run directory is made (the sampler would only at step 1).
+        require_tokens(len(self.train_ids.inputs) + 1, self.cfg.max_seq_len, "training text")
         train = self.cfg.train
         self.sampler = BatchSampler(self.train_ids, self.cfg.run.seed, rank=self.ctx.rank)
         carry = train.context == "carry"
@@ -424,10 +462,7 @@ class Trainer:
         if missing:
             raise CheckpointError(f"{path}: cannot resume from it: missing "
                                   f"{', '.join(missing)}")
-        saved = payload["model_config"]
-        diff = [f"{k}: checkpoint {saved.get(k)!r}, config {getattr(self.cfg.model, k)!r}"
-                for k in ARCHITECTURE
-                if saved.get(k, getattr(ModelConfig, k, None)) != getattr(self.cfg.model, k)]
+        diff = architecture_diff(payload["model_config"], self.cfg.model, ARCHITECTURE)
         if diff:
             raise CheckpointError(f"{path}: the checkpoint's model differs from model.* in the "
                                   f"config ({'; '.join(diff)}); resume with its config")
@@ -467,17 +502,21 @@ class Trainer:
         """config.yaml and vocab.json (rank 0); a fresh start also drops old TensorBoard runs."""
         if self.ctx.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
+            self.run_lock.acquire()
             save_config(self.cfg, self.run_dir / "config.yaml")
             self.tokenizer.save(self.run_dir)
             if fresh:
                 # Left by a run killed before its first checkpoint: its curves are not ours.
-                for events in (self.run_dir / TB_DIR).glob("events.out.tfevents.*"):
+                for events in self.run_dir.glob(EVENTS_GLOB):
                     events.unlink(missing_ok=True)
         self.ctx.barrier()
 
     def _announce(self, resume_path: Path | None) -> None:
         cfg, log = self.cfg, self.logger.info
         log(f"run directory: {self.run_dir}")
+        if self.run_lock.removed:
+            log(f"removed {len(self.run_lock.removed)} temp file(s) left by an interrupted "
+                f"save: {', '.join(p.name for p in self.run_lock.removed)}")
         log(f"model: {cfg.model.kind}, {count_parameters(self.raw_model):,} parameters "
             f"(d_model {cfg.model.d_model}, {cfg.model.n_layers} layers, "
             f"{cfg.model.n_heads} heads)")
@@ -497,7 +536,7 @@ class Trainer:
             if cfg.train.init_from:
                 log("train.init_from is ignored when resuming (the checkpoint has the weights)")
         if self.cfg.logging.tensorboard:
-            log(f"tensorboard --logdir {self.run_dir / TB_DIR}")
+            log(f"tensorboard --logdir {self.run_dir.parent}")
 
     def _device_text(self) -> str:
         dtype = {None: "fp32", torch.bfloat16: "bf16 autocast",
@@ -515,6 +554,8 @@ class Trainer:
             self.logger.info(f"nothing to train: the checkpoint is at step {self.step} and "
                              f"train.max_steps is {cfg.max_steps}")
         prev_seq_len = self.cfg.seq_len_at(max(0, self.step - 1)) if self.step else None
+        if self.step == 0 and cfg.max_steps > 0:
+            self._evaluate_untrained()
         while self.step < cfg.max_steps:
             seq_len = self.cfg.seq_len_at(self.step)
             if prev_seq_len is not None and seq_len != prev_seq_len:
@@ -625,11 +666,12 @@ class Trainer:
         if step % cfg.train.log_every == 0 or final:
             record.update(self._train_metrics(result))
         improved = False
-        if step % cfg.train.eval_every == 0 or final:
+        evaluated = step % cfg.train.eval_every == 0 or final
+        if evaluated:
             improved = self._evaluate(record)
         if record:
             self.logger.log(step, record)
-        if cfg.train.sample_every and step % cfg.train.sample_every == 0:
+        if self._sample_due(evaluated):
             self._log_sample()
         every = step % cfg.checkpoint.every == 0
         if every or final or improved or result.stop is not None:
@@ -667,16 +709,36 @@ class Trainer:
         self.logger.progress(self.step, shown)
         return metrics
 
-    def _evaluate(self, record: dict[str, Any]) -> bool:
-        """Validation loss on the fixed windows (rank 0); True when it is the best so far."""
+    def _evaluate_untrained(self) -> None:
+        """Step 0: the untrained model's validation loss (and a sample), so every curve
+        starts at the start. Not a candidate for best.pt: there is nothing to save yet."""
+        record: dict[str, Any] = {}
+        self._evaluate(record, candidate=False)
+        if record:
+            self.logger.log(0, record)
+        if self._sample_due(evaluated=True):
+            self._log_sample()
+
+    def _sample_due(self, evaluated: bool) -> bool:
+        """A sample with every evaluation (``sample_every: null``), or every N steps and at
+        the end (N > 0), or never (0)."""
+        every, step = self.cfg.train.sample_every, self.step
+        if every is None:
+            return evaluated
+        return every > 0 and (step % every == 0 or step == self.cfg.train.max_steps)
+
+    def _evaluate(self, record: dict[str, Any], candidate: bool = True) -> bool:
+        """Validation loss on the fixed windows (rank 0); True when it is the best so far.
+
+        ``candidate=False`` (step 0) logs the loss without making it the best to beat."""
         if not self.ctx.is_main:
             return False
         with preserve_rng(self.device), autocast(self.cfg.run.precision, self.device):
             scores = window_scores(self.raw_model, self.val_x, self.val_y, EVAL_BATCH)
         loss = scores.loss
         self.val_loss = loss
-        improved = math.isfinite(loss) and (self.best_val_loss is None
-                                            or loss < self.best_val_loss)
+        improved = candidate and math.isfinite(loss) and (self.best_val_loss is None
+                                                          or loss < self.best_val_loss)
         if improved:
             self.best_val_loss = loss
         metrics = {f"val/{k}": v for k, v in loss_figures(loss).items()}
@@ -752,15 +814,8 @@ class Trainer:
     # ------------------------------------------------------------------ end
 
     def _finish(self, started: float) -> None:
-        """Hyperparameters with final metrics to TensorBoard, and a summary line."""
-        final: dict[str, Any] = {}
-        if self.val_loss is not None:
-            final.update({"val/loss": self.val_loss, "val/bpc": self.val_loss / LN2})
-        if self.best_val_loss is not None:
-            final["val/best_loss"] = self.best_val_loss
-        if self.last_loss is not None:
-            final["train/loss"] = self.last_loss
-        self.logger.log_hparams(self.cfg.to_dict(), final)
+        """Close the run's HParams session in TensorBoard, and a summary line."""
+        self.logger.end_run()
         parts = [f"done at step {self.step}"]
         if self.val_loss is not None:
             parts.append(f"val loss {self.val_loss:.4f} (bpc {self.val_loss / LN2:.4f})")

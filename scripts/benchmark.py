@@ -50,28 +50,33 @@ TARGET_VS_REFERENCE = 5.0
 AIM_VS_TRANSFORMER = 2.5
 
 
-def model_config(kind: str) -> ModelConfig:
-    return ModelConfig(kind=kind, **SIZES)
+def model_config(kind: str, sizes: dict | None = None) -> ModelConfig:
+    """``kind`` at the benchmark's SIZES (or at ``sizes``: the ModelConfig fields to use)."""
+    return ModelConfig(kind=kind, **(sizes or SIZES))
 
 
-def check_exact(kind: str, seed: int = 0) -> float:
-    """Largest |difference| of loss and every gradient between fbtrain and the reference,
-    float64, same weights (randomised position tables and memory weights included)."""
+def check_exact(kind: str, seed: int = 0, device: torch.device | str = "cpu",
+                sizes: dict | None = None) -> float:
+    """Largest |difference| of logits, loss and every gradient between fbtrain and the
+    reference, float64 on ``device``, same weights (randomised position tables and memory
+    weights included)."""
     torch.manual_seed(seed)
-    model = build_model(model_config(kind), VOCAB).double()
+    model = build_model(model_config(kind, sizes), VOCAB).double().to(device)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.02)
-    x = torch.randint(0, VOCAB, (4, 24))
-    y = torch.randint(0, VOCAB, (4, 24))
+    x = torch.randint(0, VOCAB, (4, 24)).to(device)
+    y = torch.randint(0, VOCAB, (4, 24)).to(device)
     results = []
     for forward in (lambda: reference_forward(model, x), lambda: model(x)[0]):
         model.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(forward().reshape(-1, VOCAB), y.reshape(-1))
+        logits = forward()
+        loss = F.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1))
         loss.backward()
-        results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
-    (ref_loss, ref_grads), (loss, grads) = results
-    worst = (loss - ref_loss).abs().item()
+        results.append((logits.detach(), loss.detach(),
+                        {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (ref_logits, ref_loss, ref_grads), (logits, loss, grads) = results
+    worst = max((logits - ref_logits).abs().max().item(), (loss - ref_loss).abs().item())
     for name, g in ref_grads.items():
         worst = max(worst, (grads[name] - g).abs().max().item())
     return worst
@@ -109,29 +114,32 @@ class Entry:
 
 
 def make_entries(device: torch.device, precision: torch.dtype | None,
-                 with_reference: bool) -> list[Entry]:
+                 with_reference: bool, sizes: dict | None = None) -> list[Entry]:
     entries = []
     for kind in ("feedback_kv", "feedback"):
         torch.manual_seed(0)
-        fast = build_model(model_config(kind), VOCAB).to(device)
+        fast = build_model(model_config(kind, sizes), VOCAB).to(device)
         if with_reference:
             slow = copy.deepcopy(fast)  # same weights, its own optimizer
             entries.append(Entry(f"reference_{kind}", slow,
                                  lambda x, m=slow: reference_forward(m, x), device, precision))
         entries.append(Entry(kind, fast, lambda x, m=fast: m(x)[0], device, precision))
     torch.manual_seed(0)
-    transformer = build_model(model_config("transformer"), VOCAB).to(device)
+    transformer = build_model(model_config("transformer", sizes), VOCAB).to(device)
     entries.append(Entry("transformer", transformer, lambda x, m=transformer: m(x)[0],
                          device, precision))
     return entries
 
 
 def time_steps(seq_len: int, repeats: int, warmup: int, device: torch.device,
-               precision: torch.dtype | None, with_reference: bool) -> dict[str, dict]:
-    entries = make_entries(device, precision, with_reference)
+               precision: torch.dtype | None, with_reference: bool,
+               sizes: dict | None = None, batch: int = BATCH) -> dict[str, dict]:
+    """Median ms/step and tokens/s of every entry (interleaved), at ``sizes`` and ``batch``
+    (default: the benchmark's)."""
+    entries = make_entries(device, precision, with_reference, sizes)
     gen = torch.Generator().manual_seed(seq_len)
-    x = torch.randint(0, VOCAB, (BATCH, seq_len), generator=gen).to(device)
-    y = torch.randint(0, VOCAB, (BATCH, seq_len), generator=gen).to(device)
+    x = torch.randint(0, VOCAB, (batch, seq_len), generator=gen).to(device)
+    y = torch.randint(0, VOCAB, (batch, seq_len), generator=gen).to(device)
     for _ in range(warmup):
         for e in entries:
             e.step(x, y)
@@ -142,20 +150,23 @@ def time_steps(seq_len: int, repeats: int, warmup: int, device: torch.device,
     out = {}
     for e in entries:
         ms = statistics.median(e.times) * 1000
-        out[e.name] = {"ms_per_step": ms, "tokens_per_sec": BATCH * seq_len / ms * 1000,
+        out[e.name] = {"ms_per_step": ms, "tokens_per_sec": batch * seq_len / ms * 1000,
                        "steps_timed": len(e.times)}
     return out
 
 
-def peak_step_memory_mb(kind: str, seq_len: int, device: torch.device) -> float:
-    """Peak memory a training step adds, in MiB: CUDA allocator stats on a GPU; on the CPU
-    the growth of the process's peak RSS during one step, measured in a fresh process."""
+def peak_step_memory_mb(kind: str, seq_len: int, device: torch.device,
+                        sizes: dict | None = None, batch: int = BATCH,
+                        precision: torch.dtype | None = None) -> float:
+    """Peak memory a training step adds, in MiB: CUDA allocator stats on a GPU (at ``sizes``,
+    ``batch`` and ``precision``); on the CPU the growth of the process's peak RSS during one
+    step at the benchmark's sizes, measured in a fresh process."""
     if device.type == "cuda":
         torch.manual_seed(0)
-        entry = Entry(kind, build_model(model_config(kind), VOCAB).to(device),
-                      lambda x: None, device, None)
+        entry = Entry(kind, build_model(model_config(kind, sizes), VOCAB).to(device),
+                      lambda x: None, device, precision)
         entry.forward = lambda x, m=entry.model: m(x)[0]
-        x = torch.randint(0, VOCAB, (BATCH, seq_len), device=device)
+        x = torch.randint(0, VOCAB, (batch, seq_len), device=device)
         entry.step(x, x)  # optimizer state exists from here on
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()

@@ -321,3 +321,21 @@ def test_rng_round_trip_through_checkpoint(tmp_path: Path) -> None:
     save_checkpoint(tmp_path / "c.pt", {"rng": state})
     restore_rng(load_checkpoint(tmp_path / "c.pt")["rng"])
     assert _draws() == expected
+
+
+class _Payload:
+    """A __reduce__ payload: unpickling it would call os.system."""
+
+    def __reduce__(self):
+        import os
+
+        return (os.system, ("echo pwned",))
+
+
+def test_refuses_reduce_payloads_in_the_same_words(tmp_path: Path) -> None:
+    path = tmp_path / "evil.pt"
+    torch.save({"format": FORMAT, "obj": _Payload()}, path)
+    with pytest.raises(CheckpointError, match=r"evil\.pt: refusing to load: it holds a "
+                       r"posix\.system object, and unpickling anything but tensors and plain "
+                       r"containers could run code$"):
+        load_checkpoint(path)

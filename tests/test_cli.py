@@ -64,6 +64,10 @@ def test_no_arguments_shows_help():
     assert "Usage: fbtrain" in result.output and "train" in result.output
 
 
+def test_help_gives_the_main_jobs_real_time():
+    assert "# train (3-5 min on 2 cores)" in invoke("--help").output
+
+
 @pytest.mark.parametrize(
     ("command", "flags"),
     [
@@ -107,7 +111,7 @@ def test_bad_config_exits_2_with_every_problem(tmp_path: Path):
     lines = error_lines(result)
     assert lines == [
         f"error: {path}: unknown key model.d_modle (did you mean model.d_model?); allowed: "
-        "kind, d_model, n_heads, d_ff, n_layers, dropout, max_rel_pos, mem_len",
+        "kind, d_model, n_heads, d_ff, n_layers, dropout, max_rel_pos, mem_len, memory_norm",
         f"error: {path}: train.lr = 0.0: must be > 0",
     ]
     assert "Traceback" not in result.output
@@ -282,17 +286,34 @@ def test_sample_bug_is_not_hidden(fake_sample: dict[str, Any]):
 
 
 @pytest.mark.parametrize("args", [["--length", "0"], ["--num-samples", "0"], ["--top-k", "0"],
-                                  ["--temperature", "-1"], ["--seed", "-1"], ["--length", "x"]])
+                                  ["--temperature", "-1"], ["--seed", "-1"], ["--length", "x"],
+                                  ["--seed", "99999999999999999999"], ["--temperature", "inf"],
+                                  ["--temperature", "nan"], ["--top-p", "nan"],
+                                  ["--top-p", "0"], ["--top-p", "1.5"],
+                                  ["--length", str(2**63)], ["--top-k", str(2**64)]])
 def test_sample_flag_validation_exits_2(fake_sample: dict[str, Any], args: list[str]):
     result = invoke("sample", "--checkpoint", "runs/x", *args)
     assert result.exit_code == 2
     assert "checkpoint" not in fake_sample  # refused before sample.run
+    # One line naming the option, like every other bad input; no usage block.
+    assert len(error_lines(result)) == 1, result.stderr
+    assert error_lines(result)[0].startswith(f"error: fbtrain sample: invalid value for "
+                                             f"'{args[0]}'"), result.stderr
+    assert result.stdout == ""
 
 
 def test_sample_needs_checkpoint():
     result = invoke("sample")
     assert result.exit_code == 2
-    assert "--checkpoint" in result.output
+    assert error_lines(result) == ["error: fbtrain sample: missing option '--checkpoint' / '-c'"]
+
+
+def test_unknown_option_and_command_are_one_line():
+    for args, line in ((["eval", "-c", "x", "--bogus"], "error: fbtrain eval: no such option: "
+                                                        "--bogus"),
+                       (["bogus"], "error: fbtrain: no such command 'bogus'")):
+        result = invoke(*args)
+        assert result.exit_code == 2 and error_lines(result) == [line], result.output
 
 
 # ----------------------------------------------------------------------------- eval
@@ -334,11 +355,16 @@ def test_eval_table(fake_eval: dict[str, Any]):
 
 
 @pytest.mark.parametrize("args", [["--split", "test"], ["--context", "keep"],
-                                  ["--seq-len", "0"], ["--batch-size", "0"]])
+                                  ["--seq-len", "0"], ["--batch-size", "0"],
+                                  ["--seq-len", str(2**63)], ["--batch-size", "x"]])
 def test_eval_flag_validation_exits_2(fake_eval: dict[str, Any], args: list[str]):
     result = invoke("eval", "--checkpoint", "runs/x", *args)
     assert result.exit_code == 2
     assert "checkpoint" not in fake_eval
+    assert len(error_lines(result)) == 1, result.stderr
+    assert error_lines(result)[0].startswith(f"error: fbtrain eval: invalid value for "
+                                             f"'{args[0]}'"), result.stderr
+    assert result.stdout == ""
 
 
 @pytest.mark.parametrize("error", [ValueError("seq_len = 0: must be an integer >= 1"),

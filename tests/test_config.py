@@ -3,12 +3,15 @@ in one line that names the file, key, value and what is allowed."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
+import typing
 from pathlib import Path
 
 import pytest
+import torch
 
-from fbtrain.config import Config, ConfigError, describe_fields, load_config
+from fbtrain.config import SECTIONS, Config, ConfigError, describe_fields, load_config
 
 CONFIGS = sorted((Path(__file__).resolve().parent.parent / "configs").glob("*.yaml"))
 CPU_BUDGET_TOKENS = 1_536_000  # what a 2-core CPU trains in ~15 minutes (see the configs)
@@ -299,3 +302,98 @@ def test_defaults_are_the_main_job_but_for_the_position_table_size():
 
 def test_set_keeps_text_fields_as_written():
     assert load_config(None, ["run.name=007"]).run.name == "007"
+
+
+# ----------------------------------------------------------------------------- numbers
+
+
+FLOAT_KEYS = [f"{name}.{f.name}" for name, cls in SECTIONS.items()
+              for f in dataclasses.fields(cls)
+              if float in typing.get_args(typing.get_type_hints(cls)[f.name])
+              or typing.get_type_hints(cls)[f.name] is float]
+INT_KEYS = [f"{name}.{f.name}" for name, cls in SECTIONS.items()
+            for f in dataclasses.fields(cls)
+            if int in typing.get_args(typing.get_type_hints(cls)[f.name])
+            or typing.get_type_hints(cls)[f.name] is int]
+
+
+def test_every_float_key_refuses_nan_and_infinity():
+    assert {"train.lr", "train.min_lr", "train.beta1", "train.beta2", "model.dropout",
+            "train.grad_clip", "data.val_fraction"} <= set(FLOAT_KEYS)
+    for value in (".nan", ".inf", "-.inf", "1e400"):
+        found = problems(*(f"{key}={value}" for key in FLOAT_KEYS))
+        for key in FLOAT_KEYS:
+            hits = [line for line in found if f" {key} = " in line]
+            assert len(hits) == 1 and hits[0].endswith(
+                ": must be a finite number (not NaN or infinity)"), (key, value, found)
+
+
+def test_every_int_key_refuses_values_beyond_int64():
+    assert {"run.seed", "train.max_steps", "model.d_model"} <= set(INT_KEYS)
+    for value in (2**63, -(2**63) - 1, 99999999999999999999):
+        found = problems(*(f"{key}={value}" for key in INT_KEYS))
+        for key in INT_KEYS:
+            hits = [line for line in found if f" {key} = " in line]
+            assert len(hits) == 1 and "must fit in a 64-bit integer" in hits[0], (key, found)
+    assert load_config(None, [f"run.seed={2**63 - 1}"]).run.seed == 2**63 - 1
+
+
+def test_curriculum_refuses_values_beyond_int64():
+    found = problems(f"curriculum=[{{until_step: {2**64}, seq_len: 8}}, {{seq_len: {2**64}}}]")
+    assert any("curriculum[0].until_step = 18446744073709551616" in line for line in found)
+    assert any("curriculum[1].seq_len = 18446744073709551616" in line for line in found)
+
+
+def test_nan_in_a_file_is_named_with_the_file(tmp_path: Path):
+    path = write(tmp_path, "train:\n  lr: .nan\n  beta1: .nan\nmodel:\n  dropout: .nan\n"
+                           "run:\n  seed: 99999999999999999999\n")
+    found = problems(path=path)
+    assert sorted(found) == sorted([
+        f"{path}: train.lr = nan: must be a finite number (not NaN or infinity)",
+        f"{path}: train.beta1 = nan: must be a finite number (not NaN or infinity)",
+        f"{path}: model.dropout = nan: must be a finite number (not NaN or infinity)",
+        f"{path}: run.seed = 99999999999999999999: must fit in a 64-bit integer "
+        f"({-(2**63)} to {2**63 - 1})",
+    ])
+
+
+# ----------------------------------------------------------------------------- messages
+
+
+def test_duplicate_keys_are_refused_naming_both_lines(tmp_path: Path):
+    path = write(tmp_path, "train:\n  lr: 0.1\n  max_steps: 5\n  lr: 0.2\nmodel: {}\n"
+                           "model:\n  d_model: 8\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert info.value.problems == [
+        f"{path}: duplicate key 'lr' at line 4 (first given at line 2); give each key once",
+        f"{path}: duplicate key 'model' at line 6 (first given at line 5); give each key once",
+    ]
+
+
+def test_a_bad_section_in_the_file_is_blamed_on_the_file(tmp_path: Path):
+    path = write(tmp_path, "run: 5\n")
+    found = problems("run.name=x", "train.lr=-1", path=path)
+    assert f"{path}: run = 5: must be a mapping of keys to values" in found, found
+    assert not any(line.startswith("--set") for line in found), found
+    assert f"{path} (with --set): train.lr = -1.0: must be > 0" in found, found
+
+
+def test_val_fraction_message_gives_the_real_limits():
+    found = problems("data.val_fraction=.nan")
+    assert found == ["<defaults> (with --set): data.val_fraction = nan: must be a finite "
+                     "number (not NaN or infinity)"]
+    from fbtrain.data import DataError, split
+
+    with pytest.raises(DataError, match=r"^data.val_fraction = 0.7: must be > 0 and <= 0.5$"):
+        split(torch.arange(100), 0.7)
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
+def test_total_tokens_is_the_sum_over_steps(path: Path):
+    cfg = load_config(path)
+    assert cfg.total_tokens() == total_tokens(cfg) * cfg.train.grad_accum
+    short = load_config(path, ["train.max_steps=7", "train.grad_accum=3",
+                               "curriculum=[{until_step: 5, seq_len: 8}, {until_step: 9, "
+                               "seq_len: 16}, {seq_len: 32}]", "model.max_rel_pos=64"])
+    assert short.total_tokens() == total_tokens(short) * 3

@@ -111,6 +111,16 @@ def test_bad_arguments() -> None:
         evaluate_split(model, ids[:1], 8, 4)
 
 
+@pytest.mark.parametrize("context", ["reset", "carry"])
+def test_reports_the_seq_len_it_used(context: str) -> None:
+    """A split shorter than one window is scored as one shorter window, and says so."""
+    model = tiny_model("feedback_kv")
+    ids = ids_of(make_text(11))
+    result = evaluate_split(model, ids, seq_len=64, batch_size=4, context=context)
+    assert result["tokens"] == 10 and result["seq_len"] == 10
+    assert result["loss"] == pytest.approx(hand_loss(model, ids, [(0, 10)]), rel=1e-6)
+
+
 # ----------------------------------------------------------------------------- run()
 
 

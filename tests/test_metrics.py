@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -11,7 +12,8 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from fbtrain.metrics import MetricsLogger
+from fbtrain.config import load_config
+from fbtrain.metrics import HPARAM_METRICS, MetricsLogger, hparams_of
 
 
 def _events(tb_dir: Path) -> EventAccumulator:
@@ -67,13 +69,16 @@ def test_tensorboard_scalars_and_text_read_back(tmp_path: Path) -> None:
                          "mem_weight/0": 0.1 * step, "note": "not a number"})
         m.log(3, {"loss": 0.5}, prefix="val/")
         m.log_text(3, "sample", "ROMEO:\nO, she doth teach the torches to burn bright!")
-    acc = _events(tmp_path / "tb")
+    acc = _events(tmp_path)  # events in the run directory itself: listed under its name
     scalars = set(acc.Tags()["scalars"])
-    assert {"train/loss", "train/tokens_per_sec", "mem_weight/0", "val/loss"} <= scalars
+    assert {"loss/train", "train/tokens_per_sec", "mem_weight/0", "loss/val"} <= scalars
     assert not any("note" in tag for tag in scalars)
-    loss = acc.Scalars("train/loss")
+    loss = acc.Scalars("loss/train")
     assert [(e.step, e.value) for e in loss] == [(1, 3.0), (2, 2.0), (3, 1.0)]
-    assert acc.Scalars("val/loss")[0].value == 0.5
+    assert acc.Scalars("loss/val")[0].value == 0.5
+    # Described once, on the first event of the tag.
+    assert "softmax(w)" in acc.SummaryMetadata("mem_weight/0").summary_description
+    assert "validation windows" in acc.SummaryMetadata("loss/val").summary_description
     text_tags = [t for t in acc.Tags()["tensors"] if t.startswith("sample")]
     assert text_tags, acc.Tags()["tensors"]
     event = acc.Tensors(text_tags[0])[0]
@@ -90,7 +95,7 @@ def test_resume_purges_later_tensorboard_steps(tmp_path: Path) -> None:
         m.truncate_after(3)
         for step in (4, 5):
             m.log(step, {"loss": 10.0 * step})
-    events = _events(tmp_path / "tb").Scalars("train/loss")
+    events = _events(tmp_path).Scalars("loss/train")
     assert [(e.step, e.value) for e in events] == [
         (1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0), (5, 50.0)]
     assert [(r["step"], r["loss"]) for r in _records(tmp_path)] == [
@@ -115,35 +120,55 @@ def test_truncate_after_without_file(tmp_path: Path) -> None:
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
-def test_hparams_written_and_readable(tmp_path: Path) -> None:
-    from tensorboard.plugins.hparams import plugin_data_pb2
+def test_hparams_and_layout_written_and_readable(tmp_path: Path) -> None:
+    from tensorboard.plugins.custom_scalar import layout_pb2
+    from tensorboard.plugins.hparams import api_pb2, plugin_data_pb2
 
-    hparams = {"model": {"kind": "feedback_kv", "d_model": 16, "mem_len": None},
-               "train": {"lr": 1e-3, "constant_tokens": False},
-               "curriculum": [{"seq_len": 8}, {"seq_len": 16}]}
+    cfg = load_config(None, ["model.d_model=16", "train.constant_tokens=false",
+                             "train.init_from=runs/base", "train.max_steps=10"])
     with MetricsLogger(tmp_path, console=False) as m:
-        m.log(5, {"loss": 1.0})
-        m.log_hparams(hparams, {"val/bpc": 2.5, "val/loss": torch.tensor(1.7)})
-    acc = _events(tmp_path / "tb")
-    content = acc.PluginTagToContent("hparams")
-    assert content  # experiment, session start and session end summaries
-    got = {}
-    for raw in content.values():
+        m.start_run(hparams_of(cfg))
+        m.log(5, {"loss": 1.0, "val/loss": 1.7, "val/bpc": 2.5})
+        m.end_run()
+    acc = _events(tmp_path)
+    experiment, start, end = None, None, None
+    for raw in acc.PluginTagToContent("hparams").values():
         data = plugin_data_pb2.HParamsPluginData.FromString(raw)
-        if data.HasField("session_start_info"):
-            for key, value in data.session_start_info.hparams.items():
-                got[key] = value.WhichOneof("kind") and getattr(value, value.WhichOneof("kind"))
-    assert got["model.kind"] == "feedback_kv"
-    assert got["model.d_model"] == 16
-    assert got["train.lr"] == pytest.approx(1e-3)
-    assert got["train.constant_tokens"] == 0  # torch stores bools as numbers (bool is an int)
-    assert got["model.mem_len"] == "None"
-    assert got["curriculum"] == str(hparams["curriculum"])
-    scalars = acc.Tags()["scalars"]
-    assert "hparam/val/bpc" in scalars
-    assert acc.Scalars("hparam/val/bpc")[0].value == 2.5
+        kind = data.WhichOneof("data")
+        experiment = data.experiment if kind == "experiment" else experiment
+        start = data.session_start_info if kind == "session_start_info" else start
+        end = data.session_end_info if kind == "session_end_info" else end
+    assert experiment and start and end and end.status == api_pb2.STATUS_SUCCESS
+    # The metrics are the scalar tags themselves: no one-point hparam/* copies.
+    assert [mi.name.tag for mi in experiment.metric_infos] == list(HPARAM_METRICS)
+    assert not [t for t in acc.Tags()["scalars"] if t.startswith("hparam")]
+    names = [info.name for info in experiment.hparam_infos]
+    assert names[:5] == ["model.kind", "model.d_model", "model.n_heads", "model.d_ff",
+                         "model.n_layers"]  # the model first, not checkpoint.* or data.*
+    types = {info.name: info.type for info in experiment.hparam_infos}
+    assert types["train.constant_tokens"] == api_pb2.DATA_TYPE_BOOL
+    assert types["model.kind"] == api_pb2.DATA_TYPE_STRING
+    got = {k: getattr(v, v.WhichOneof("kind")) for k, v in start.hparams.items()}
+    assert got["model.kind"] == "feedback_kv" and got["model.d_model"] == 16
+    assert start.hparams["train.constant_tokens"].WhichOneof("kind") == "bool_value"
+    assert got["train.constant_tokens"] is False and got["train.warm_start"] is True
+    assert got["model.mem_len"] == cfg.model.max_rel_pos  # the window in use, not None
+    assert got["train.lr"] == pytest.approx(2e-3) and got["seq_len"] == 64
+    assert got["tokens"] == 10 * 16 * 32 == cfg.total_tokens()  # 10 steps at length 32
+    assert not [k for k in got if k.startswith(("data.", "checkpoint.", "logging."))
+                or k.endswith(("_dir", "path", "url", "sha256", "init_from"))]
+    # The Custom Scalars layout: train and validation loss on one chart, then bpc.
+    (tag,) = acc.PluginTagToContent("custom_scalars")
+    layout = layout_pb2.Layout.FromString(acc.Tensors(tag)[0].tensor_proto.string_val[0])
+    loss, bpc = layout.category[0].chart[:2]
+    assert layout.category[0].title == "loss"
+    assert [re.match(loss.multiline.tag[0], t) is not None
+            for t in ("loss/train", "loss/val", "loss_bpc/val")] == [True, True, False]
+    assert re.match(bpc.multiline.tag[0], "loss_bpc/val")
+    memory = layout.category[1].chart[0]
+    assert "softmax(w)" in memory.title and re.match(memory.multiline.tag[0], "mem_weight/3")
     # One writer, one events file.
-    assert len(list((tmp_path / "tb").glob("events.out.tfevents.*"))) == 1
+    assert len(list(tmp_path.glob("events.out.tfevents.*"))) == 1
 
 
 def test_disabled_logger_is_silent_and_writes_nothing(
@@ -156,7 +181,8 @@ def test_disabled_logger_is_silent_and_writes_nothing(
         m.progress(1, {"loss": 1.0})
         m.info("hello")
         m.truncate_after(0)
-        m.log_hparams({"a": 1}, {"loss": 1.0})
+        m.start_run({"a": 1})
+        m.end_run()
     assert not run.exists()
     assert capsys.readouterr() == ("", "")
 

@@ -14,6 +14,10 @@ from fbtrain.models import build_model, count_parameters, feedback_core
 
 FEEDBACK_KINDS = ["feedback_kv", "feedback"]
 ALL_KINDS = [*FEEDBACK_KINDS, "transformer"]
+# Every kind on the C++ core, the feedback kinds on the PyTorch core too (the transformer
+# has no sequential core); for ``parametrize(..., indirect=["core_name"])``.
+KIND_CORES = [*((kind, "native") for kind in ALL_KINDS),
+              *((kind, "python") for kind in FEEDBACK_KINDS)]
 
 
 def small(kind: str, **kw) -> ModelConfig:
@@ -41,12 +45,21 @@ def grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.fixture(params=["loops", "aten"])
+@pytest.fixture(params=["loops", "aten", "python"])
 def core_path(request, monkeypatch) -> str:
-    """Both attention paths of the C++ core: the CPU loops, and the ATen calls every other
-    device takes (forced on the CPU by FBTRAIN_CORE_ATEN)."""
+    """Every way the core runs: the C++ core's CPU loops, its ATen calls (which every other
+    device takes; forced on the CPU by FBTRAIN_CORE_ATEN), and the PyTorch core (the
+    fallback; FBTRAIN_CORE=python)."""
+    monkeypatch.setenv("FBTRAIN_CORE", "python" if request.param == "python" else "native")
     if request.param == "aten":
         monkeypatch.setenv("FBTRAIN_CORE_ATEN", "1")
+    return request.param
+
+
+@pytest.fixture(params=["native", "python"])
+def core_name(request, monkeypatch) -> str:
+    """Both cores (FBTRAIN_CORE), for checks that do not depend on the attention path."""
+    monkeypatch.setenv("FBTRAIN_CORE", request.param)
     return request.param
 
 
@@ -72,10 +85,13 @@ def test_fast_core_matches_reference_float64(kind, mem_len, memory_norm, core_pa
 
 
 @pytest.mark.parametrize("kind", FEEDBACK_KINDS)
-def test_float32_core_matches_float64(kind):
+def test_float32_core_matches_float64(kind, core_name):
     """The reference tests run in float64; training runs in float32, whose attention loops
     are vectorised with other instructions. Same weights in float32: logits and gradients
-    within float32 rounding of the float64 ones."""
+    within float32 rounding of the float64 ones. (The worst gradient error relative to the
+    largest gradient was 1.7e-5 on the C++ core and 1.1e-4 on the PyTorch core for this
+    draw; over six other draws 3e-6 to 2.7e-5 on both: this draw is ill-conditioned, not
+    one core less accurate. Hence 2e-4.)"""
     model = randomized(small(kind, mem_len=5))
     model32 = copy.deepcopy(model).float()
     tokens = torch.randint(0, 11, (3, 12))
@@ -86,7 +102,7 @@ def test_float32_core_matches_float64(kind):
                                atol=1e-4)
     for (name, p64), p32 in zip(model.named_parameters(), model32.parameters(), strict=True):
         scale = p64.grad.abs().max().item()
-        torch.testing.assert_close(p32.grad.double(), p64.grad, rtol=0, atol=1e-4 * scale,
+        torch.testing.assert_close(p32.grad.double(), p64.grad, rtol=0, atol=2e-4 * scale,
                                    msg=lambda m, n=name: f"{n}: {m}")
 
 
@@ -136,10 +152,10 @@ def test_gradient_with_dropout_and_carried_memory_matches_finite_differences(
     assert abs(analytic.item() - numeric.item()) < 1e-6 * max(1.0, abs(numeric.item()))
 
 
-@pytest.mark.parametrize("kind", ALL_KINDS)
+@pytest.mark.parametrize(("kind", "core_name"), KIND_CORES, indirect=["core_name"])
 @pytest.mark.parametrize("grad", [False, True])
 @pytest.mark.parametrize("memory_norm", ["none", "layernorm"])
-def test_chunked_equals_whole(kind, grad, memory_norm):
+def test_chunked_equals_whole(kind, grad, memory_norm, core_name):
     model = randomized(small(kind, mem_len=6, memory_norm=memory_norm)).eval()
     tokens = torch.randint(0, 11, (2, 15))
     with torch.set_grad_enabled(grad):
@@ -174,8 +190,8 @@ def test_parameter_counts_match_reference_design(kind, count):
     assert count_parameters(build_model(cfg, 65)) == count
 
 
-@pytest.mark.parametrize("kind", ALL_KINDS)
-def test_eval_mode_is_deterministic_with_dropout(kind):
+@pytest.mark.parametrize(("kind", "core_name"), KIND_CORES, indirect=["core_name"])
+def test_eval_mode_is_deterministic_with_dropout(kind, core_name):
     model = build_model(small(kind, dropout=0.5), 11).eval()
     tokens = torch.randint(0, 11, (2, 9))
     with torch.no_grad():
@@ -189,7 +205,7 @@ def test_eval_mode_is_deterministic_with_dropout(kind):
 
 
 @pytest.mark.parametrize("kind", FEEDBACK_KINDS)
-def test_core_runs_in_inference_mode_but_hands_autograd_normal_tensors(kind):
+def test_core_runs_in_inference_mode_but_hands_autograd_normal_tensors(kind, core_name):
     """The step loop runs under inference mode; nothing created there may leak out: logits,
     carried memory and every gradient must be ordinary tensors (in-place clipping works)."""
     model = build_model(small(kind), 11)
@@ -251,6 +267,32 @@ def test_no_grad_shards_never_share_scratch(kind, threads):
             torch.testing.assert_close(model(tokens)[0], expected, rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("kind", FEEDBACK_KINDS)
+@pytest.mark.parametrize("memory_norm", ["none", "layernorm"])
+def test_cores_agree_with_dropout_and_carried_memory(kind, memory_norm, monkeypatch):
+    """Both cores draw the dropout masks alike (same shapes, same order, before the sweep),
+    so from one seed they compute the same training step: logits, carried memory and every
+    gradient, over two calls that carry memory (the second with a full window)."""
+    model = randomized(small(kind, dropout=0.3, mem_len=4, memory_norm=memory_norm)).train()
+    tokens = torch.randint(0, 11, (3, 7))
+    runs = []
+    for name in ("native", "python"):
+        monkeypatch.setenv("FBTRAIN_CORE", name)
+        torch.manual_seed(5)
+        model.zero_grad(set_to_none=True)
+        logits, state = model(tokens)
+        logits2, state2 = model(tokens[:, :3], state)
+        loss_of(torch.cat([logits, logits2], 1)).backward()
+        runs.append((logits, logits2, state2.keys, state2.values, grads(model)))
+    (*native, native_grads), (*python, python_grads) = runs
+    for a, b in zip(python, native, strict=True):  # different masks would differ by O(1)
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+    assert python_grads.keys() == native_grads.keys()
+    for name in native_grads:
+        torch.testing.assert_close(python_grads[name], native_grads[name], rtol=1e-10,
+                                   atol=1e-10, msg=lambda m, n=name: f"{n}: {m}")
+
+
 def test_failed_core_build_is_one_clear_line(monkeypatch):
     """No compiler (or a broken one) gives a CoreBuildError (an OSError: the CLI prints it
     as one ``error:`` line, exit 2) naming the source and the compiler's first error."""
@@ -298,9 +340,9 @@ def test_no_grad_calls_see_every_weight_update(kind, monkeypatch):
         torch.testing.assert_close(logits, after, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("kind", ALL_KINDS)
+@pytest.mark.parametrize(("kind", "core_name"), KIND_CORES, indirect=["core_name"])
 @pytest.mark.parametrize("shape", [(1, 1), (1, 5), (4, 1)])
-def test_batch_one_and_seq_one(kind, shape):
+def test_batch_one_and_seq_one(kind, shape, core_name):
     model = build_model(small(kind), 11)
     tokens = torch.randint(0, 11, shape)
     logits, state = model(tokens)

@@ -51,3 +51,29 @@ def test_sampling_benchmark_same_text_and_cache_sizes(tmp_path: Path):
     # feedback_kv: one shared key/value pair per past character; transformer: one per layer.
     assert by_kind["feedback_kv"]["cache_floats_per_char"] == 2 * 32
     assert by_kind["transformer"]["cache_floats_per_char"] == 2 * 32 * 2
+
+
+def test_gpu_check_runs_its_cpu_stand_in(tmp_path: Path):
+    """Without CUDA, scripts/gpu_check.py runs every section on the CPU at toy sizes and
+    says so (the CUDA tests it collects are skipped; one is named to keep this short)."""
+    out = tmp_path / "gpu_check.json"
+    proc = run_script("gpu_check.py", "--tests", "tests/test_models.py::test_cuda_matches_cpu",
+                      "--steps", "6", "--repeats", "1", "--chars", "10", "--json", str(out))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(out.read_text())
+    assert report["device"].startswith("no CUDA: a toy run on the CPU")
+    assert "no CUDA: a toy run on the CPU" in proc.stdout.splitlines()[0]
+    assert all(report["checks"].values()) and len(report["checks"]) == 3
+    assert "skipped" in report["tests"]["summary"]
+    assert len(report["exactness_max_abs_diff"]) == 4
+    assert all(d < 1e-9 for d in report["exactness_max_abs_diff"].values())
+    rows = report["bench"]["toy"]["8"]
+    assert set(rows) == {"feedback_kv", "feedback", "transformer"}
+    assert all(r["ms_per_step"] > 0 and r["tokens_per_sec"] > 0 for r in rows.values())
+    train = report["train"]
+    assert train["last"][0] == 6 and train["last"][1] < train["first"][1]
+    assert report["sample_chars_per_s"]["toy"] > 0
+    assert report["profile"]["busy_ms"] > 0 and report["profile"]["launch_bound"] is None
+    for section in ("== tests", "== exact", "== bench", "== train", "== sample",
+                    "== profile", "== summary"):
+        assert section in proc.stdout

@@ -110,7 +110,7 @@ def make_raw(tmp_path: Path, name: str = "run", **sections: Any) -> dict[str, An
                   "n_layers": 2, "max_rel_pos": 64},
         "train": {"max_steps": 6, "batch_size": 4, "lr": 3e-3, "min_lr": 3e-4,
                   "warmup_steps": 2, "eval_every": 3, "eval_windows": 8, "log_every": 1,
-                  "constant_tokens": False},
+                  "constant_tokens": False, "sample_length": 12},
         "curriculum": [{"until_step": 3, "seq_len": 8}, {"seq_len": 16}],
         "checkpoint": {"every": 3, "keep_last": 2},
         "logging": {"tensorboard": False, "progress": False},
@@ -180,7 +180,7 @@ def test_train_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     assert run_dir == tmp_path / "runs" / "run"
     out = capsys.readouterr().out
     for expected in (f"run directory: {run_dir}", "parameters", "device: cpu",
-                     f"tensorboard --logdir {run_dir / 'tb'}", "[sample @ step 3]",
+                     f"tensorboard --logdir {run_dir.parent}", "[sample @ step 3]",
                      "curriculum: seq_len 8 -> 16", "done at step 9", "tokens/s on cpu"):
         assert expected in out
 
@@ -202,14 +202,14 @@ def test_train_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     assert sum(train[0][f"mem_weight/{i}"] for i in range(3)) == pytest.approx(1.0)
     assert [r["seq_len"] for r in train] == [8, 16, 16, 16, 16]
     val = [r for r in recs if "val/loss" in r]
-    assert [r["step"] for r in val] == [3, 6, 9]
+    assert [r["step"] for r in val] == [0, 3, 6, 9]  # step 0: the untrained model
     assert all(r["val/perplexity"] == pytest.approx(math.exp(r["val/loss"])) for r in val)
 
     last = load_checkpoint(ckpts / "last.pt")
     assert last.keys() >= PAYLOAD_KEYS
     assert last["step"] == 9 and last["tokens"] == train[-1]["tokens"]
     assert last["val_loss"] == val[-1]["val/loss"]
-    assert last["best_val_loss"] == min(r["val/loss"] for r in val)
+    assert last["best_val_loss"] == min(r["val/loss"] for r in val[1:])  # step 0 is no best
     assert last["curriculum_stage"] == 1 and last["model_config"]["kind"] == "feedback_kv"
     assert "sampler" in last["rng"] and last["config"]["train"]["max_steps"] == 9
     best = load_checkpoint(ckpts / "best.pt")
@@ -218,18 +218,68 @@ def test_train_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     # TensorBoard holds the scalar tags, the samples and the hparams.
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    acc = EventAccumulator(str(run_dir / "tb"), size_guidance={"scalars": 0, "tensors": 0})
+    acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0, "tensors": 0})
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
-    assert {"train/loss", "train/bpc", "train/lr", "train/seq_len", "train/tokens_per_sec",
-            "train/grad_norm", "val/loss", "val/bpc", "mem_weight/0", "mem_weight/2",
-            "hparam/val/loss"} <= tags
+    assert {"loss/train", "loss_bpc/train", "train/lr", "train/seq_len", "train/tokens_per_sec",
+            "train/grad_norm", "loss/val", "loss_bpc/val", "mem_weight/0", "mem_weight/2"
+            } <= tags
     assert [e.step for e in acc.Scalars("train/seq_len")] == [2, 4, 6, 8, 9]
     assert any("sample" in t for t in acc.Tags()["tensors"])
 
     # Starting fresh over a finished run is refused (it would overwrite it).
     with pytest.raises(ConfigError, match="already holds .*last.pt; continue it with --resume"):
         run(cfg, quiet=True)
+
+
+def test_tensorboard_layout_read_back(tmp_path: Path) -> None:
+    """What TensorBoard shows, read the way its server reads the event files."""
+    from tensorboard.backend.event_processing.plugin_event_multiplexer import EventMultiplexer
+    from tensorboard.plugins.hparams import plugin_data_pb2
+
+    cfg = make_cfg(tmp_path, train={"max_steps": 4, "eval_every": 2},
+                   logging={"tensorboard": True})
+    run_dir = run(cfg, quiet=True)
+    mux = EventMultiplexer()
+    mux.AddRunsFromDirectory(str(run_dir.parent))  # tensorboard --logdir runs
+    mux.Reload()
+    assert list(mux.Runs()) == ["run"]  # listed under the run's name, not "run/tb"
+
+    # Time Series, the first view, groups tags by what precedes the first "/" in sorted
+    # order and opens the first two groups: the losses, train and val side by side, then bpc.
+    tags = sorted(mux.PluginRunToTagToContent("scalars")["run"])
+    groups = list(dict.fromkeys(tag.split("/", 1)[0] for tag in tags))
+    assert groups[:2] == ["loss", "loss_bpc"], groups
+    assert [t for t in tags if t.startswith("loss")] == [
+        "loss/train", "loss/val", "loss_bpc/train", "loss_bpc/val"]
+    assert not [t for t in tags if t.startswith("hparam")]  # no one-point duplicates
+
+    def steps(tag: str) -> list[int]:
+        return [e.step for e in mux.Tensors("run", tag)]
+
+    assert steps("loss/val") == steps("loss_bpc/val") == [0, 2, 4]  # step 0 evaluated
+    assert steps("loss/train") == [1, 2, 3, 4]
+    description = mux.SummaryMetadata("run", "mem_weight/0").summary_description
+    assert "softmax(w)" in description and "share of the embedding" in description
+
+    # A sample with every evaluation, the first and the last included.
+    (sample_tag,) = mux.PluginRunToTagToContent("text")["run"]
+    assert steps(sample_tag) == [0, 2, 4]
+
+    # HParams: the real validation loss as its metric, the keys runs are compared by.
+    content = mux.PluginRunToTagToContent("hparams")["run"]
+    data = {k: plugin_data_pb2.HParamsPluginData.FromString(v) for k, v in content.items()}
+    experiment = next(d.experiment for d in data.values() if d.HasField("experiment"))
+    assert experiment.metric_infos[0].name.tag == "loss/val"
+    start = next(d.session_start_info for d in data.values()
+                 if d.HasField("session_start_info"))
+    assert start.hparams["model.kind"].string_value == "feedback_kv"
+    assert start.hparams["model.d_model"].number_value == 16
+    assert start.hparams["train.constant_tokens"].WhichOneof("kind") == "bool_value"
+    assert start.hparams["seq_len"].number_value == 16
+    assert start.hparams["tokens"].number_value == 3 * 4 * 8 + 1 * 4 * 16
+    assert not [k for k in start.hparams if "path" in k or "url" in k or "sha" in k]
+    assert any(d.HasField("session_end_info") for d in data.values())
 
 
 def test_constant_tokens_scales_the_batch(tmp_path: Path) -> None:
@@ -398,7 +448,7 @@ def test_memory_norm_keeps_carried_memory_bounded(tmp_path: Path) -> None:
                               "warmup_steps": 0, "grad_clip": 0.0, "weight_decay": 0.0,
                               "max_steps": STEPS_TO_RUN_AWAY, "eval_every": 100},
                        curriculum=[{"seq_len": 16}])
-        rms[norm] = [r["memory_rms"] for r in records(run(cfg, quiet=True))]
+        rms[norm] = [r["memory_rms"] for r in records(run(cfg, quiet=True)) if "memory_rms" in r]
     assert all(math.isfinite(v) and v < 10 for v in rms["layernorm"]), rms
     assert max(rms["none"]) > 30 * max(rms["layernorm"]), rms
 
@@ -522,3 +572,31 @@ def test_cuda_bf16_steps(tmp_path: Path) -> None:
                     train={"max_steps": 6, "eval_every": 2})
     run(more, resume="auto", quiet=True)
     assert [r["step"] for r in records(run_dir) if "loss" in r] == list(range(1, 7))
+
+
+def test_train_split_too_short_is_refused_before_anything_is_made(tmp_path: Path) -> None:
+    # 33 characters, half held out: 16 to train on (a window of 16 needs 17), 17 validation.
+    text = tmp_path / "short.txt"
+    text.write_text("abcdefghij" * 3 + "abc", encoding="utf-8")
+    cfg = make_cfg(tmp_path, data={"path": str(text), "val_fraction": 0.5},
+                   curriculum=[{"seq_len": 16}])
+    from fbtrain.data import DataError
+
+    with pytest.raises(DataError, match=r"^training text too short for seq_len 16: 16 tokens"):
+        run(cfg, quiet=True)
+    assert not (tmp_path / "runs").exists()
+
+
+def test_warm_start_refuses_another_architecture(tmp_path: Path) -> None:
+    source = run(make_cfg(tmp_path, "base", model={"kind": "transformer"},
+                          train={"max_steps": 1}), quiet=True)
+    from fbtrain.checkpoint import CheckpointError
+
+    cfg = make_cfg(tmp_path, "warm", model={"d_model": 32, "n_layers": 3},
+                   train={"max_steps": 1, "init_from": str(source)})
+    with pytest.raises(CheckpointError, match=r"best\.pt: train\.init_from's model differs "
+                       r"from model\.\* in the config \(d_model: checkpoint 16, config 32; "
+                       r"n_layers: checkpoint 2, config 3\); a warm start needs the same "
+                       r"d_model, n_heads, d_ff, n_layers, max_rel_pos$"):
+        run(cfg, quiet=True)
+    assert not (tmp_path / "runs" / "warm").exists()

@@ -6,7 +6,8 @@ layer its own key/value projection of memory (computed for all layers in one mat
 slot is created); ``kind: feedback_kv`` shares one pair, so each step adds one key/value.
 With ``memory_norm: layernorm`` keys and values project ``LayerNorm(m_t)`` (as the paper's
 code does): each layer's own pre-attention LayerNorm for ``feedback``, one shared
-``mem_norm`` for ``feedback_kv``. The step loop itself is in ``feedback_core.py``.
+``mem_norm`` for ``feedback_kv``. The step loop itself is in ``feedback_core.py``
+(C++) or ``python_core.py`` (the fallback).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from fbtrain.config import ModelConfig
 from fbtrain.models.feedback_core import (
     CoreSpec,
     FeedbackCoreFunction,
+    core_choice,
     core_forward,
     flatten_layers,
 )
@@ -32,6 +34,7 @@ from fbtrain.models.state import MemoryState, kept_sources
 class FeedbackTransformer(nn.Module):
     def __init__(self, cfg: ModelConfig, vocab_size: int):
         super().__init__()
+        core_choice()  # a bad $FBTRAIN_CORE is a CoreError now, not at the first step
         self.cfg = cfg
         self.shared_kv = cfg.kind == "feedback_kv"
         d = cfg.d_model

@@ -1,0 +1,359 @@
+"""The feedback core's step loops in plain PyTorch: the fallback when the C++ core cannot be
+built or loaded (no compiler, a failed build, no OpenMP), or when ``FBTRAIN_CORE=python``.
+
+Same algorithm as ``csrc/feedback_core.cpp`` (described in ``feedback_core.py``), same
+interface as its ops, and the same numbers to float64 rounding; only the per-op overhead
+of the interpreter makes it slower. What the two cores share lives in ``feedback_core.py``
+(the spec, the parameter order, the autograd wrapper); this module holds only the two
+sweeps. Dropout masks are drawn before the sweep exactly as the C++ core draws them (same
+shapes, same order, from the global generator), so from one seed both cores drop the same
+units. The tests hold both cores to ``tests/reference.py``.
+
+Shapes as in ``feedback_core.py``: B batch, T steps, D width, H heads, d_k = D / H, L
+layers, F feed-forward width, S = n0 + T memory slots, n_kv key/value sets.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from fbtrain.models.feedback_core import LAYER_PARAMS, CoreSpec
+
+_layer_norm = torch.native_layer_norm
+_layer_norm_backward = torch.ops.aten.native_layer_norm_backward.default
+_softmax_backward = torch.ops.aten._softmax_backward_data.default
+_relu_backward = torch.ops.aten.threshold_backward.default
+
+# Positions of the per-layer tensors in LAYER_PARAMS order.
+_RT, _W1_T = LAYER_PARAMS.index("rt"), LAYER_PARAMS.index("w1_t")
+_ATT_PARAMS = ("ln1_w", "ln1_b", "wq", "uq", "wo_t", "bo")
+
+
+@dataclass
+class Masks:
+    """Inverted-dropout masks (0 or 1/(1-p)), drawn in one go as the C++ core draws them.
+
+    att [L, n_att, B, D]; prob [L, sum_t B*H*ell_t] (step t's [B, H, ell_t] block starts at
+    ``prob_offset[t]``); h [L, T, B, F]; ff [L, T, B, D].
+    """
+
+    att: Tensor
+    prob: Tensor
+    h: Tensor
+    ff: Tensor
+    prob_offset: list[int]
+
+    def prob_of(self, layer: int, t: int, B: int, H: int, ell: int) -> Tensor:
+        """Layer ``layer``'s mask on step t's attention probabilities: [B, H, ell]."""
+        start = self.prob_offset[t]
+        return self.prob[layer, start:start + B * H * ell].view(B, H, ell)
+
+
+@dataclass
+class Tape:
+    """What the forward keeps for the backward: per layer, one tuple per step.
+
+    ``att[l]`` holds (a, mu1, rs1, qu, prob, prob_used, o, mask_prob, mask_att) for the
+    steps that attend (non-empty memory); ``ff[l]`` holds (y, mu2, rs2, c, h, h_used,
+    mask_h, mask_ff) for every step. Masks are None without dropout. ``mem`` holds, with
+    memory norm, (norm(m_t) [B, D], mean [B, 1], rstd [B, 1]) for every step.
+    """
+
+    att: list[list[tuple]] = field(default_factory=list)
+    ff: list[list[tuple]] = field(default_factory=list)
+    mem: list[tuple] = field(default_factory=list)
+
+
+def _window(slot: int, window: int) -> tuple[int, int]:
+    """First slot and length of the memory window seen by the step that creates ``slot``."""
+    lo = max(0, slot - window)
+    return lo, slot - lo
+
+
+def _per_layer(flat: Sequence[Tensor]) -> list[tuple[Tensor, ...]]:
+    n = len(LAYER_PARAMS)
+    return [tuple(flat[i:i + n]) for i in range(0, len(flat), n)]
+
+
+def _draw_masks(spec: CoreSpec, like: Tensor, n0: int, F: int) -> Masks | None:
+    """The dropout masks of one call (None without dropout), in the C++ core's order."""
+    if not spec.dropout:
+        return None
+    B, T, D = like.shape
+    L, H, p = spec.n_layers, spec.n_heads, spec.dropout
+    n_att = max(0, T - (0 if n0 > 0 else 1))
+    offsets, size = [], 0
+    for t in range(T):
+        offsets.append(size)
+        size += B * H * _window(n0 + t, spec.window)[1]
+
+    def mask(*shape: int) -> Tensor:
+        return like.new_empty(shape).bernoulli_(1.0 - p).div_(1.0 - p)
+
+    att, prob = mask(L, n_att, B, D), mask(L, size)
+    return Masks(att, prob, mask(L, T, B, F), mask(L, T, B, D), offsets)
+
+
+def core_forward(
+    spec: CoreSpec, x0: Tensor, mem_k: Tensor, mem_v: Tensor, layers: Sequence[Tensor],
+    mix: Tensor, wkv: Tensor, bkv: Tensor | None, keep_tape: bool = False,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tape | None]:
+    """:meth:`fbtrain.models.feedback_core.Core.core_forward` in PyTorch calls (inference
+    mode). The tape is a :class:`Tape`, or None unless ``keep_tape``."""
+    with torch.inference_mode():
+        return _forward(spec, x0, mem_k, mem_v, _per_layer(layers), mix, wkv, bkv, keep_tape)
+
+
+def _forward(spec: CoreSpec, x0: Tensor, mem_k: Tensor, mem_v: Tensor,
+             params: list[tuple[Tensor, ...]], mix: Tensor, wkv: Tensor, bkv: Tensor | None,
+             keep_tape: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tape | None]:
+    B, T, D = x0.shape
+    L, H = spec.n_layers, spec.n_heads
+    dk, BH = D // H, B * H
+    n_kv, n0 = mem_k.shape[0], mem_k.shape[2]
+    S = n0 + T
+    keys = x0.new_empty(n_kv, BH, S, dk)
+    values = x0.new_empty(n_kv, BH, S, dk)
+    keys[:, :, :n0] = mem_k
+    values[:, :, :n0] = mem_v
+    # Slot s of every key set, seen as [n_kv, B, H, d_k], for writing new memory in place.
+    key_rows, value_rows = keys.view(n_kv, B, H, S, dk), values.view(n_kv, B, H, S, dk)
+    key_sets, value_sets = list(keys.unbind(0)), list(values.unbind(0))  # [BH, S, dk] each
+    hidden = x0.new_empty(T, L + 1, B, D)
+    hidden[:, 0] = x0.transpose(0, 1)
+    memory = x0.new_empty(T, B, D)
+    set_of = [0 if spec.shared_kv else li for li in range(L)]
+    n_pos = params[0][_RT].shape[-1]
+    masks = _draw_masks(spec, x0, n0, params[0][_W1_T].shape[1])
+    eps, shape = spec.eps, (D,)
+    first_att = 0 if n0 > 0 else 1
+    tape = Tape([[] for _ in range(L)], [[] for _ in range(L)]) if keep_tape else None
+    mask_prob = mask_att = mask_h = mask_ff = None
+    for t in range(T):
+        slot = n0 + t
+        lo, ell = _window(slot, spec.window)
+        if ell:  # views of this step's memory window, shared by the layers that use a set
+            k_t = [k.narrow(1, lo, ell).transpose(1, 2) for k in key_sets]  # [BH, dk, ell]
+            v_w = [v.narrow(1, lo, ell) for v in value_sets]  # [BH, ell, dk]
+        x = hidden[t, 0]
+        for li in range(L):
+            ln1_w, ln1_b, wq, uq, rt, c_pos, wo_t, bo, ln2_w, ln2_b, w1_t, b1, w2_t, b2 = params[li]
+            if masks is not None:
+                mask_h, mask_ff = masks.h[li, t], masks.ff[li, t]
+            if ell:  # attention is skipped while memory is empty
+                a, mu1, rs1 = _layer_norm(x, shape, ln1_w, ln1_b, eps)
+                qu = torch.addmm(uq, a, wq)  # (q + u) / sqrt(d_k): [B, D]
+                scores = torch.bmm(qu.view(BH, 1, dk), k_t[set_of[li]]).view(B, H, ell)
+                # Position scores per head ([H, B, d_k] @ [H, d_k, ell]): H gemms on the
+                # [H, d_k, n_pos] table itself, not B*H matvecs on a copy per batch row.
+                scores += torch.baddbmm(c_pos.narrow(2, n_pos - ell, ell),
+                                        qu.view(B, H, dk).transpose(0, 1),
+                                        rt.narrow(2, n_pos - ell, ell)).transpose(0, 1)
+                prob = torch.softmax(scores, dim=-1)
+                prob_used = prob
+                if masks is not None:
+                    mask_prob = masks.prob_of(li, t, B, H, ell)
+                    mask_att = masks.att[li, t - first_att]
+                    prob_used = prob * mask_prob
+                o = torch.bmm(prob_used.view(BH, 1, ell), v_w[set_of[li]]).view(B, D)
+                z = torch.addmm(bo, o, wo_t)
+                if masks is not None:
+                    z = z.mul_(mask_att)
+                y = z.add_(x)
+                if tape is not None:
+                    tape.att[li].append((a, mu1, rs1, qu, prob, prob_used, o, mask_prob,
+                                         mask_att))
+            else:
+                y = x
+            c, mu2, rs2 = _layer_norm(y, shape, ln2_w, ln2_b, eps)
+            h = torch.addmm(b1, c, w1_t).relu_()  # [B, F]
+            h_used = h if masks is None else h * mask_h
+            f = torch.addmm(b2, h_used, w2_t)
+            if masks is not None:
+                f = f.mul_(mask_ff)
+            x = torch.add(y, f, out=hidden[t, li + 1])
+            if tape is not None:
+                tape.ff[li].append((y, mu2, rs2, c, h, h_used, mask_h, mask_ff))
+        # m_t = sum_l softmax(w)_l h_t^l, then its keys/values for every key set at once.
+        m = torch.mm(mix.view(1, L + 1), hidden[t].view(L + 1, B * D), out=memory[t].view(1, -1))
+        m = m.view(B, D)
+        # With memory norm the projection reads LayerNorm(m_t); its affine part is folded
+        # into wkv/bkv by the model, so only the normalisation happens here.
+        if spec.memory_norm:
+            m_hat, mu_m, rs_m = _layer_norm(m, shape, None, None, eps)
+            if tape is not None:
+                tape.mem.append((m_hat, mu_m, rs_m))
+            m = m_hat
+        kv_new = torch.mm(m, wkv) if bkv is None else torch.addmm(bkv, m, wkv)
+        kv_new = kv_new.view(B, 2, n_kv, H, dk)
+        key_rows[:, :, :, slot] = kv_new[:, 0].transpose(0, 1)
+        value_rows[:, :, :, slot] = kv_new[:, 1].transpose(0, 1)
+    return hidden, memory, keys, values, tape
+
+
+def core_backward(
+    spec: CoreSpec, d_top: Tensor, hidden: Tensor, memory: Tensor, keys: Tensor,
+    values: Tensor, n0: int, layers: Sequence[Tensor], mix: Tensor, wkv: Tensor, tape: Tape,
+) -> tuple[Tensor, list[Tensor], Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """:meth:`fbtrain.models.feedback_core.Core.core_backward` in PyTorch calls (inference
+    mode), given this module's :class:`Tape`."""
+    with torch.inference_mode():
+        return _backward(spec, d_top, hidden, memory, keys, values, n0, _per_layer(layers),
+                         mix, wkv, tape)
+
+
+def _backward(spec: CoreSpec, d_top: Tensor, hidden: Tensor, memory: Tensor, keys: Tensor,
+              values: Tensor, n0: int, params: list[tuple[Tensor, ...]], mix: Tensor,
+              wkv: Tensor, tape: Tape
+              ) -> tuple[Tensor, list[Tensor], Tensor, Tensor, Tensor, Tensor, Tensor]:
+    T, _, B, D = hidden.shape
+    L, H = spec.n_layers, spec.n_heads
+    dk, BH = D // H, B * H
+    n_kv, S = keys.shape[0], keys.shape[2]
+    drop, shape = spec.dropout, (D,)
+    mix_f = mix.tolist()
+    n_pos = params[0][_RT].shape[-1]
+    # Transposed weights (views) and position tables, once per call rather than per step.
+    back = [(wq.t(), rt.transpose(1, 2), wo_t.t(), w1_t.t(), w2_t.t())
+            for (_, _, wq, _, rt, _, wo_t, _, _, _, w1_t, _, w2_t, _) in params]
+    set_of = [0 if spec.shared_kv else li for li in range(L)]
+    key_sets, value_sets = list(keys.unbind(0)), list(values.unbind(0))
+    d_keys, d_values = torch.zeros_like(keys), torch.zeros_like(values)
+    d_key_sets, d_value_sets = list(d_keys.unbind(0)), list(d_values.unbind(0))
+    d_key_rows = d_keys.view(n_kv, B, H, S, dk)
+    d_value_rows = d_values.view(n_kv, B, H, S, dk)
+    d_kv = hidden.new_zeros(T, B, 2, n_kv, H, dk)  # gradient of each step's new keys/values
+    d_memory = hidden.new_zeros(T, B, D)
+    d_x0 = hidden.new_empty(B, T, D)
+    first_att = 0 if n0 > 0 else 1  # steps from here on attend
+    # Position-table gradients are summed per step (an [T, T]-sized record would grow
+    # quadratically with the sequence); rows are ordered like rt/c, largest offset first.
+    d_rt = [torch.zeros_like(p[_RT]) for p in params]  # [H, dk, n_pos]
+    d_c = [hidden.new_zeros(H, n_pos) for _ in params]  # [H, n_pos]
+    # Per layer, per step (in reverse step order): activation gradients the weight
+    # gradients are built from at the end.
+    g_att: list[list[tuple]] = [[] for _ in range(L)]
+    g_ff: list[list[tuple]] = [[] for _ in range(L)]
+    for t in reversed(range(T)):
+        slot = n0 + t
+        lo, ell = _window(slot, spec.window)
+        ai = t - first_att
+        dm = None
+        if t < T - 1:  # the newest slot is read by no later step of this call
+            d_kv[t, :, 0] = d_key_rows[:, :, :, slot].transpose(0, 1)
+            d_kv[t, :, 1] = d_value_rows[:, :, :, slot].transpose(0, 1)
+            dm = torch.mm(d_kv[t].view(B, -1), wkv.t(), out=d_memory[t])  # [B, D]
+            if spec.memory_norm:  # through the normalisation, back to m_t
+                _, mu_m, rs_m = tape.mem[t]
+                dm.copy_(_layer_norm_backward(dm, memory[t], shape, mu_m, rs_m, None, None,
+                                              (True, False, False))[0])
+        if ell:
+            k_w = [k.narrow(1, lo, ell) for k in key_sets]  # [BH, ell, dk]
+            v_t = [v.narrow(1, lo, ell).transpose(1, 2) for v in value_sets]  # [BH, dk, ell]
+            dk_w = [k.narrow(1, lo, ell) for k in d_key_sets]
+            dv_w = [v.narrow(1, lo, ell) for v in d_value_sets]
+        dx = d_top[:, t] if dm is None else torch.add(d_top[:, t], dm, alpha=mix_f[L])
+        for li in reversed(range(L)):
+            ln1_w, ln1_b, _, _, _, _, _, _, ln2_w, ln2_b, _, _, _, _ = params[li]
+            wq_b, rt_b, wo_b, w1_b, w2_b = back[li]
+            y, mu2, rs2, _, h, _, mask_h, mask_ff = tape.ff[li][t]
+            # Feed-forward block: x_out = y + Drop(W2 Drop(relu(W1 LN2(y) + b1)) + b2).
+            df = dx * mask_ff if drop else dx
+            dh = torch.mm(df, w2_b)
+            if drop:
+                dh = dh.mul_(mask_h)
+            dh = _relu_backward(dh, h, 0)
+            dc = torch.mm(dh, w1_b)
+            dy = _layer_norm_backward(dc, y, shape, mu2, rs2, ln2_w, ln2_b,
+                                      (True, False, False))[0]
+            dy += dx
+            g_ff[li].append((df, dh, dc))
+            if ell:
+                # Attention block: y = x + Drop(Wo (softmax(scores) V) + bo).
+                _, mu1, rs1, qu, prob, prob_used, _, mask_prob, mask_att = tape.att[li][ai]
+                kv = set_of[li]
+                dz = dy * mask_att if drop else dy
+                do = torch.mm(dz, wo_b).view(BH, 1, dk)
+                d_prob = torch.bmm(do, v_t[kv]).view(B, H, ell)
+                # Rank-1 updates, broadcast in place (baddbmm_ into a strided view falls
+                # back to one small matmul per batch row).
+                dv_w[kv].addcmul_(prob_used.view(BH, ell, 1), do)
+                if drop:
+                    d_prob = d_prob.mul_(mask_prob)
+                d_scores = _softmax_backward(d_prob, prob, -1, prob.dtype)  # [B, H, ell]
+                d_scores_hb = d_scores.transpose(0, 1)  # [H, B, ell]
+                dqu = torch.bmm(d_scores.view(BH, 1, ell), k_w[kv]).view(B, H, dk)
+                dqu += torch.bmm(d_scores_hb, rt_b.narrow(1, n_pos - ell, ell)).transpose(0, 1)
+                dk_w[kv].addcmul_(d_scores.view(BH, ell, 1), qu.view(BH, 1, dk))
+                d_rt[li].narrow(2, n_pos - ell, ell).add_(
+                    torch.bmm(qu.view(B, H, dk).permute(1, 2, 0), d_scores_hb))
+                d_c[li].narrow(1, n_pos - ell, ell).add_(d_scores.sum(0))
+                dqu = dqu.view(B, D)
+                da = torch.mm(dqu, wq_b)
+                dx = _layer_norm_backward(da, hidden[t, li], shape, mu1, rs1, ln1_w, ln1_b,
+                                          (True, False, False))[0]
+                dx += dy
+                g_att[li].append((dz, dqu, da))
+            else:
+                dx = dy
+            if dm is not None:
+                dx = dx.add_(dm, alpha=mix_f[li])
+        d_x0[:, t] = dx
+    layer_grads: list[Tensor] = []
+    for li in range(L):
+        grads = _layer_weight_grads(tape.att[li], tape.ff[li], g_att[li], g_ff[li],
+                                    hidden[first_att:, li], params[li])
+        grads["rt"], grads["c"] = d_rt[li], d_c[li].unsqueeze(1)
+        layer_grads += [grads[name] for name in LAYER_PARAMS]
+    d_mix = torch.einsum("tbd,tlbd->l", d_memory, hidden)
+    d_kv_flat = d_kv.view(T * B, -1)
+    kv_in = _stacked(tape.mem, 0) if spec.memory_norm else memory.view(T * B, D)  # projected
+    d_wkv = torch.mm(kv_in.t(), d_kv_flat)
+    # The carried slots' key/value gradients, for callers that projected them differentiably.
+    return (d_x0, layer_grads, d_mix, d_wkv, d_kv_flat.sum(0), d_keys[:, :, :n0],
+            d_values[:, :, :n0])
+
+
+def _stacked(records: list[tuple], index: int, reverse: bool = False) -> Tensor:
+    """Field ``index`` of every per-step record, stacked and flattened to [steps * B, n]."""
+    items = [r[index] for r in (reversed(records) if reverse else records)]
+    out = torch.stack(items)
+    return out.view(-1, out.shape[-1])
+
+
+def _layer_norm_affine_grads(d_out: Tensor, x: Tensor, mu: Tensor, rs: Tensor
+                             ) -> tuple[Tensor, Tensor]:
+    """Gradients of LayerNorm's weight and bias over all rows: sum(d * x_hat), sum(d)."""
+    x_hat = (x - mu) * rs
+    return (d_out * x_hat).sum(0), d_out.sum(0)
+
+
+def _layer_weight_grads(att: list[tuple], ff: list[tuple], g_att: list[tuple],
+                        g_ff: list[tuple], x_att: Tensor, p: tuple[Tensor, ...]
+                        ) -> dict[str, Tensor]:
+    """One large matmul per weight, over all steps at once (see feedback_core.py).
+
+    ``att``/``ff`` are the forward's records (step order), ``g_att``/``g_ff`` the
+    backward's (reverse step order); x_att [n_att, B, D] the attention steps' inputs.
+    """
+    df, dh, dc = (_stacked(g_ff, i, reverse=True) for i in range(3))
+    grads = {
+        "w2_t": torch.mm(_stacked(ff, 5).t(), df), "b2": df.sum(0),
+        "w1_t": torch.mm(_stacked(ff, 3).t(), dh), "b1": dh.sum(0),
+    }
+    grads["ln2_w"], grads["ln2_b"] = _layer_norm_affine_grads(
+        dc, _stacked(ff, 0), _stacked(ff, 1), _stacked(ff, 2))
+    if not att:  # no step attended: attention parameters get zero gradient
+        for name in _ATT_PARAMS:
+            grads[name] = torch.zeros_like(p[LAYER_PARAMS.index(name)])
+        return grads
+    dz, dqu, da = (_stacked(g_att, i, reverse=True) for i in range(3))
+    grads["wo_t"], grads["bo"] = torch.mm(_stacked(att, 6).t(), dz), dz.sum(0)
+    grads["wq"], grads["uq"] = torch.mm(_stacked(att, 0).t(), dqu), dqu.sum(0)
+    grads["ln1_w"], grads["ln1_b"] = _layer_norm_affine_grads(
+        da, x_att.reshape(-1, x_att.shape[-1]), _stacked(att, 1), _stacked(att, 2))
+    return grads

@@ -1,0 +1,334 @@
+"""One-shot check of fbtrain on a CUDA GPU: one report, in at most about 8 minutes.
+
+Sections, in order (each timed; the report ends with a summary line per check):
+
+  tests    the CUDA-marked tests (``pytest -m cuda``)
+  exact    float64 on the device against tests/reference.py: logits, loss and every
+           gradient of feedback_kv and feedback (memory_norm none and layernorm)
+  bench    training steps (forward, cross-entropy, backward, AdamW; bf16 autocast on CUDA)
+           of feedback_kv, feedback and transformer at configs/gpu.yaml's sizes and at the
+           CPU benchmark's (scripts/benchmark.py), T = 64 and 256: ms/step, tokens/s, peak
+           CUDA memory of a step
+  train    200 steps of configs/gpu.yaml (``fbtrain train``, bf16) on --data or a generated
+           text: first and last logged loss, which must fall
+  sample   cached generation (fbtrain.sample.generate), characters/s, at both sizes
+  profile  one feedback_kv training step at configs/gpu.yaml's sizes (T = 64) under
+           torch.profiler: the share of its wall time the GPU is busy. Well below 1 means the
+           step is launch-bound (the GPU waits for the CPU to queue thousands of small
+           kernels), which is what CUDA graphs would address
+
+Without CUDA it runs the same path on the CPU at toy sizes and says so (CI runs it that way:
+the figures then mean nothing, the code paths are exercised). Exits 1 if a check fails.
+
+    python scripts/gpu_check.py                       # on a CUDA machine (make gpu-check)
+    python scripts/gpu_check.py --data input.txt --json gpu_check.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import bench_sample  # noqa: E402
+import benchmark  # noqa: E402
+
+from fbtrain.config import load_config  # noqa: E402
+from fbtrain.data import CharTokenizer  # noqa: E402
+from fbtrain.models import build_model  # noqa: E402
+from fbtrain.sample import generate  # noqa: E402
+
+GPU_CONFIG = ROOT / "configs" / "gpu.yaml"
+KINDS = ("feedback_kv", "feedback", "transformer")
+BUDGET_S = 480.0  # 8 minutes
+# The CPU stand-in: every section at these sizes, on the CPU.
+TOY_SIZES = dict(d_model=32, n_heads=2, d_ff=64, n_layers=2, dropout=0.0, max_rel_pos=64)
+TOY_BATCH, TOY_SEQ_LENS, TOY_TRAIN_STEPS, TOY_CHARS = 4, (8,), 12, 20
+
+
+class Budget:
+    """Wall-clock budget of the whole run: later sections shrink or skip when it runs out."""
+
+    def __init__(self, seconds: float):
+        self.start, self.seconds = time.perf_counter(), seconds
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    def left(self) -> float:
+        return self.seconds - self.elapsed()
+
+
+def gpu_sizes() -> tuple[dict, int]:
+    """configs/gpu.yaml's model sizes (dropout off, as in the CPU benchmark) and batch."""
+    cfg = load_config(GPU_CONFIG)
+    m = cfg.model
+    sizes = dict(d_model=m.d_model, n_heads=m.n_heads, d_ff=m.d_ff, n_layers=m.n_layers,
+                 dropout=0.0, max_rel_pos=m.max_rel_pos)
+    return sizes, cfg.train.batch_size
+
+
+def run_cuda_tests(paths: list[str], budget: Budget) -> dict:
+    """``pytest -m cuda`` in a subprocess: its summary line and exit status."""
+    cmd = [sys.executable, "-m", "pytest", "-m", "cuda", "-p", "no:cacheprovider", *paths]
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
+                              timeout=max(30.0, min(180.0, budget.left())))
+    except subprocess.TimeoutExpired:
+        return {"ok": False, "summary": "timed out"}
+    lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
+    summary = lines[-1] if lines else proc.stderr.strip()[-200:]
+    # Exit 5: nothing selected/run (every test skipped or deselected) is not a failure.
+    return {"ok": proc.returncode in (0, 5), "summary": summary, "exit_code": proc.returncode}
+
+
+def check_exactness(device: torch.device, sizes: dict | None) -> dict[str, float]:
+    """Largest |fbtrain - reference| (logits, loss, gradients; float64) per kind and norm."""
+    out = {}
+    for kind in ("feedback_kv", "feedback"):
+        for norm in ("none", "layernorm"):
+            out[f"{kind}/memory_norm={norm}"] = benchmark.check_exact(
+                kind, device=device, sizes={**(sizes or benchmark.SIZES), "memory_norm": norm})
+    return out
+
+
+def bench_steps(device: torch.device, precision: torch.dtype | None, sizes: dict,
+                batch: int, seq_lens: tuple[int, ...], repeats: int, budget: Budget) -> dict:
+    """benchmark.time_steps (no reference) plus the peak CUDA memory of one step per kind."""
+    out: dict = {}
+    for seq_len in seq_lens:
+        if budget.left() < 60:
+            out[seq_len] = "skipped: time budget"
+            continue
+        # Two warm-up steps: a new model's first two steps pay one-time costs (allocator,
+        # kernels' first calls, the optimizer's state).
+        result = benchmark.time_steps(seq_len, repeats, 2, device, precision, False, sizes,
+                                      batch)
+        if device.type == "cuda":
+            for kind in KINDS:
+                result[kind]["peak_cuda_mb"] = benchmark.peak_step_memory_mb(
+                    kind, seq_len, device, sizes, batch, precision)
+        out[seq_len] = result
+    return out
+
+
+def generated_text(path: Path, chars: int = 400_000, seed: int = 0) -> Path:
+    """A text with learnable structure (words from a small lexicon, in lines), for training
+    where no data file is given (the check must not need the network)."""
+    rng = random.Random(seed)
+    words = ["the", "king", "shall", "speak", "of", "love", "and", "war", "my", "lord",
+             "to", "be", "or", "not", "good", "night", "sweet", "prince", "what", "is"]
+    lines, size = [], 0
+    while size < chars:
+        line = " ".join(rng.choice(words) for _ in range(rng.randint(4, 10))).capitalize()
+        lines.append(line + rng.choice([".", ",", "!", "?"]))
+        size += len(lines[-1]) + 1
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def train_run(device: torch.device, data: Path | None, steps: int, toy: bool,
+              budget: Budget) -> dict:
+    """``fbtrain train --config configs/gpu.yaml`` for ``steps`` steps: the logged losses."""
+    with tempfile.TemporaryDirectory() as tmp:
+        text = data or generated_text(Path(tmp) / "text.txt", 40_000 if toy else 400_000)
+        sets = [f"data.path={text}", f"run.out_dir={tmp}/runs", f"train.max_steps={steps}",
+                # 10% warm-up: the config's 200 would be the whole run
+                f"train.warmup_steps={max(1, steps // 10)}", f"train.eval_every={steps}",
+                "train.eval_windows=8", f"checkpoint.every={steps}", "logging.tensorboard=false",
+                f"train.log_every={max(1, steps // 20)}"]
+        if toy:
+            sets += [f"model.{k}={v}" for k, v in TOY_SIZES.items()]
+            sets += [f"train.batch_size={TOY_BATCH}", f"curriculum={TOY_SEQ_LENS[-1]}"]
+        cmd = [sys.executable, "-m", "fbtrain", "train", "--config", str(GPU_CONFIG),
+               "--device", str(device), "--quiet"]
+        for item in sets:
+            cmd += ["--set", item]
+        start = time.perf_counter()
+        try:
+            proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
+                                  timeout=max(60.0, budget.left() - 60))
+        except subprocess.TimeoutExpired:
+            return {"ok": False, "error": "timed out"}
+        seconds = time.perf_counter() - start
+        if proc.returncode != 0:
+            return {"ok": False, "error": proc.stderr.strip().splitlines()[-1:]}
+        records = [json.loads(line) for line in
+                   (Path(tmp) / "runs" / "gpu" / "metrics.jsonl").read_text().splitlines()]
+    losses = [(r["step"], r["loss"]) for r in records if "loss" in r]
+    (first_step, first), (last_step, last) = losses[0], losses[-1]
+    rates = [r["tokens_per_sec"] for r in records if r.get("tokens_per_sec") is not None]
+    return {"ok": last < first, "first": [first_step, first], "last": [last_step, last],
+            "seconds": seconds, "tokens_per_sec": statistics.median(rates) if rates else None,
+            "data": str(data) if data else "generated"}
+
+
+def sample_speed(device: torch.device, sizes: dict, chars: int) -> float:
+    """Characters/s of cached incremental generation (random weights: speed does not depend
+    on training), after a short warm-up."""
+    tokenizer = CharTokenizer(bench_sample.VOCAB)
+    torch.manual_seed(0)
+    cfg = benchmark.model_config("feedback_kv", sizes)
+    model = build_model(cfg, tokenizer.vocab_size).to(device).eval()
+    generate(model, tokenizer, bench_sample.PROMPT, 8, generator=torch.Generator().manual_seed(0))
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    generate(model, tokenizer, bench_sample.PROMPT, chars,
+             generator=torch.Generator().manual_seed(1))
+    sync()
+    return chars / (time.perf_counter() - start)
+
+
+def busy_share(device: torch.device, precision: torch.dtype | None, sizes: dict, batch: int,
+               seq_len: int) -> dict:
+    """One feedback_kv training step: the time the device spends in kernels (from
+    torch.profiler) over the step's wall time (the median of three steps run without the
+    profiler, whose own overhead would inflate it). On the CPU there is no such share (the
+    profiled op time includes the profiler's overhead): ``share`` is None there."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.manual_seed(0)
+    model = build_model(benchmark.model_config("feedback_kv", sizes), benchmark.VOCAB)
+    model = model.to(device)
+    entry = benchmark.Entry("feedback_kv", model, lambda x: model(x)[0], device, precision)
+    x = torch.randint(0, benchmark.VOCAB, (batch, seq_len), device=device)
+    entry.step(x, x)  # warm-up: allocations, first-call costs, the optimizer's state
+    wall_s = statistics.median(entry.step(x, x) for _ in range(3))
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities) as prof:
+        entry.step(x, x)
+    events = prof.key_averages()
+    if device.type == "cuda":  # kernel rows carry the device time (each kernel once)
+        kernels = [e for e in events if str(getattr(e, "device_type", "")).endswith("CUDA")]
+        busy_us = sum(getattr(e, "self_device_time_total", 0) or 0 for e in events)
+    else:
+        kernels = list(events)
+        busy_us = sum(e.self_cpu_time_total for e in events)
+    share = busy_us / (wall_s * 1e6) if device.type == "cuda" else None
+    return {"step_ms": wall_s * 1000, "busy_ms": busy_us / 1000, "share": share,
+            "launches_or_ops": sum(e.count for e in kernels), "seq_len": seq_len,
+            "batch": batch, "launch_bound": None if share is None else share < 0.5}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--data", type=Path, help="text to train on (default: generated)")
+    parser.add_argument("--steps", type=int, default=200, help="training steps (default 200)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed steps per benchmark entry")
+    parser.add_argument("--chars", type=int, default=300, help="characters to sample")
+    parser.add_argument("--tests", nargs="*", default=["tests"],
+                        help="what pytest -m cuda collects (default: tests)")
+    parser.add_argument("--budget", type=float, default=BUDGET_S, help="seconds (default 480)")
+    parser.add_argument("--json", type=Path, help="also write the report here")
+    args = parser.parse_args(argv)
+    budget = Budget(args.budget)
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    precision = torch.bfloat16 if cuda else None
+    if cuda:
+        sizes_gpu, batch_gpu = gpu_sizes()
+        size_sets = {"gpu.yaml": (sizes_gpu, batch_gpu),
+                     "cpu-benchmark": (benchmark.SIZES, benchmark.BATCH)}
+        seq_lens, steps, chars = (64, 256), args.steps, args.chars
+        where = f"CUDA: {torch.cuda.get_device_name(device)}"
+    else:
+        size_sets = {"toy": (TOY_SIZES, TOY_BATCH)}
+        seq_lens = TOY_SEQ_LENS
+        steps, chars = min(args.steps, TOY_TRAIN_STEPS), min(args.chars, TOY_CHARS)
+        where = "no CUDA: a toy run on the CPU (same code paths; the figures mean nothing)"
+    report: dict = {"device": where, "torch": torch.__version__,
+                    "machine": platform.processor() or platform.machine(), "checks": {}}
+    print(f"fbtrain GPU check: {where}; torch {torch.__version__}, "
+          f"{'bf16 autocast' if precision else 'fp32'}", flush=True)
+
+    def section(name: str) -> None:
+        print(f"\n== {name} (at {budget.elapsed():.0f} s)", flush=True)
+
+    section("tests: pytest -m cuda")
+    tests = run_cuda_tests(args.tests, budget)
+    report["tests"] = tests
+    report["checks"]["cuda tests"] = tests["ok"]
+    print(f"  {tests['summary']}")
+
+    section("exact: float64 on the device vs tests/reference.py (logits, loss, gradients)")
+    exact = check_exactness(device, None if cuda else TOY_SIZES)
+    report["exactness_max_abs_diff"] = exact
+    report["checks"]["float64 exactness"] = all(d < 1e-9 for d in exact.values())
+    for name, diff in exact.items():
+        print(f"  {name:32s} {diff:.2e}  {'PASS' if diff < 1e-9 else 'FAIL'}")
+
+    section("bench: training step (forward, loss, backward, AdamW)")
+    report["bench"] = {}
+    for label, (sizes, batch) in size_sets.items():
+        result = bench_steps(device, precision, sizes, batch, seq_lens, args.repeats, budget)
+        report["bench"][label] = result
+        print(f"  {label}: d_model {sizes['d_model']}, {sizes['n_layers']} layers, "
+              f"batch {batch}, median of {args.repeats}")
+        for seq_len, rows in result.items():
+            if isinstance(rows, str):
+                print(f"    T={seq_len}: {rows}")
+                continue
+            for kind, r in rows.items():
+                mem = f"{r['peak_cuda_mb']:9.1f} MiB" if "peak_cuda_mb" in r else ""
+                print(f"    T={seq_len:<4d} {kind:12s} {r['ms_per_step']:9.1f} ms/step "
+                      f"{r['tokens_per_sec']:10.0f} tokens/s {mem}")
+
+    section(f"train: {steps} steps of configs/gpu.yaml")
+    train = train_run(device, args.data, steps, not cuda, budget)
+    report["train"] = train
+    report["checks"]["training loss falls"] = train["ok"]
+    if "first" in train:
+        print(f"  loss {train['first'][1]:.3f} at step {train['first'][0]} -> "
+              f"{train['last'][1]:.3f} at step {train['last'][0]} "
+              f"({'falls' if train['ok'] else 'DOES NOT FALL'}); {train['seconds']:.0f} s, "
+              f"{train['tokens_per_sec'] or 0:.0f} tokens/s; data: {train['data']}")
+    else:
+        print(f"  FAILED: {train['error']}")
+
+    section("sample: cached generation, feedback_kv")
+    report["sample_chars_per_s"] = {}
+    for label, (sizes, _) in size_sets.items():
+        rate = sample_speed(device, sizes, chars)
+        report["sample_chars_per_s"][label] = rate
+        print(f"  {label}: {rate:.1f} characters/s ({chars} characters)")
+
+    section("profile: share of a training step the device is busy")
+    sizes, batch = next(iter(size_sets.values()))
+    prof = busy_share(device, precision, sizes, batch, seq_lens[0])
+    report["profile"] = prof
+    head = f"  feedback_kv T={prof['seq_len']} batch {prof['batch']}: step {prof['step_ms']:.1f} ms"
+    if cuda:
+        verdict = "launch-bound" if prof["launch_bound"] else "not launch-bound"
+        print(f"{head}, GPU busy {prof['busy_ms']:.1f} ms = {prof['share']:.0%} "
+              f"({prof['launches_or_ops']} kernels: {verdict})")
+    else:
+        print(f"{head}; {prof['launches_or_ops']} ops profiled (busy share: n/a on the CPU)")
+
+    report["seconds"] = budget.elapsed()
+    ok = all(report["checks"].values())
+    print(f"\n== summary ({report['seconds']:.0f} s; {where})")
+    for name, passed in report["checks"].items():
+        print(f"  {name:22s} {'PASS' if passed else 'FAIL'}")
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2, default=str) + "\n")
+        print(f"wrote {args.json}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

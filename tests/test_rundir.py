@@ -1,0 +1,275 @@
+"""A run directory has one owner, and nothing a killed or starved process leaves behind stays.
+
+The lock (two processes, a kill -9 releasing it), temp files of killed saves removed at the
+next start, a kill -9 loop after which every checkpoint loads, and a full disk during a save
+(at the file layer in-process, and on a real 600 kB tmpfs where one can be mounted).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import io
+import os
+import random
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import IO, Any
+
+import pytest
+import torch
+from test_train import CHILD_ENV, make_cfg, make_raw, records, start_driver, wait_for
+from typer.testing import CliRunner
+
+import fbtrain.io as fbio
+from fbtrain.checkpoint import CheckpointManager, load_checkpoint
+from fbtrain.cli import app
+from fbtrain.config import ConfigError, config_from_dict
+from fbtrain.io import FileWriteError, atomic_write_text, remove_stale_temps
+from fbtrain.rundir import RunDirLock
+from fbtrain.train import run
+
+_FDOPEN = os.fdopen  # the real one (the tests patch os.fdopen as atomic_write sees it)
+DISK_FULL = "cannot write: the disk is full (no space left on device)"
+
+
+# ----------------------------------------------------------------------------- the lock
+
+
+def test_second_lock_is_refused_naming_the_holder(tmp_path: Path) -> None:
+    with RunDirLock(tmp_path) as first:
+        assert first.held
+        with pytest.raises(ConfigError, match=rf"^run directory {tmp_path} is in use by "
+                           rf"another fbtrain process \(pid {os.getpid()}\); wait"):
+            RunDirLock(tmp_path).acquire()
+    with RunDirLock(tmp_path) as again:  # released on exit
+        assert again.held
+    assert not RunDirLock(tmp_path / "missing").__enter__().held  # nothing made
+
+
+def test_acquire_removes_stale_temps_only(tmp_path: Path) -> None:
+    ckpts = tmp_path / "checkpoints"
+    ckpts.mkdir()
+    stale = [ckpts / ".last.pt.a1B2c3_d.tmp", ckpts / ".step-00000035.pt.zzzzzzzz.tmp",
+             tmp_path / ".config.yaml.0123abcd.tmp"]
+    kept = [ckpts / "last.pt", ckpts / "notes.tmp", tmp_path / ".hidden", ckpts / "x.pt.tmp"]
+    for p in stale + kept:
+        p.write_bytes(b"PK\x03\x04")
+    with RunDirLock(tmp_path) as lock:
+        assert sorted(lock.removed) == sorted(stale)
+    assert all(p.exists() for p in kept) and not any(p.exists() for p in stale)
+    assert remove_stale_temps(tmp_path / "nowhere") == []
+
+
+def test_two_train_processes_on_one_run_directory(tmp_path: Path) -> None:
+    raw = make_raw(tmp_path, train={"max_steps": 100_000, "eval_every": 100_000,
+                                    "schedule": "constant"},
+                   checkpoint={"every": 100_000})
+    first = start_driver(tmp_path, raw)
+    run_dir = tmp_path / "runs" / "run"
+    try:
+        wait_for(lambda: any(r["step"] >= 2 for r in records(run_dir)), first)
+        busy = (rf"^run directory {run_dir} is in use by another fbtrain process "
+                rf"\(pid {first.pid}\)")
+        # A fresh start and a --resume auto alike, before anything is read or written.
+        before = sorted(p.name for p in run_dir.rglob("*"))
+        for resume in (None, "auto"):
+            with pytest.raises(ConfigError, match=busy):
+                run(config_from_dict(raw), resume=resume, quiet=True)
+        assert sorted(p.name for p in run_dir.rglob("*")) == before
+        # The CLI says it in one line, exit 2.
+        (tmp_path / "cfg.yaml").write_text(__import__("yaml").safe_dump(raw))
+        result = CliRunner().invoke(app, ["train", "--config", str(tmp_path / "cfg.yaml")])
+        assert result.exit_code == 2
+        assert len(result.stderr.splitlines()) == 1 and "in use by" in result.stderr
+        assert first.poll() is None
+    finally:
+        first.kill()
+        first.wait(timeout=30)
+    # Killed with SIGKILL: the kernel dropped its lock, so a resume just works.
+    raw["train"]["max_steps"] = 1
+    run(config_from_dict(raw), resume="auto", quiet=True)
+
+
+# ----------------------------------------------------------------------------- kill -9
+
+
+def test_kill_loop_leaves_every_checkpoint_loadable(tmp_path: Path) -> None:
+    """kill -9 at short random delays while every step saves; after the next start every
+    file in checkpoints/ loads and no temp file is left."""
+    raw = make_raw(tmp_path, train={"max_steps": 100_000, "eval_every": 2,
+                                    "schedule": "constant"},
+                   checkpoint={"every": 1, "keep_last": 3})
+    run_dir = tmp_path / "runs" / "run"
+    ckpts = run_dir / "checkpoints"
+    rng = random.Random(15)
+    stale_seen = 0
+    for i in range(6):
+        proc = start_driver(tmp_path, raw) if i == 0 else _resume_driver(tmp_path)
+        try:
+            done = max((r["step"] for r in records(run_dir)), default=0)
+            wait_for(lambda d=done: any(r["step"] > d for r in records(run_dir)), proc)
+            # Let it run a little into its steps (and saves), then kill it mid-whatever.
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=rng.uniform(0.0, 0.4))
+        finally:
+            proc.kill()
+            proc.wait(timeout=30)
+        stale_seen += sum(p.name.endswith(".tmp") for p in ckpts.iterdir())
+    # And one save certainly killed half-way: a truncated temp of last.pt.
+    (ckpts / ".last.pt.k1lled00.tmp").write_bytes((ckpts / "last.pt").read_bytes()[:100])
+    raw["train"]["max_steps"] = load_checkpoint(ckpts / "last.pt")["step"] + 1
+    run(config_from_dict(raw), resume="auto", quiet=True)
+    names = sorted(p.name for p in ckpts.iterdir())
+    assert not [n for n in names if n.endswith(".tmp")], (names, stale_seen)
+    for name in names:
+        load_checkpoint(ckpts / name)  # raises if any is unreadable
+    assert {"last.pt", "best.pt"} <= set(names)
+
+
+def _resume_driver(tmp_path: Path) -> subprocess.Popen:
+    """The same run, continued (``--resume auto``) in a fresh process."""
+    return subprocess.Popen(
+        [sys.executable, str(tmp_path / "driver.py"), str(tmp_path / "cfg.json"), "auto"],
+        env=CHILD_ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )
+
+
+# ----------------------------------------------------------------------------- full disk
+
+
+class _Disk:
+    """A disk with ``free`` bytes left, at the file layer: every file atomic_write opens
+    writes through it and gets ENOSPC, as from the kernel, once the space is used up."""
+
+    def __init__(self, free: int):
+        self.free = free
+
+    def fdopen(self, fd: int, mode: str = "r", *args: Any, **kwargs: Any) -> IO[bytes]:
+        return _FullDiskFile(_FDOPEN(fd, mode, *args, **kwargs), self)
+
+
+class _FullDiskFile(io.RawIOBase):
+    def __init__(self, raw: IO[bytes], disk: _Disk):
+        self._raw, self._disk = raw, disk
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        n = len(memoryview(data).cast("B"))
+        if n > self._disk.free:
+            self._raw.write(bytes(memoryview(data).cast("B")[: self._disk.free]))
+            self._disk.free = 0
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        self._disk.free -= n
+        return self._raw.write(data)
+
+    def flush(self) -> None:
+        self._raw.flush()
+
+    def fileno(self) -> int:
+        return self._raw.fileno()
+
+    def close(self) -> None:
+        super().close()  # flushes first
+        self._raw.close()
+
+
+def test_full_disk_during_checkpoint_save(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                          ) -> None:
+    mgr = CheckpointManager(tmp_path / "run", keep_last=3)
+    mgr.save(1, {"step": 1, "w": torch.arange(1000)}, best=True)
+    monkeypatch.setattr(fbio.os, "fdopen", _Disk(free=3000).fdopen)
+    with pytest.raises(FileWriteError) as info:
+        mgr.save(2, {"step": 2, "w": torch.arange(1000)}, best=True)
+    assert str(info.value) == f"{mgr.last_path}: {DISK_FULL}"
+    assert info.value.errno == errno.ENOSPC
+    monkeypatch.undo()
+    assert load_checkpoint(mgr.last_path)["step"] == 1
+    assert load_checkpoint(mgr.best_path)["step"] == 1
+    assert not [p for p in mgr.dir.iterdir() if p.name.endswith(".tmp")]
+    # Other atomic writes say the same.
+    monkeypatch.setattr(fbio.os, "fdopen", _Disk(free=0).fdopen)
+    with pytest.raises(FileWriteError) as info:
+        atomic_write_text(tmp_path / "c.yaml", "x: 1\n")
+    assert str(info.value) == f"{tmp_path / 'c.yaml'}: {DISK_FULL}"
+
+
+def test_full_disk_stops_training_with_one_line_exit_2(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    raw = make_raw(tmp_path, train={"max_steps": 10}, checkpoint={"every": 1})
+    disk = _Disk(free=10**9)
+    monkeypatch.setattr(fbio.os, "fdopen", disk.fdopen)
+    first = run(config_from_dict(make_raw(tmp_path, "probe", train={"max_steps": 1})),
+                quiet=True)
+    one_save = (first / "checkpoints" / "last.pt").stat().st_size
+    # Room for config, vocab and about two checkpoint saves (each writes last, step, best).
+    disk.free = int(one_save * 5.5)
+    (tmp_path / "cfg.yaml").write_text(__import__("yaml").safe_dump(raw))
+    result = CliRunner().invoke(app, ["train", "--config", str(tmp_path / "cfg.yaml"),
+                                      "--quiet"])
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and lines[0].endswith(DISK_FULL)
+    assert "/checkpoints/" in lines[0]
+    ckpts = tmp_path / "runs" / "run" / "checkpoints"
+    assert not [p for p in ckpts.iterdir() if p.name.endswith(".tmp")]
+    for p in ckpts.iterdir():
+        load_checkpoint(p)
+    assert load_checkpoint(ckpts / "last.pt")["step"] >= 1
+
+
+MOUNT = shutil.which("unshare") and shutil.which("mount")
+
+
+@pytest.mark.skipif(not MOUNT, reason="needs unshare and mount for a private tmpfs")
+def test_full_disk_on_a_real_tmpfs(tmp_path: Path) -> None:
+    """The reported case: run.out_dir on a 600 kB tmpfs, a checkpoint every 5 steps."""
+    cfg = make_cfg(tmp_path)  # writes the text file
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    script = tmp_path / "full.sh"
+    script.write_text(f"""
+mount -t tmpfs -o size=600k tmpfs {mnt} || exit 77
+{sys.executable} -m fbtrain train --config {Path(__file__).parents[1] / 'configs' / 'tiny.yaml'} \\
+  --set data.path={cfg.data.path} --set run.out_dir={mnt} --set checkpoint.every=5 \\
+  --set checkpoint.keep_last=100 --set train.max_steps=500 --device cpu --quiet
+echo "rc=$?"
+{sys.executable} - <<'EOF'
+from pathlib import Path
+from fbtrain.checkpoint import load_checkpoint
+ckpts = Path("{mnt}/tiny/checkpoints")
+print("files", sorted(p.name for p in ckpts.iterdir()))
+print("last", load_checkpoint(ckpts / "last.pt")["step"])
+for p in ckpts.iterdir():
+    load_checkpoint(p)
+print("all load")
+EOF
+""")
+    proc = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "sh", str(script)],
+                          env=CHILD_ENV, capture_output=True, text=True, timeout=300)
+    if proc.returncode == 77 or "unshare:" in proc.stderr[:200]:
+        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()[:200]}")
+    out = proc.stdout
+    assert "rc=2" in out, (out, proc.stderr)
+    errors = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(errors) == 1, proc.stderr
+    assert errors[0].startswith(f"error: {mnt}/tiny/") and errors[0].endswith(DISK_FULL)
+    assert "all load" in out and ".tmp" not in out.split("files", 1)[1], out
+
+
+def test_other_errors_while_writing_pass_through(tmp_path: Path) -> None:
+    """Only file-system failures become FileWriteError: a network error while a download
+    streams into the file must still say what it is."""
+
+    def interrupted(f: IO[bytes]) -> None:
+        f.write(b"partial")
+        raise TimeoutError("read timed out")
+
+    with pytest.raises(TimeoutError, match="^read timed out$"):
+        fbio.atomic_write(tmp_path / "x.txt", interrupted)
+    assert list(tmp_path.iterdir()) == []
