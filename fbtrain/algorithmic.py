@@ -134,11 +134,19 @@ def split_rng(seed: int, split: str) -> random.Random:
     return random.Random(derived_seed("algorithmic", seed, SPLIT_SALT[split]))
 
 
-def generate_split(seed: int, split: str, count: int, variables: int, length: int
-                   ) -> list[Program]:
-    """``count`` programs of ``split`` (train, val or test), the same for the same arguments."""
+def generate_split(seed: int, split: str, count: int, variables: int, length: int,
+                   min_length: int | None = None) -> list[Program]:
+    """``count`` programs of ``split`` (train, val or test), the same for the same arguments.
+
+    ``min_length``: each program's length is drawn uniformly from ``min_length..length``
+    (a mix of short and long programs) instead of being ``length``.
+    """
     rng = split_rng(seed, split)
-    return [generate_program(rng, variables, length) for _ in range(count)]
+    if min_length is not None and not 1 <= min_length <= length:
+        raise ValueError(f"min_length = {min_length}: must be 1..{length}")
+    return [generate_program(rng, variables,
+                             length if min_length is None else rng.randint(min_length, length))
+            for _ in range(count)]
 
 
 def program_words(programs: list[Program]) -> tuple[list[str], list[str | None]]:

@@ -80,8 +80,10 @@ def algorithmic_corpus(data_cfg: DataConfig, vocab: Sequence[str] | None = None)
               "test": data_cfg.test_programs}
     splits, history = {}, 0
     for name, count in counts.items():
+        # Only training programs may mix lengths; val and test are the task as stated.
+        shortest = data_cfg.train_min_program_len if name == "train" else None
         programs = algorithmic.generate_split(data_cfg.seed, name, count, data_cfg.variables,
-                                              data_cfg.program_len)
+                                              data_cfg.program_len, shortest)
         splits[name] = labelled_stream(*algorithmic.program_words(programs), tokenizer)
         history = max(history, *(algorithmic.program_size(p) for p in programs))
     return Corpus(tokenizer, splits, labelled=True, history=history)
