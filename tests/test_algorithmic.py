@@ -368,3 +368,17 @@ def test_a_text_checkpoint_has_no_test_split(tmp_path: Path) -> None:
     figures = json.loads(runner.invoke(app, ["eval", "-c", str(tmp_path / "tiny"),
                                              "--json"]).stdout)
     assert "accuracy" not in figures
+
+
+def test_train_programs_of_mixed_lengths_only_in_train() -> None:
+    corpus = load_corpus(small_cfg(program_len=12, train_min_program_len=2, train_programs=60))
+    words = corpus.tokenizer.decode(corpus.stream("train").inputs).split()
+    lengths = []
+    for program in " ".join(words).split("END")[:-1]:
+        lengths.append(program.count(";"))  # one ';' per statement, if or not
+    assert min(lengths) < 12 and max(lengths) <= 12 and min(lengths) >= 2 and len(lengths) == 60
+    for split in ("val", "test"):
+        text = corpus.tokenizer.decode(corpus.stream(split).inputs)
+        assert all(p.count(";") == 12 for p in text.split("END")[:-1])
+    assert interpret(words, 3) == [None if t == IGNORE_INDEX else corpus.tokenizer.tokens[t]
+                                   for t in corpus.stream("train").targets.tolist()]
