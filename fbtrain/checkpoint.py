@@ -308,14 +308,14 @@ def load_model(
     ``path`` is a checkpoint file or a run directory (``best.pt`` preferred, see
     :func:`resolve_checkpoint`). The model is built from ``payload["model_config"]`` and
     ``len(payload["vocab"])``, given the saved weights, put in eval mode and moved to
-    ``device``; the tokenizer is a :class:`fbtrain.data.CharTokenizer` over the saved
-    vocabulary. Anything missing or not matching (keys, shapes, config fields) is a one-line
+    ``device``; the tokenizer is the saved vocabulary's (``payload["tokenizer"]``: char, the
+    default, or word). Anything missing or not matching (keys, shapes, config fields) is a one-line
     :class:`CheckpointError`.
     """
     # Imported here: models and data import config, and checkpoint.py stays free of both
     # for the code (trainer, tests) that only needs saving and RNG capture.
     from fbtrain.config import ModelConfig
-    from fbtrain.data import CharTokenizer, DataError
+    from fbtrain.data import DataError, make_tokenizer
     from fbtrain.models import build_model
 
     file = resolve_checkpoint(path, prefer=prefer)
@@ -331,7 +331,7 @@ def load_model(
     if not isinstance(state, dict):
         raise CheckpointError(f"{file}: 'model' must be a state dict of tensors")
     try:
-        tokenizer = CharTokenizer(vocab)
+        tokenizer = make_tokenizer(vocab, payload.get("tokenizer"))
     except (DataError, TypeError) as e:
         raise CheckpointError(f"{file}: bad 'vocab': {e}") from None
     try:

@@ -92,6 +92,7 @@ app = typer.Typer(
 class Split(str, Enum):
     val = "val"
     train = "train"
+    test = "test"  # data with a test split only (data.dataset: algorithmic)
 
 
 class Context(str, Enum):
@@ -260,10 +261,12 @@ def train(
 def sample(
     checkpoint: CheckpointOption,
     prompt: Annotated[
-        str,
-        typer.Option("--prompt", "-p", metavar="TEXT", show_default="a newline",
-                     help="Text to continue; every character must be in the vocabulary."),
-    ] = "\n",
+        str | None,
+        typer.Option("--prompt", "-p", metavar="TEXT",
+                     show_default="a newline; END for a word vocabulary",
+                     help="Text to continue; every character (word, for a word vocabulary) "
+                     "must be in the vocabulary."),
+    ] = None,
     length: Annotated[
         int,
         typer.Option("--length", "-n", metavar="N", min=1, max=INT64_MAX,
@@ -320,7 +323,8 @@ def sample(
 def evaluate(
     checkpoint: CheckpointOption,
     split: Annotated[
-        Split, typer.Option("--split", help="Which part of the text to score."),
+        Split, typer.Option("--split", help="Which part of the data to score (test: only "
+                            "data that has one, e.g. data.dataset: algorithmic)."),
     ] = Split.val,
     seq_len: Annotated[
         int | None,

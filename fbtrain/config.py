@@ -63,7 +63,8 @@ class RunConfig:
 
 @dataclass
 class DataConfig:
-    dataset: str = _f("tinyshakespeare", "Name of the corpus (used for the cache file name).")
+    dataset: str = _f("tinyshakespeare", "Name of the corpus (used for the cache file name); "
+                      "algorithmic: the state-tracking programs, generated.")
     url: str = _f(TINY_SHAKESPEARE_URL, "Where to download the corpus from.")
     sha256: str | None = _f(TINY_SHAKESPEARE_SHA256,
                             "Expected sha256 of the download (null: skip).")
@@ -73,6 +74,26 @@ class DataConfig:
     )
     val_fraction: float = _f(0.1, "Last fraction of the text held out for validation.",
                              gt=0, max=MAX_VAL_FRACTION)
+    # The state-tracking task (data.dataset: algorithmic; fbtrain/algorithmic.py).
+    variables: int = _f(3, "algorithmic: variables per program (the first N of x y z p r).",
+                        min=1, max=5)
+    program_len: int = _f(100, "algorithmic: statements per program (END follows them).", min=1)
+    train_min_program_len: int | None = _f(
+        None, "algorithmic: train programs get lengths drawn from this..program_len (a mix of "
+        "short and long ones, easier to start learning from); null: all program_len. "
+        "val/test programs are always program_len long.", min=1)
+    train_programs: int = _f(10000, "algorithmic: programs in the train split.", min=1)
+    valid_programs: int = _f(1000, "algorithmic: programs in the val split.", min=1)
+    test_programs: int = _f(1000, "algorithmic: programs in the test split.", min=1)
+    seed: int = _f(0, "algorithmic: seed the programs are generated from.", min=0)
+
+    def problems(self) -> list[tuple[str, Any, str]]:
+        out = _field_problems(self)
+        shortest, longest = self.train_min_program_len, self.program_len
+        if isinstance(shortest, int) and isinstance(longest, int) and shortest > longest:
+            out.append(("train_min_program_len", shortest,
+                        f"must be at most data.program_len ({longest})"))
+        return out
 
 
 @dataclass

@@ -20,7 +20,7 @@ import re
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, NamedTuple
 
 import requests
 import torch
@@ -44,6 +44,35 @@ _TRANSIENT = (
 
 
 IGNORE_INDEX = -100  # a target position that no loss or metric counts (F.cross_entropy's default)
+
+
+class Stream(NamedTuple):
+    """A split as the model sees it: ``inputs`` and ``targets``, LongTensors ``[n]``.
+
+    ``targets[i]`` is what the model must predict after reading ``inputs[: i + 1]``;
+    :data:`IGNORE_INDEX` where nothing is scored. A text corpus predicts the next token
+    (:func:`next_token_stream`); a labelled dataset scores only the positions it labels.
+    """
+
+    inputs: torch.Tensor
+    targets: torch.Tensor
+
+
+def next_token_stream(ids: torch.Tensor) -> Stream:
+    """Token ids ``[n]`` -> inputs ``ids[:-1]``, targets ``ids[1:]`` (``n - 1`` predictions)."""
+    ids = ids.long()
+    return Stream(ids[:-1], ids[1:])
+
+
+def as_stream(data: torch.Tensor | Stream) -> Stream:
+    """A :class:`Stream` as it is; a 1-D tensor of ids as its next-token stream."""
+    if isinstance(data, Stream):
+        if not (isinstance(data.inputs, torch.Tensor) and data.inputs.dim() == 1
+                and data.inputs.shape == data.targets.shape):
+            raise TypeError("a Stream needs 1-D inputs and targets of the same length")
+        return Stream(data.inputs.long(), data.targets.long())
+    _check_data(data)
+    return next_token_stream(data)
 
 
 class DataError(Exception):
@@ -216,60 +245,78 @@ def load_text(data_cfg: DataConfig) -> str:
 # ----------------------------------------------------------------------------- tokenizer
 
 
-class CharTokenizer:
-    """Maps each character of a fixed vocabulary to its index in ``chars``."""
+class Tokenizer:
+    """Maps each token of a fixed vocabulary to its index in ``tokens``; subclasses say
+    what a token is (:meth:`pieces`) and how decoded tokens are joined (``joiner``)."""
 
-    def __init__(self, chars: Sequence[str]):
-        chars = list(chars)
-        bad = [c for c in chars if not isinstance(c, str) or len(c) != 1]
+    kind = ""  # the name saved in checkpoints (``"char"`` or ``"word"``)
+    key = "tokens"  # the list's key in vocab.json (``"chars"`` or ``"words"``)
+    unit = "token"  # what error messages call one token
+    joiner = ""  # between decoded tokens
+    start = "\n"  # the default prompt of ``fbtrain sample``
+
+    def __init__(self, tokens: Sequence[str]):
+        tokens = list(tokens)
+        bad = [t for t in tokens if not self._valid(t)]
         if bad:
-            raise DataError(f"vocabulary entries must be single characters, got {bad[:3]!r}")
-        if len(set(chars)) != len(chars):
-            raise DataError("vocabulary has repeated characters; it must list each one once")
-        self.chars: list[str] = chars
-        self._index = {c: i for i, c in enumerate(chars)}
+            raise DataError(f"vocabulary entries must be {self._what_valid}, got {bad[:3]!r}")
+        if len(set(tokens)) != len(tokens):
+            raise DataError(f"vocabulary has repeated {self.unit}s; it must list each one once")
+        self.tokens: list[str] = tokens
+        self._index = {t: i for i, t in enumerate(tokens)}
 
-    @classmethod
-    def from_text(cls, text: str) -> CharTokenizer:
-        """Vocabulary of the sorted distinct characters of ``text`` (65 for Tiny Shakespeare)."""
-        return cls(sorted(set(text)))
+    _what_valid = "strings"
+
+    @staticmethod
+    def _valid(token: object) -> bool:
+        return isinstance(token, str)
+
+    def pieces(self, text: str) -> list[str]:
+        """``text`` cut into tokens (not yet checked against the vocabulary)."""
+        raise NotImplementedError
 
     @property
     def vocab_size(self) -> int:
-        return len(self.chars)
+        return len(self.tokens)
 
     def encode(self, text: str) -> torch.Tensor:
-        """``text`` -> LongTensor ``[len(text)]``; unknown characters raise DataError."""
+        """``text`` -> LongTensor ``[tokens in text]``; unknown tokens raise DataError."""
+        pieces = self.pieces(text)
         try:
-            ids = [self._index[c] for c in text]
+            ids = [self._index[c] for c in pieces]
         except KeyError:
-            missing = sorted(set(text) - self._index.keys())
+            missing = sorted(set(pieces) - self._index.keys())
             shown = ", ".join(repr(c) for c in missing[:_MAX_LISTED])
             more = f" and {len(missing) - _MAX_LISTED} more" if len(missing) > _MAX_LISTED else ""
             raise DataError(
-                f"{len(missing)} character(s) not in the vocabulary: {shown}{more}; "
-                "the vocabulary comes from the training text"
+                f"{len(missing)} {self.unit}(s) not in the vocabulary: {shown}{more}; "
+                "the vocabulary comes from the training data"
             ) from None
         return torch.tensor(ids, dtype=torch.long)
 
     def decode(self, ids: torch.Tensor | Sequence[int]) -> str:
-        """Ids (list or 1-D tensor) -> text."""
+        """Ids (list or 1-D tensor) -> text (tokens joined by ``joiner``)."""
         values = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
-        n = len(self.chars)
+        n = len(self.tokens)
         # Checked up front: a negative id would otherwise index from the end silently.
         bad = [i for i in values if not isinstance(i, int) or not 0 <= i < n]
         if bad:
             raise DataError(f"token id {bad[0]!r} is outside the vocabulary (0..{n - 1})")
-        return "".join(self.chars[i] for i in values)
+        return self.joiner.join(self.tokens[i] for i in values)
 
     def to_dict(self) -> dict[str, list[str]]:
-        return {"chars": list(self.chars)}
+        return {self.key: list(self.tokens)}
 
     @classmethod
-    def from_dict(cls, d: Any) -> CharTokenizer:
-        if not isinstance(d, dict) or not isinstance(d.get("chars"), list):
-            raise DataError('a vocabulary must look like {"chars": ["\\n", " ", ...]}')
-        return cls(d["chars"])
+    def from_dict(cls, d: Any) -> Tokenizer:
+        """A vocabulary dict, ``{"chars": [...]}`` or ``{"words": [...]}``, as its tokenizer
+        (the one it names when called on :class:`Tokenizer` itself)."""
+        classes = [cls] if cls is not Tokenizer else list(TOKENIZERS.values())
+        for klass in classes:
+            if isinstance(d, dict) and isinstance(d.get(klass.key), list):
+                return klass(d[klass.key])
+        shapes = " or ".join(f'{{"{k.key}": [...]}}' for k in classes)
+        raise DataError(f"a vocabulary must look like {shapes}")
 
     def save(self, path: str | Path) -> Path:
         """Write ``vocab.json`` atomically; ``path`` is the file or a folder to put it in."""
@@ -280,7 +327,7 @@ class CharTokenizer:
         return path
 
     @classmethod
-    def load(cls, path: str | Path) -> CharTokenizer:
+    def load(cls, path: str | Path) -> Tokenizer:
         """Read a vocabulary written by :meth:`save` (the file, or the folder holding it)."""
         path = Path(path)
         if path.is_dir():
@@ -297,10 +344,66 @@ class CharTokenizer:
             raise DataError(f"{path}: {e}") from None
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, CharTokenizer) and self.chars == other.chars
+        return type(other) is type(self) and self.tokens == other.tokens  # type: ignore[attr-defined]
+
+    def __hash__(self) -> int:
+        return hash((self.kind, tuple(self.tokens)))
 
     def __repr__(self) -> str:
-        return f"CharTokenizer(vocab_size={self.vocab_size})"
+        return f"{type(self).__name__}(vocab_size={self.vocab_size})"
+
+
+class CharTokenizer(Tokenizer):
+    """One token per character (the text corpora)."""
+
+    kind, key, unit, joiner, start = "char", "chars", "character", "", "\n"
+    _what_valid = "single characters"
+
+    @staticmethod
+    def _valid(token: object) -> bool:
+        return isinstance(token, str) and len(token) == 1
+
+    @property
+    def chars(self) -> list[str]:
+        return self.tokens
+
+    @classmethod
+    def from_text(cls, text: str) -> CharTokenizer:
+        """Vocabulary of the sorted distinct characters of ``text`` (65 for Tiny Shakespeare)."""
+        return cls(sorted(set(text)))
+
+    def pieces(self, text: str) -> list[str]:
+        return list(text)
+
+
+class WordTokenizer(Tokenizer):
+    """One token per whitespace-separated word; decoding joins words with single spaces."""
+
+    kind, key, unit, joiner = "word", "words", "word", " "
+    _what_valid = "words without whitespace"
+
+    def __init__(self, tokens: Sequence[str]):
+        super().__init__(tokens)
+        self.start = self.tokens[0] if self.tokens else ""  # e.g. END: a new program starts
+
+    @staticmethod
+    def _valid(token: object) -> bool:
+        return isinstance(token, str) and bool(token) and token.split() == [token]
+
+    def pieces(self, text: str) -> list[str]:
+        return text.split()
+
+
+TOKENIZERS: dict[str, type[Tokenizer]] = {"char": CharTokenizer, "word": WordTokenizer}
+
+
+def make_tokenizer(tokens: Sequence[str], kind: str | None = "char") -> Tokenizer:
+    """The tokenizer a checkpoint saved: its ``vocab`` list and ``tokenizer`` kind (absent in
+    checkpoints from before word vocabularies: ``char``)."""
+    klass = TOKENIZERS.get(kind or "char")
+    if klass is None:
+        raise DataError(f"unknown tokenizer kind {kind!r}; known: {', '.join(TOKENIZERS)}")
+    return klass(tokens)
 
 
 # ----------------------------------------------------------------------------- split, batches
@@ -353,14 +456,14 @@ def derived_seed(*parts: object) -> int:
 class BatchSampler:
     """Random training windows from one split, reproducible from ``(seed, rank)``.
 
-    It owns a CPU ``torch.Generator`` (not the global RNG), so model code that draws random
-    numbers (dropout) cannot shift which batches come next, and saving its state is enough
-    to resume the exact batch sequence.
+    ``data`` is a :class:`Stream` (inputs and targets) or a 1-D tensor of ids (its
+    next-token stream). It owns a CPU ``torch.Generator`` (not the global RNG), so model
+    code that draws random numbers (dropout) cannot shift which batches come next, and
+    saving its state is enough to resume the exact batch sequence.
     """
 
-    def __init__(self, data: torch.Tensor, seed: int, rank: int = 0):
-        _check_data(data)
-        self.data = data.long()
+    def __init__(self, data: torch.Tensor | Stream, seed: int, rank: int = 0):
+        self.stream = as_stream(data)
         self.seed = int(seed)
         self.rank = int(rank)
         self.generator = torch.Generator(device="cpu")
@@ -369,17 +472,19 @@ class BatchSampler:
     def sample(
         self, batch_size: int, seq_len: int, device: torch.device | str = "cpu"
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Inputs x and targets y, LongTensors ``[batch_size, seq_len]``; y is x shifted by one."""
+        """Inputs x and targets y, LongTensors ``[batch_size, seq_len]`` (for a text, y is x
+        shifted by one)."""
         if batch_size < 1 or seq_len < 1:
             raise ValueError(f"batch_size and seq_len must be >= 1, got {batch_size}, {seq_len}")
-        n = len(self.data)
-        require_tokens(n, seq_len, "training text")
-        starts = torch.randint(0, n - seq_len, (batch_size,), generator=self.generator)
-        windows = self.data[starts[:, None] + torch.arange(seq_len + 1)]
+        n = len(self.stream.inputs)  # predictions (a text: tokens - 1)
+        require_tokens(n + 1, seq_len, "training text")
+        starts = torch.randint(0, n - seq_len + 1, (batch_size,), generator=self.generator)
+        index = starts[:, None] + torch.arange(seq_len)
         # One host->device copy; x and y are made contiguous on the device so that callers
         # may .view() them (e.g. flattening targets for cross-entropy).
-        windows = windows.to(device, non_blocking=True)
-        return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
+        pair = torch.stack([self.stream.inputs[index], self.stream.targets[index]])
+        x, y = pair.to(device, non_blocking=True)
+        return x.contiguous(), y.contiguous()
 
     def state_dict(self) -> dict[str, Any]:
         """Generator state (uint8 tensor) plus seed/rank: safe for ``torch.load(weights_only)``."""
@@ -395,30 +500,31 @@ class BatchSampler:
 
 
 def fixed_windows(
-    data: torch.Tensor, seq_len: int, count: int, context: int = 0
+    data: torch.Tensor | Stream, seq_len: int, count: int, context: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Deterministic evaluation windows: x, y ``[count', context + seq_len]`` spread evenly
-    over ``data``, the first ``context`` targets of each set to :data:`IGNORE_INDEX`.
+    over ``data`` (a :class:`Stream`, or ids: their next-token stream), the first
+    ``context`` targets of each set to :data:`IGNORE_INDEX`.
 
     With ``context`` > 0 every scored prediction runs on memory filled by ``context``
-    earlier tokens, as in training with carried memory. ``count' = min(count, (len(data) -
-    1) // (context + seq_len))``: the number of windows whose inputs do not overlap. Starts
-    run from the first token to the last possible one, so the windows sample the whole
+    earlier tokens, as in training with carried memory. ``count' = min(count, n // (context
+    + seq_len))`` for ``n`` predictions: the number of windows that do not overlap. Starts
+    run from the first prediction to the last possible one, so the windows sample the whole
     split and every call (and every run) sees the same ones.
     """
-    _check_data(data)
+    stream = as_stream(data)
     if count < 1 or seq_len < 1 or context < 0:
         raise ValueError(f"count and seq_len must be >= 1 and context >= 0, got {count}, "
                          f"{seq_len}, {context}")
-    n, span = len(data), context + seq_len
+    n, span = len(stream.inputs), context + seq_len
     what = "validation text" + (f" (with {context} tokens of context)" if context else "")
-    require_tokens(n, span, what)
-    k = min(count, (n - 1) // span)
-    last = n - span - 1
+    require_tokens(n + 1, span, what)
+    k = min(count, n // span)
+    last = n - span
     # Integer spacing: floor(i * last / (k - 1)); consecutive starts differ by >= span.
     starts = torch.tensor([i * last // (k - 1) for i in range(k)] if k > 1 else [0])
-    windows = data.long()[starts[:, None] + torch.arange(span + 1)]
-    x, y = windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
+    index = starts[:, None] + torch.arange(span)
+    x, y = stream.inputs[index], stream.targets[index].clone()
     y[:, :context] = IGNORE_INDEX
     return x, y
 
@@ -437,17 +543,19 @@ class StreamLayout:
     data and the rank alone: its only state is the cursor.
     """
 
-    def __init__(self, data: torch.Tensor, n_streams: int, rank: int = 0, world_size: int = 1):
-        _check_data(data)
+    def __init__(self, data: torch.Tensor | Stream, n_streams: int, rank: int = 0,
+                 world_size: int = 1):
+        stream = as_stream(data)
         if n_streams < 1 or not 0 <= rank < world_size:
             raise ValueError(f"need n_streams >= 1 and 0 <= rank < world_size, got "
                              f"{n_streams}, {rank}, {world_size}")
         total = n_streams * world_size
-        self.length = (len(data) - 1) // total
+        self.length = len(stream.inputs) // total
         if self.length < 1:
-            raise DataError(f"training text too short for {total} streams: {len(data)} tokens, "
-                            f"need at least {total + 1}; use a smaller train.batch_size")
-        self.data = data.long()
+            raise DataError(f"training text too short for {total} streams: "
+                            f"{len(stream.inputs) + 1} tokens, need at least {total + 1}; "
+                            "use a smaller train.batch_size")
+        self.stream = stream
         self.starts = (rank * n_streams + torch.arange(n_streams)) * self.length  # [n_streams]
         self.cursor = 0
 
@@ -461,8 +569,9 @@ class StreamLayout:
         begin = self.cursor
         end = min(begin + seq_len, self.length)
         self.cursor = end % self.length
-        windows = self.data[self.starts[:, None] + torch.arange(begin, end + 1)].to(device)
-        return windows[:, :-1].contiguous(), windows[:, 1:].contiguous(), begin == 0
+        index = self.starts[:, None] + torch.arange(begin, end)
+        x, y = torch.stack([self.stream.inputs[index], self.stream.targets[index]]).to(device)
+        return x.contiguous(), y.contiguous(), begin == 0
 
     def state_dict(self) -> dict[str, int]:
         return {"cursor": self.cursor, "length": self.length}

@@ -6,10 +6,10 @@ import math
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
-from fbtrain.data import IGNORE_INDEX
+from fbtrain.data import IGNORE_INDEX, Stream, as_stream
+from fbtrain.scoring import Scores, window_scores
 
 LN2 = math.log(2.0)
 
@@ -23,24 +23,11 @@ def loss_figures(loss: float) -> dict[str, float]:
             "perplexity": math.exp(loss) if loss < 700 else math.inf}
 
 
-@torch.no_grad()
 def mean_loss(model: nn.Module, x: Tensor, y: Tensor, batch_size: int) -> float:
     """Mean cross-entropy in nats over the scored targets of windows x, y: [N, T] (each
     window from empty memory; targets equal to IGNORE_INDEX are not scored). Runs in eval
     mode and restores the model's mode afterwards."""
-    was_training = model.training
-    model.eval()
-    total, count = 0.0, 0
-    try:
-        for start in range(0, x.shape[0], batch_size):
-            xb, yb = x[start:start + batch_size], y[start:start + batch_size]
-            logits, _ = model(xb)
-            total += F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
-                                     yb.reshape(-1), reduction="sum").item()
-            count += int((yb != IGNORE_INDEX).sum())
-    finally:
-        model.train(was_training)
-    return total / count
+    return window_scores(model, x, y, batch_size).loss
 
 
 CONTEXTS = ("reset", "carry")
@@ -48,23 +35,31 @@ CONTEXTS = ("reset", "carry")
 
 @torch.no_grad()
 def evaluate_split(
-    model: nn.Module, ids: Tensor, seq_len: int, batch_size: int, *, context: str = "reset"
+    model: nn.Module, ids: Tensor | Stream, seq_len: int, batch_size: int, *,
+    context: str = "reset", history: int = 0
 ) -> dict[str, Any]:
-    """Score every character of ``ids`` [n] but the first: n - 1 predictions, each once.
+    """Score every prediction of a split once: ``ids`` [n] (a text: n - 1 next-token
+    predictions) or a :class:`~fbtrain.data.Stream` (its scored targets only).
 
     The predictions are cut into consecutive windows of ``seq_len`` (the last one shorter).
 
-    - ``context="reset"``: each window starts from empty memory, as in training; full windows
-      run ``batch_size`` side by side (tokens [B, seq_len]), the short last one on its own.
+    - ``context="reset"``: each window starts from empty memory ``history`` tokens before
+      it (those are read, not scored; 0: as in training with reset context); windows with
+      their whole history run ``batch_size`` side by side (tokens [B, history + seq_len]),
+      the first ones and the short last one on their own. A labelled dataset whose
+      predictions depend on at most ``history`` earlier tokens (the algorithmic programs:
+      the longest program) is then scored exactly, in parallel.
     - ``context="carry"``: the split is one stream fed in ``seq_len`` chunks with the memory
       state carried across them (batch 1), so every prediction sees up to ``mem_len`` earlier
       characters. Exact, but sequential: for a feedback model this costs n model steps
       one after another whatever ``batch_size`` is.
 
     Deterministic (eval mode, no sampling); the model's mode is restored afterwards. Summed
-    cross-entropy is accumulated in float64. Returns ``loss`` (mean nats per character),
-    ``bpc`` (loss / ln 2), ``perplexity`` (exp(loss)), ``tokens`` (n - 1), ``seq_len`` (the
-    window length used: n - 1 when the split is shorter than ``seq_len``) and ``context``.
+    cross-entropy is accumulated in float64. Returns ``loss`` (mean nats per scored
+    target), ``bpc`` (loss / ln 2), ``perplexity`` (exp(loss)), ``accuracy`` (arg-max
+    right, over the scored targets), ``tokens`` (predictions run), ``scored`` (targets
+    scored), ``seq_len`` (the window length used: the number of predictions when the split
+    is shorter than ``seq_len``) and ``context``.
     """
     if context not in CONTEXTS:
         raise ValueError(f"context = {context!r}: must be one of {', '.join(CONTEXTS)}")
@@ -72,34 +67,44 @@ def evaluate_split(
         raise ValueError(f"seq_len = {seq_len!r}: must be an integer >= 1")
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size = {batch_size!r}: must be an integer >= 1")
-    if ids.dim() != 1 or len(ids) < 2:
+    if not isinstance(history, int) or history < 0:
+        raise ValueError(f"history = {history!r}: must be an integer >= 0")
+    if not isinstance(ids, Stream) and (ids.dim() != 1 or len(ids) < 2):
         raise ValueError(f"need a 1-D tensor of at least 2 token ids, got shape "
                          f"{tuple(ids.shape)}")
     device = next(model.parameters()).device
-    ids = ids.long().to(device)
-    inputs, targets = ids[:-1], ids[1:]  # prediction i reads inputs[..i], scores targets[i]
+    # prediction i reads inputs[..i], scores targets[i]
+    inputs, targets = (t.to(device) for t in as_stream(ids))
     n = len(targets)
-    total = torch.zeros((), dtype=torch.float64, device=device)
+    if n < 1:
+        raise ValueError("need at least one prediction to score, got an empty split")
+    scores = Scores()
 
     def add(x: Tensor, y: Tensor, state: Any = None) -> Any:
-        """Run tokens x [B, T] (on ``state``), add the summed CE against y [B, T]."""
-        nonlocal total
+        """Run tokens x [B, T] (on ``state``), add the scores against y [B, T]."""
         logits, new_state = model(x, state)
-        total += F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1),
-                                 reduction="sum").double()
+        scores.add(logits, y)
         return new_state
 
     was_training = model.training
     model.eval()
     try:
         if context == "reset":
-            full = n // seq_len
-            x_full = inputs[: full * seq_len].view(full, seq_len)
-            y_full = targets[: full * seq_len].view(full, seq_len)
-            for start in range(0, full, batch_size):
-                add(x_full[start:start + batch_size], y_full[start:start + batch_size])
-            if n % seq_len:
-                add(inputs[full * seq_len:][None], targets[full * seq_len:][None])
+            # Windows with their full history and length run batched, the rest one by one.
+            starts = list(range(0, n, seq_len))
+            batched = [a for a in starts if a >= history and a + seq_len <= n]
+            span = torch.arange(history + seq_len, device=device)
+            for i in range(0, len(batched), batch_size):
+                index = torch.tensor(batched[i:i + batch_size], device=device)[:, None] + span
+                index -= history
+                y = targets[index].clone()
+                y[:, :history] = IGNORE_INDEX
+                add(inputs[index], y)
+            for a in sorted(set(starts) - set(batched)):
+                low, high = max(0, a - history), min(n, a + seq_len)
+                y = targets[low:high].clone()
+                y[: a - low] = IGNORE_INDEX
+                add(inputs[low:high][None], y[None])
         else:
             state = None
             for start in range(0, n, seq_len):
@@ -108,10 +113,13 @@ def evaluate_split(
     finally:
         model.train(was_training)
     return {
-        **loss_figures(total.item() / n),
+        **loss_figures(scores.loss),
+        "accuracy": scores.accuracy,
         "tokens": n,
+        "scored": scores.count,
         "seq_len": min(seq_len, n),  # what was used: a split shorter than one window is one
         "context": context,
+        **({"history": history} if context == "reset" and history else {}),
     }
 
 
@@ -125,23 +133,25 @@ def run(
     context: str = "reset",
     device: str = "auto",
 ) -> dict[str, Any]:
-    """``fbtrain eval``: loss / bpc / perplexity of a checkpoint on the train or val split.
+    """``fbtrain eval``: loss / bpc / perplexity of a checkpoint on one split (train, val,
+    or test where the data has one: the algorithmic programs), plus accuracy for a labelled
+    dataset.
 
-    The text is ``data_path`` when given, else what the checkpoint's training config names
-    (``config["data"]``: its local path or the cached download); it is encoded with the
-    checkpoint's vocabulary and split with the checkpoint's ``val_fraction``. ``seq_len``
+    The data is what the checkpoint's training config names (``config["data"]``: its local
+    path or the cached download, or the generated programs), or the text ``data_path``; it
+    is encoded with the checkpoint's vocabulary and split as in training. ``seq_len``
     defaults to the last curriculum stage's. Returns :func:`evaluate_split`'s dict plus
     ``split``, ``checkpoint`` (the file used) and ``step``. Raises ValueError, DataError,
     CheckpointError or DeviceError with one line (the CLI turns them into exit code 2).
     """
     from fbtrain.checkpoint import CheckpointError, load_model, resolve_checkpoint
     from fbtrain.config import DataConfig
-    from fbtrain.data import DataError, load_text
-    from fbtrain.data import split as split_ids
+    from fbtrain.corpus import load_corpus
+    from fbtrain.data import DataError
     from fbtrain.device import resolve_device
 
-    if split not in ("train", "val"):
-        raise ValueError(f"split = {split!r}: must be train or val")
+    if split not in ("train", "val", "test"):
+        raise ValueError(f"split = {split!r}: must be train, val or test")
     if context not in CONTEXTS:
         raise ValueError(f"context = {context!r}: must be one of {', '.join(CONTEXTS)}")
     if seq_len is not None and (not isinstance(seq_len, int) or seq_len < 1):
@@ -171,15 +181,20 @@ def run(
             raise CheckpointError(f"{file}: holds no curriculum to take seq_len from; "
                                   "pass seq_len")
 
-    text = load_text(data_cfg)
     where = f"data.path {data_cfg.path}" if data_cfg.path else f"dataset {data_cfg.dataset}"
     try:
-        ids = tokenizer.encode(text)
+        corpus = load_corpus(data_cfg, tokenizer.tokens)
     except DataError as e:
         raise DataError(f"{where} does not fit the vocabulary of checkpoint {file}: {e}") from None
-    train_ids, val_ids = split_ids(ids, data_cfg.val_fraction)
-    result = evaluate_split(model, train_ids if split == "train" else val_ids, seq_len,
-                            batch_size, context=context)
+    try:
+        stream = corpus.stream(split)
+    except ValueError as e:
+        raise ValueError(f"{e} ({where})") from None
+    result = evaluate_split(model, stream, seq_len, batch_size, context=context,
+                            history=corpus.history)
+    if not corpus.labelled:  # every target is scored: accuracy is not this data's figure
+        result.pop("accuracy")
+        result.pop("scored")
     return {**result, "split": split, "checkpoint": str(file), "step": payload.get("step")}
 
 
@@ -199,8 +214,11 @@ def format_result(result: dict[str, Any]) -> str:
         ("split", result.get("split")),
         ("context", result.get("context")),
         ("seq_len", result.get("seq_len")),
+        ("history", result.get("history")),
         ("tokens", f"{result['tokens']:,}"),
-        ("loss", f"{result['loss']:.4f} nats/char"),
+        ("scored", f"{result['scored']:,}" if "scored" in result else None),
+        ("accuracy", f"{100 * result['accuracy']:.2f}%" if "accuracy" in result else None),
+        ("loss", f"{result['loss']:.4f} nats/{'target' if 'scored' in result else 'char'}"),
         ("bpc", f"{result['bpc']:.4f}"),
         ("perplexity", f"{result['perplexity']:.3f}"),
     ]

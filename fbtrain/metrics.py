@@ -42,13 +42,16 @@ JSONL_NAME = "metrics.jsonl"
 EVENTS_GLOB = "events.out.tfevents.*"  # TensorBoard's event files, in the run directory
 # Metric keys whose TensorBoard tag is not the key itself (see the module docstring).
 TB_TAGS = {"loss": "loss/train", "val/loss": "loss/val",
-           "bpc": "loss_bpc/train", "val/bpc": "loss_bpc/val"}
+           "bpc": "loss_bpc/train", "val/bpc": "loss_bpc/val",
+           "accuracy": "accuracy/train", "val/accuracy": "accuracy/val"}
 # What a chart shows, for TensorBoard's description of each tag (by tag or tag group).
 TB_DESCRIPTIONS = {
     "loss/train": "Cross-entropy of the step's training batch, nats per character.",
     "loss/val": "Cross-entropy on the fixed validation windows (the same every evaluation), "
                 "nats per character.",
     "loss_bpc": "Bits per character: the loss divided by ln 2.",
+    "accuracy": "Share of the labelled targets (a labelled dataset: the value each print "
+                "must output) whose arg-max prediction is right.",
     "mem_weight": "softmax(w): the share of the embedding (mem_weight/0) and of each layer's "
                   "output (mem_weight/1..L) in the memory vector every layer attends to.",
 }
@@ -427,6 +430,8 @@ def chart_layout(memory_weights: bool = True) -> Any:
     categories = [layout_pb2.Category(title="loss", chart=[
         chart("loss (nats per character): train and validation", r"^loss/(train|val)$"),
         chart("bits per character: train and validation", r"^loss_bpc/(train|val)$"),
+        chart("accuracy over labelled targets: train and validation",
+              r"^accuracy/(train|val)$"),
     ])]
     if memory_weights:
         categories.append(layout_pb2.Category(title="memory", chart=[chart(

@@ -18,7 +18,7 @@ from typing import TextIO
 import torch
 from torch import Tensor, nn
 
-from fbtrain.data import CharTokenizer, DataError
+from fbtrain.data import DataError, Tokenizer
 
 
 def check_sampling_args(
@@ -93,7 +93,7 @@ def _model_device(model: nn.Module) -> torch.device:
 
 def generate(
     model: nn.Module,
-    tokenizer: CharTokenizer,
+    tokenizer: Tokenizer,
     prompt: str,
     length: int,
     *,
@@ -122,12 +122,9 @@ def generate(
     check_sampling_args(length, temperature, top_k, top_p, num_samples)
     if not prompt:
         raise ValueError("prompt is empty: give at least one character (e.g. a newline)")
-    try:
-        ids = tokenizer.encode(prompt)  # [P]
-    except DataError as e:
-        raise DataError(f"prompt: {e}") from None
+    ids = encode_prompt(tokenizer, prompt)  # [P]
     device = torch.device(device) if device is not None else _model_device(model)
-    chars = tokenizer.chars
+    vocab = tokenizer.tokens
     out = torch.empty(num_samples, length, dtype=torch.long)
     was_training = model.training
     model.eval()
@@ -143,7 +140,7 @@ def generate(
                 out[:, i] = token_cpu
                 if on_text is not None:
                     for s, t in enumerate(token_cpu.tolist()):
-                        on_text(s, chars[t])
+                        on_text(s, tokenizer.joiner + vocab[t])  # continues the text
                 if i + 1 < length:  # the last character needs no prediction after it
                     logits, state = model(token.unsqueeze(1), state)  # [N, 1] on the state
     finally:
@@ -151,10 +148,23 @@ def generate(
     return [tokenizer.decode(row) for row in out]
 
 
+def encode_prompt(tokenizer: Tokenizer, prompt: str) -> Tensor:
+    """The prompt's ids ``[P]``, P >= 1; DataError for tokens outside the vocabulary,
+    ValueError for a prompt without a token (e.g. only spaces for a word vocabulary)."""
+    try:
+        ids = tokenizer.encode(prompt)
+    except DataError as e:
+        raise DataError(f"prompt: {e}") from None
+    if len(ids) == 0:
+        raise ValueError(f"prompt {prompt!r} holds no {tokenizer.unit}; give at least one "
+                         f"(e.g. {tokenizer.start!r})")
+    return ids
+
+
 def run(
     checkpoint: str,
     *,
-    prompt: str = "\n",
+    prompt: str | None = None,
     length: int = 500,
     temperature: float = 0.8,
     top_k: int | None = None,
@@ -168,8 +178,10 @@ def run(
 
     With one sample, the prompt and then each character as it is drawn go to ``stream``
     (flushed). With several, each sample is written after generation under a header line
-    ``--- sample i ---`` (1-based). ``stream`` defaults to ``sys.stdout`` as it is at call
-    time (so test runners that swap it see the text). Returns the continuations.
+    ``--- sample i ---`` (1-based). ``prompt`` None: the tokenizer's start text (a newline
+    for characters; ``END`` for the algorithmic programs' words). ``stream`` defaults to
+    ``sys.stdout`` as it is at call time (so test runners that swap it see the text).
+    Returns the continuations.
     Raises ValueError, DataError, CheckpointError or DeviceError with one line (the CLI turns
     them into exit code 2).
     """
@@ -179,18 +191,17 @@ def run(
     check_sampling_args(length, temperature, top_k, top_p, num_samples)
     if not isinstance(seed, int) or seed < 0:
         raise ValueError(f"seed = {seed!r}: must be an integer >= 0")
-    if not prompt:
+    if prompt is not None and not prompt:
         raise ValueError("prompt is empty: give at least one character (e.g. a newline)")
     out = stream if stream is not None else sys.stdout
     target = resolve_device(device)
     model, tokenizer, _ = load_model(checkpoint, target, prefer="best")
+    if prompt is None:
+        prompt = tokenizer.start
     # A CPU generator: the same seed gives the same text on CPU and GPU (up to float noise).
     generator = torch.Generator(device="cpu").manual_seed(seed)
     # Check the prompt before printing anything, so an error is the only output.
-    try:
-        tokenizer.encode(prompt)
-    except DataError as e:
-        raise DataError(f"prompt: {e}") from None
+    encode_prompt(tokenizer, prompt)
 
     on_text = None
     if num_samples == 1:
@@ -208,6 +219,6 @@ def run(
         out.write("\n")
     else:
         for i, text in enumerate(texts, 1):
-            out.write(f"--- sample {i} ---\n{prompt}{text}\n")
+            out.write(f"--- sample {i} ---\n{prompt}{tokenizer.joiner}{text}\n")
     out.flush()
     return texts

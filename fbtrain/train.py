@@ -41,7 +41,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fbtrain.batches import CarriedStreams, RandomWindows
@@ -55,23 +54,23 @@ from fbtrain.checkpoint import (
     strip_wrapper_prefixes,
 )
 from fbtrain.config import Config, ConfigError, ModelConfig, save_config
+from fbtrain.corpus import load_corpus
 from fbtrain.data import (
     BatchSampler,
-    CharTokenizer,
     DataError,
     StreamLayout,
     fixed_windows,
     load_text,
     require_tokens,
-    split,
 )
 from fbtrain.device import autocast, autocast_dtype
 from fbtrain.distributed import DistContext, rank_seed, session
-from fbtrain.evaluate import LN2, loss_figures, mean_loss
+from fbtrain.evaluate import LN2, loss_figures
 from fbtrain.metrics import EVENTS_GLOB, MetricsLogger, format_duration, hparams_of
 from fbtrain.models import build_model, count_parameters
 from fbtrain.rundir import RunDirLock
 from fbtrain.schedule import LRSchedule, build_optimizer
+from fbtrain.scoring import count_scored, score_sums, window_scores
 
 EXIT_NONFINITE = 1
 EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}  # 128 + signal number, as shells do
@@ -280,6 +279,7 @@ class StepResult:
     tokens: int  # over all ranks and micro-batches
     stop: int | None  # the signal that asks to stop after this step, if any
     memory_rms: Tensor  # RMS of the memory keys the step left (rank 0's last micro-batch)
+    accuracy: float | None = None  # over the scored targets, for a labelled dataset
 
 
 # ----------------------------------------------------------------------------- trainer
@@ -387,20 +387,22 @@ class Trainer:
         torch.manual_seed(seed)
 
     def _setup_data(self, vocab: list[str] | None, vocab_source: Path | None) -> None:
-        """Text -> ids -> train/val split, the sampler and the fixed validation windows.
+        """The dataset's train/val streams (``corpus.py``), the sampler and the fixed
+        validation windows.
 
         The vocabulary comes from the checkpoint being resumed or warm-started from (its
-        embedding rows are indexed by it), else from the text.
+        embedding rows are indexed by it), else from the data.
         """
-        text = self._load_text()
-        self.tokenizer = CharTokenizer(vocab) if vocab else CharTokenizer.from_text(text)
         try:
-            ids = self.tokenizer.encode(text)
+            corpus = load_corpus(self.cfg.data, vocab, self._load_text)
         except DataError as e:
+            if not vocab:
+                raise
             raise DataError(f"vocabulary of checkpoint {vocab_source}: {e}") from None
-        self.train_ids, val_ids = split(ids, self.cfg.data.val_fraction)
+        self.tokenizer, self.labelled = corpus.tokenizer, corpus.labelled
+        self.train_ids, val_ids = corpus.splits["train"], corpus.splits["val"]
         # Checked now, before the run directory is made (the sampler would only at step 1).
-        require_tokens(len(self.train_ids), self.cfg.max_seq_len, "training text")
+        require_tokens(len(self.train_ids.inputs) + 1, self.cfg.max_seq_len, "training text")
         train = self.cfg.train
         self.sampler = BatchSampler(self.train_ids, self.cfg.run.seed, rank=self.ctx.rank)
         carry = train.context == "carry"
@@ -413,18 +415,19 @@ class Trainer:
             self.batches = RandomWindows(self.sampler, train.grad_accum)
         # Computed once: every evaluation scores the same windows, so curves are comparable.
         # With carried memory each scored window runs on a full memory window of context.
-        context = self.cfg.model.memory_window if carry else 0
+        # A labelled dataset may need more context to be scored exactly (corpus.history).
+        context = max(self.cfg.model.memory_window, corpus.history) if carry else 0
         val_x, val_y = fixed_windows(val_ids, self.cfg.max_seq_len, train.eval_windows,
                                      context=context)
         self.val_x, self.val_y = val_x.to(self.device), val_y.to(self.device)
-        self.n_chars = (len(self.train_ids), len(val_ids))
+        self.n_chars = (len(self.train_ids.inputs), len(val_ids.inputs))
 
-    def _load_text(self) -> str:
+    def _load_text(self, data_cfg: Any = None) -> str:
         # Under DDP rank 0 fills the download cache first, so ranks don't all download.
         downloads = self.cfg.data.path is None and self.ctx.enabled
         if downloads and not self.ctx.is_main:
             self.ctx.barrier()
-        text = load_text(self.cfg.data)
+        text = load_text(data_cfg or self.cfg.data)
         if downloads and self.ctx.is_main:
             self.ctx.barrier()
         return text
@@ -519,13 +522,15 @@ class Trainer:
             f"{cfg.model.n_heads} heads)")
         ranks = f" x {self.ctx.world_size} ranks (DDP)" if self.ctx.enabled else ""
         log(f"device: {self._device_text()}{ranks}")
-        log(f"data: {self.n_chars[0]:,} train / {self.n_chars[1]:,} val characters, "
+        log(f"data: {self.n_chars[0]:,} train / {self.n_chars[1]:,} val {self.tokenizer.unit}s"
+            + (" (targets only where labelled; accuracy reported)" if self.labelled else "")
+            + ", "
             f"vocabulary {self.tokenizer.vocab_size}, {len(self.val_x)} validation windows")
         if isinstance(self.batches, CarriedStreams):
             streams = self.batches.layout
             log(f"context: carry ({len(streams.starts)} streams of {streams.length:,} tokens "
                 f"per rank, memory carried across segments; validation windows after "
-                f"{self.cfg.model.memory_window} tokens of context)")
+                f"{self.val_x.shape[1] - self.cfg.max_seq_len} tokens of context)")
         if resume_path is not None:
             log(f"resuming from {resume_path} at step {self.step}")
             if cfg.train.init_from:
@@ -577,49 +582,62 @@ class Trainer:
         lr = self.schedule.apply(self.optimizer, index)
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = torch.zeros((), device=self.device)
+        correct = torch.zeros((), dtype=torch.long, device=self.device)
         tokens = 0
-        for micro, (x, y, state) in enumerate(
-                self.batches.micro_batches(seq_len, batch, self.device)):
+        micro_batches = self.batches.micro_batches(seq_len, batch, self.device)
+        # The step's loss is the mean over every scored target of all its micro-batches
+        # (all targets for a text; the labelled ones for a labelled dataset).
+        scored = sum(count_scored(y) for _, y, _ in micro_batches)
+        denominator = scored.clamp(min=1).float()
+        for micro, (x, y, state) in enumerate(micro_batches):
             # DDP all-reduces gradients on the last micro-batch only.
             sync = micro == accum - 1 or not self.ctx.enabled
             with contextlib.nullcontext() if sync else self.model.no_sync():
                 with autocast(cfg.run.precision, self.device):
                     logits, new_state = self.model(x, state)
-                loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
-                self.scaler.scale(loss / accum).backward()
+                ce_sum, _, right = score_sums(logits, y)
+                loss = ce_sum / denominator
+                self.scaler.scale(loss).backward()
             self.batches.keep(micro, new_state)
             loss_sum += loss.detach()
+            correct += right
             tokens += x.numel()
         memory_rms = new_state.keys.detach().float().square().mean().sqrt()
         self.scaler.unscale_(self.optimizer)
         clip = cfg.train.grad_clip if cfg.train.grad_clip > 0 else math.inf
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, clip)
-        loss_value, norm_value, stop = self._agree(loss_sum / accum, grad_norm, signals)
+        accuracy = correct.float() / denominator
+        loss_value, norm_value, accuracy_value, stop = self._agree(loss_sum, grad_norm, accuracy,
+                                                                   signals)
         self._check_finite(index + 1, loss_value, norm_value)
         self.scaler.step(self.optimizer)  # skips the step if fp16 gradients overflowed
         self.scaler.update()
         tokens *= self.ctx.world_size
         self.throughput.add(tokens, time.perf_counter() - start)
-        return StepResult(loss_value, norm_value, lr, seq_len, batch, tokens, stop, memory_rms)
+        return StepResult(loss_value, norm_value, lr, seq_len, batch, tokens, stop, memory_rms,
+                          accuracy_value if self.labelled else None)
 
-    def _agree(self, loss: Tensor, grad_norm: Tensor, signals: StopSignals
-               ) -> tuple[float, float, int | None]:
-        """Loss (mean over ranks), gradient norm and stop signal, the same on every rank.
+    def _agree(self, loss: Tensor, grad_norm: Tensor, accuracy: Tensor, signals: StopSignals
+               ) -> tuple[float, float, float, int | None]:
+        """Loss and accuracy (means over ranks), gradient norm and stop signal, the same on
+        every rank.
 
         One small all-reduce under DDP, so that every rank stops at the same step (a rank
         leaving alone would hang the others in their next collective).
         """
         if not self.ctx.enabled:
-            loss_value, norm_value = torch.stack([loss.float(), grad_norm.float()]).tolist()
-            return loss_value, norm_value, signals.received
+            loss_value, norm_value, acc_value = torch.stack(
+                [loss.float(), grad_norm.float(), accuracy.float()]).tolist()
+            return loss_value, norm_value, acc_value, signals.received
         flags = torch.tensor([float(signals.received == signal.SIGINT),
                               float(signals.received == signal.SIGTERM)], device=self.device)
-        stats = torch.cat([torch.stack([loss.float(), grad_norm.float()]), flags])
-        loss_sum, norm_sum, n_int, n_term = self.ctx.all_reduce_sum(stats).tolist()
+        stats = torch.cat([torch.stack([loss.float(), grad_norm.float(), accuracy.float()]),
+                           flags])
+        loss_sum, norm_sum, acc_sum, n_int, n_term = self.ctx.all_reduce_sum(stats).tolist()
         stop = signal.SIGTERM if n_term else signal.SIGINT if n_int else None
         # Every rank holds the same (all-reduced) gradients, hence the same norm.
         n = self.ctx.world_size
-        return loss_sum / n, norm_sum / n, stop
+        return loss_sum / n, norm_sum / n, acc_sum / n, stop
 
     def _check_finite(self, step: int, loss: float, grad_norm: float) -> None:
         """Stop before the optimizer step on a non-finite loss or gradient norm.
@@ -676,13 +694,16 @@ class Trainer:
             # Bounded when the memory recursion is stable; growing without end, it is not.
             "memory_rms": result.memory_rms.item(),
         }
+        if result.accuracy is not None:
+            metrics["accuracy"] = result.accuracy
         if hasattr(self.raw_model, "memory_weights"):
             with torch.no_grad():
                 weights = self.raw_model.memory_weights().float().tolist()
             metrics.update({f"mem_weight/{i}": w for i, w in enumerate(weights)})
         if self.device.type == "cuda":
             metrics["peak_mem_mib"] = torch.cuda.max_memory_allocated(self.device) / 2**20
-        shown = {k: metrics[k] for k in ("loss", "bpc", "seq_len", "lr")}
+        shown = {k: metrics[k] for k in ("loss", "bpc", "accuracy", "seq_len", "lr")
+                 if k in metrics}
         if rate is not None:
             shown["tokens_per_sec"] = rate
         self.logger.progress(self.step, shown)
@@ -713,17 +734,22 @@ class Trainer:
         if not self.ctx.is_main:
             return False
         with preserve_rng(self.device), autocast(self.cfg.run.precision, self.device):
-            loss = mean_loss(self.raw_model, self.val_x, self.val_y, EVAL_BATCH)
+            scores = window_scores(self.raw_model, self.val_x, self.val_y, EVAL_BATCH)
+        loss = scores.loss
         self.val_loss = loss
         improved = candidate and math.isfinite(loss) and (self.best_val_loss is None
                                                           or loss < self.best_val_loss)
         if improved:
             self.best_val_loss = loss
         metrics = {f"val/{k}": v for k, v in loss_figures(loss).items()}
+        accuracy = ""
+        if self.labelled:
+            metrics["val/accuracy"] = scores.accuracy
+            accuracy = f" | accuracy {100 * scores.accuracy:.2f}%"
         record.update(metrics)
         best = " (best)" if improved else ""
         self.logger.info(f"step {self.step}: val loss {loss:.4f} | bpc {metrics['val/bpc']:.4f}"
-                         f" | ppl {metrics['val/perplexity']:.2f}{best}")
+                         f" | ppl {metrics['val/perplexity']:.2f}{accuracy}{best}")
         return improved
 
     def _log_sample(self) -> None:
@@ -735,7 +761,7 @@ class Trainer:
 
             generator = torch.Generator().manual_seed(self.cfg.run.seed + self.step)
             with preserve_rng(self.device), autocast(self.cfg.run.precision, self.device):
-                text = generate(self.raw_model, self.tokenizer, "\n",
+                text = generate(self.raw_model, self.tokenizer, self.tokenizer.start,
                                 self.cfg.train.sample_length, generator=generator)[0]
         except Exception as e:  # a failed sample must not cost the training run
             self.logger.info(f"warning: sampling failed at step {self.step}: {e}")
@@ -751,7 +777,8 @@ class Trainer:
         payload = {
             "model": self.raw_model.state_dict(),
             "model_config": dataclasses.asdict(self.cfg.model),
-            "vocab": list(self.tokenizer.chars),
+            "vocab": list(self.tokenizer.tokens),
+            "tokenizer": self.tokenizer.kind,
             "config": self.cfg.to_dict(),
             "step": self.step,
             "tokens": self.tokens,

@@ -354,7 +354,7 @@ def test_eval_table(fake_eval: dict[str, Any]):
                              data_path="t.txt", context="carry", device="cpu")
 
 
-@pytest.mark.parametrize("args", [["--split", "test"], ["--context", "keep"],
+@pytest.mark.parametrize("args", [["--split", "dev"], ["--context", "keep"],
                                   ["--seq-len", "0"], ["--batch-size", "0"],
                                   ["--seq-len", str(2**63)], ["--batch-size", "x"]])
 def test_eval_flag_validation_exits_2(fake_eval: dict[str, Any], args: list[str]):

@@ -1,0 +1,105 @@
+"""A dataset as the trainer and ``fbtrain eval`` see it: a tokenizer and named splits.
+
+Each split is a :class:`~fbtrain.data.Stream` of inputs and per-token targets, so the
+code that trains and scores never asks what the data is:
+
+- a text corpus (``data.dataset`` any other name): characters, next-character targets,
+  split into ``train`` and ``val`` by ``data.val_fraction``;
+- ``data.dataset: algorithmic``: the programs of :mod:`fbtrain.algorithmic` as words,
+  ``train`` / ``val`` / ``test`` program sets concatenated into one stream each; only a
+  ``print``'s ``;`` has a target (the printed value), every other target is
+  :data:`~fbtrain.data.IGNORE_INDEX`. ``labelled`` is then true: loss and accuracy count
+  labelled positions only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from fbtrain import algorithmic
+from fbtrain.config import DataConfig
+from fbtrain.data import (
+    IGNORE_INDEX,
+    CharTokenizer,
+    DataError,
+    Stream,
+    Tokenizer,
+    WordTokenizer,
+    load_text,
+    next_token_stream,
+    split,
+)
+
+ALGORITHMIC = "algorithmic"
+
+
+@dataclass
+class Corpus:
+    """A tokenizer and its splits (``train``, ``val`` and maybe ``test``)."""
+
+    tokenizer: Tokenizer
+    splits: dict[str, Stream]
+    labelled: bool  # True: only some targets are scored, and accuracy is reported
+    # Earlier tokens a prediction can depend on at most (0: unbounded, as in a text). The
+    # programs are independent, so for them it is the longest program's length: a window
+    # that reads that many tokens first scores as well as the whole stream would.
+    history: int = 0
+
+    def stream(self, name: str) -> Stream:
+        """The split ``name``; a ValueError naming the splits there are otherwise."""
+        if name not in self.splits:
+            raise ValueError(f"split = {name!r}: this data has the splits "
+                             f"{', '.join(self.splits)}")
+        return self.splits[name]
+
+
+def load_corpus(data_cfg: DataConfig, vocab: Sequence[str] | None = None,
+                load: Callable[[DataConfig], str] = load_text) -> Corpus:
+    """The dataset ``data_cfg`` names; ``vocab`` (a checkpoint's) fixes the token ids.
+
+    ``load`` reads a text corpus (the trainer passes one that coordinates DDP ranks).
+    Raises DataError when the data does not fit ``vocab``.
+    """
+    if data_cfg.dataset == ALGORITHMIC:
+        return algorithmic_corpus(data_cfg, vocab)
+    text = load(data_cfg)
+    tokenizer = CharTokenizer(vocab) if vocab else CharTokenizer.from_text(text)
+    ids = tokenizer.encode(text)
+    train, val = split(ids, data_cfg.val_fraction)
+    return Corpus(tokenizer, {"train": next_token_stream(train), "val": next_token_stream(val)},
+                  labelled=False)
+
+
+def algorithmic_corpus(data_cfg: DataConfig, vocab: Sequence[str] | None = None) -> Corpus:
+    """Generate the program sets (train / val / test) and label them."""
+    tokenizer = WordTokenizer(vocab if vocab else algorithmic.VOCABULARY)
+    counts = {"train": data_cfg.train_programs, "val": data_cfg.valid_programs,
+              "test": data_cfg.test_programs}
+    splits, history = {}, 0
+    for name, count in counts.items():
+        # Only training programs may mix lengths; val and test are the task as stated.
+        shortest = data_cfg.train_min_program_len if name == "train" else None
+        programs = algorithmic.generate_split(data_cfg.seed, name, count, data_cfg.variables,
+                                              data_cfg.program_len, shortest)
+        splits[name] = labelled_stream(*algorithmic.program_words(programs), tokenizer)
+        history = max(history, *(algorithmic.program_size(p) for p in programs))
+    return Corpus(tokenizer, splits, labelled=True, history=history)
+
+
+def labelled_stream(words: list[str], labels: list[str | None], tokenizer: Tokenizer
+                    ) -> Stream:
+    """Words and one label per word (None: not scored) -> a :class:`Stream` ``[n]``."""
+    index = {token: i for i, token in enumerate(tokenizer.tokens)}
+    try:
+        inputs = tokenizer.encode(" ".join(words))
+        targets = torch.tensor([IGNORE_INDEX if label is None else index[label]
+                                for label in labels], dtype=torch.long)
+    except KeyError as e:
+        raise DataError(f"data.dataset {ALGORITHMIC}: label {e.args[0]!r} is not in the "
+                        "vocabulary") from None
+    except DataError as e:
+        raise DataError(f"data.dataset {ALGORITHMIC}: {e}") from None
+    return Stream(inputs, targets)

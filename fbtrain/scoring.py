@@ -1,0 +1,80 @@
+"""Loss and accuracy over the scored targets: the one place that reads IGNORE_INDEX.
+
+Training, validation and ``fbtrain eval`` all score through :func:`score_sums`, so a
+dataset that labels only some positions (targets elsewhere :data:`IGNORE_INDEX`) gets the
+same masked loss and accuracy everywhere, and a text corpus (every target scored) the
+usual mean cross-entropy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from fbtrain.data import IGNORE_INDEX
+
+
+def score_sums(logits: Tensor, targets: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Summed cross-entropy (nats), number of scored targets and number predicted right.
+
+    logits ``[..., V]``, targets ``[...]`` (same leading shape; IGNORE_INDEX: not scored)
+    -> three 0-dim tensors on the logits' device: the cross-entropy sum (float32, with
+    gradients), the count and the correct count (int64). A prediction is right when the
+    target is the arg-max of its logits.
+    """
+    flat = logits.float().reshape(-1, logits.shape[-1])  # [N, V]
+    y = targets.reshape(-1)  # [N]
+    ce = F.cross_entropy(flat, y, ignore_index=IGNORE_INDEX, reduction="sum")
+    scored = y != IGNORE_INDEX
+    correct = ((flat.detach().argmax(dim=-1) == y) & scored).sum()
+    return ce, scored.sum(), correct
+
+
+def count_scored(targets: Tensor) -> Tensor:
+    """Scored targets in ``targets`` ``[...]``: a 0-dim int64 tensor on their device."""
+    return (targets != IGNORE_INDEX).sum()
+
+
+@dataclass
+class Scores:
+    """Running sums of :func:`score_sums` (float64 for the loss); ``loss`` and ``accuracy``
+    are means over the scored targets (NaN when none was scored)."""
+
+    loss_sum: float = 0.0
+    count: int = 0
+    correct: int = 0
+
+    def add(self, logits: Tensor, targets: Tensor) -> None:
+        ce, count, correct = score_sums(logits, targets)
+        values = torch.stack([ce.detach().double(), count.double(), correct.double()]).tolist()
+        self.loss_sum += values[0]
+        self.count += int(values[1])
+        self.correct += int(values[2])
+
+    @property
+    def loss(self) -> float:
+        return self.loss_sum / self.count if self.count else float("nan")
+
+    @property
+    def accuracy(self) -> float:
+        return self.correct / self.count if self.count else float("nan")
+
+
+@torch.no_grad()
+def window_scores(model: nn.Module, x: Tensor, y: Tensor, batch_size: int) -> Scores:
+    """Loss and accuracy over the scored targets of windows x, y ``[N, T]``, each window from
+    empty memory, ``batch_size`` windows per forward. Runs in eval mode and restores the
+    model's mode afterwards."""
+    was_training = model.training
+    model.eval()
+    scores = Scores()
+    try:
+        for start in range(0, x.shape[0], batch_size):
+            logits, _ = model(x[start:start + batch_size])
+            scores.add(logits, y[start:start + batch_size])
+    finally:
+        model.train(was_training)
+    return scores
