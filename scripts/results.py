@@ -26,6 +26,7 @@ DEFAULT_CONFIGS = [
     "configs/tiny_shakespeare_feedback.yaml",
     "configs/tiny_shakespeare_transformer.yaml",
     "configs/tiny_shakespeare_fixed.yaml",
+    "configs/tiny_shakespeare_carry.yaml",
 ]
 
 
