@@ -1,5 +1,102 @@
+"""Shared test helpers: the import path, and a loopback HTTP server for download tests."""
+
+from __future__ import annotations
+
+import socket
 import sys
+import threading
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+
+import pytest
 
 # tests/reference.py is imported by several test files and by scripts/benchmark.py.
 sys.path.insert(0, str(Path(__file__).parent))
+
+
+@dataclass
+class Server:
+    """A local HTTP server; ``hits[path]`` counts requests, ``release`` ends stalls.
+
+    ``routes[path]`` is served as it is; ``body`` is what /flaky and /stall-body send.
+    """
+
+    base: str
+    hits: Counter = field(default_factory=Counter)
+    release: threading.Event = field(default_factory=threading.Event)
+    flaky_failures: int = 1  # /flaky answers 500 this many times, then the body
+    body: bytes = b""
+    routes: dict[str, bytes] = field(default_factory=dict)
+
+    def url(self, path: str) -> str:
+        return self.base + path
+
+
+@pytest.fixture
+def server(monkeypatch: pytest.MonkeyPatch) -> Iterator[Server]:
+    """A real HTTP server on 127.0.0.1 in a thread: downloads are tested offline."""
+    # A proxy from the environment would swallow requests to 127.0.0.1.
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
+    monkeypatch.setenv("no_proxy", "127.0.0.1,localhost")
+    lock = threading.Lock()
+    state: dict[str, Server] = {}
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args: object) -> None:  # keep pytest output clean
+            pass
+
+        def _send(self, code: int, body: bytes = b"") -> None:
+            self.send_response(code)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_GET(self) -> None:
+            srv = state["srv"]
+            with lock:
+                srv.hits[self.path] += 1
+                count = srv.hits[self.path]
+            if self.path in srv.routes:
+                self._send(200, srv.routes[self.path])
+            elif self.path == "/error":
+                self._send(500, b"boom")
+            elif self.path == "/flaky":
+                self._send(500 if count <= srv.flaky_failures else 200, srv.body)
+            elif self.path == "/stall":  # never sends headers
+                srv.release.wait(5)
+            elif self.path == "/stall-body":  # headers and half the body, then nothing
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(srv.body)))
+                self.end_headers()
+                self.wfile.write(srv.body[: len(srv.body) // 2])
+                self.wfile.flush()
+                srv.release.wait(5)
+            else:
+                self._send(404, b"not here")
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    httpd.daemon_threads = True
+    httpd.block_on_close = False
+    state["srv"] = srv = Server(base=f"http://127.0.0.1:{httpd.server_address[1]}")
+    # A short poll interval keeps shutdown() (hence each test's teardown) quick.
+    thread = threading.Thread(target=httpd.serve_forever, args=(0.02,), daemon=True)
+    thread.start()
+    try:
+        yield srv
+    finally:
+        srv.release.set()
+        httpd.shutdown()
+        httpd.server_close()
+        thread.join(5)
+
+
+@pytest.fixture
+def refused_url() -> str:
+    """A URL on a port where nothing listens (bound, then closed)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return f"http://127.0.0.1:{port}/text.txt"

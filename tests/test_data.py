@@ -5,16 +5,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-import socket
-import threading
-from collections import Counter
-from collections.abc import Iterator
-from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import Server
 
 from fbtrain.config import DataConfig
 from fbtrain.data import (
@@ -35,83 +30,12 @@ BODY = TEXT.encode("utf-8")
 SHA = hashlib.sha256(BODY).hexdigest()
 
 
-@dataclass
-class Server:
-    """A local HTTP server; ``hits[path]`` counts requests, ``release`` ends stalls."""
-
-    base: str
-    hits: Counter = field(default_factory=Counter)
-    release: threading.Event = field(default_factory=threading.Event)
-    flaky_failures: int = 1  # /flaky answers 500 this many times, then the text
-
-    def url(self, path: str) -> str:
-        return self.base + path
-
-
 @pytest.fixture
-def server(monkeypatch: pytest.MonkeyPatch) -> Iterator[Server]:
-    # A proxy from the environment would swallow requests to 127.0.0.1.
-    monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
-    monkeypatch.setenv("no_proxy", "127.0.0.1,localhost")
-    lock = threading.Lock()
-    state: dict[str, Server] = {}
-
-    class Handler(BaseHTTPRequestHandler):
-        def log_message(self, *args: object) -> None:  # keep pytest output clean
-            pass
-
-        def _send(self, code: int, body: bytes = b"") -> None:
-            self.send_response(code)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def do_GET(self) -> None:
-            srv = state["srv"]
-            with lock:
-                srv.hits[self.path] += 1
-                count = srv.hits[self.path]
-            if self.path == "/text.txt":
-                self._send(200, BODY)
-            elif self.path == "/error":
-                self._send(500, b"boom")
-            elif self.path == "/flaky":
-                self._send(500 if count <= srv.flaky_failures else 200, BODY)
-            elif self.path == "/stall":  # never sends headers
-                srv.release.wait(5)
-            elif self.path == "/stall-body":  # headers and half the body, then nothing
-                self.send_response(200)
-                self.send_header("Content-Length", str(len(BODY)))
-                self.end_headers()
-                self.wfile.write(BODY[: len(BODY) // 2])
-                self.wfile.flush()
-                srv.release.wait(5)
-            else:
-                self._send(404, b"not here")
-
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    httpd.daemon_threads = True
-    httpd.block_on_close = False
-    state["srv"] = srv = Server(base=f"http://127.0.0.1:{httpd.server_address[1]}")
-    # A short poll interval keeps shutdown() (hence each test's teardown) quick.
-    thread = threading.Thread(target=httpd.serve_forever, args=(0.02,), daemon=True)
-    thread.start()
-    try:
-        yield srv
-    finally:
-        srv.release.set()
-        httpd.shutdown()
-        httpd.server_close()
-        thread.join(5)
-
-
-@pytest.fixture
-def refused_url() -> str:
-    """A URL on a port where nothing listens (bound, then closed)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return f"http://127.0.0.1:{port}/text.txt"
+def server(server: Server) -> Server:
+    """The loopback server (conftest.py) serving this file's text."""
+    server.body = BODY
+    server.routes["/text.txt"] = BODY
+    return server
 
 
 def cfg(tmp_path: Path, url: str, sha256: str | None = SHA, **kw: object) -> DataConfig:
