@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -19,15 +20,21 @@ from typing import Any
 
 import yaml
 
-TINY_SHAKESPEARE_URL = (
-    "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
+# Re-exported: the defaults of configs written before data.url could be null name them.
+from fbtrain.sources import (  # noqa: F401
+    ARCHIVED,
+    AUTO_SHA256,
+    SOURCES,
+    TINY_SHAKESPEARE_SHA256,
+    TINY_SHAKESPEARE_URL,
 )
-TINY_SHAKESPEARE_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
 
 MODEL_KINDS = ("feedback", "feedback_kv", "transformer")
 # Integers are stored and used as 64-bit (torch seeds, step counters, tensor sizes).
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_VAL_FRACTION = 0.5  # more held out than trained on is a mistake, not a choice
+VAL_FRACTION = 0.1  # data.val_fraction's default (the only value enwik8/text8 accept)
+_HEX64 = re.compile(r"[0-9a-fA-F]{64}")
 
 
 class ConfigError(ValueError):
@@ -63,16 +70,22 @@ class RunConfig:
 
 @dataclass
 class DataConfig:
-    dataset: str = _f("tinyshakespeare", "Name of the corpus (used for the cache file name); "
-                      "algorithmic: the state-tracking programs, generated.")
-    url: str = _f(TINY_SHAKESPEARE_URL, "Where to download the corpus from.")
-    sha256: str | None = _f(TINY_SHAKESPEARE_SHA256,
-                            "Expected sha256 of the download (null: skip).")
-    path: str | None = _f(None, "Local UTF-8 text file to use instead of downloading.")
+    dataset: str = _f("tinyshakespeare", "Name of the corpus (and of its cache file): "
+                      "tinyshakespeare, enwik8 or text8 (downloaded), algorithmic (the "
+                      "state-tracking programs, generated), or any name with data.url or "
+                      "data.path.")
+    url: str | None = _f(None, "Where to download the corpus from (null: the dataset's usual "
+                         "address; enwik8/text8: a zip archive).")
+    sha256: str | None = _f(AUTO_SHA256, "Expected sha256 of the download (auto: the "
+                            "dataset's pinned one, tinyshakespeare's only so far; null: skip).")
+    path: str | None = _f(None, "Local file to use instead of downloading: UTF-8 text, or for "
+                          "enwik8/text8 the unzipped file.")
     cache_dir: str | None = _f(
         None, "Download cache; default $FBTRAIN_CACHE, else ~/.cache/fbtrain."
     )
-    val_fraction: float = _f(0.1, "Last fraction of the text held out for validation.",
+    val_fraction: float = _f(VAL_FRACTION, "Last fraction of the text held out for "
+                             "validation (not for enwik8/text8: their splits are fixed, 90M "
+                             "train, 5M val, 5M test bytes).",
                              gt=0, max=MAX_VAL_FRACTION)
     # The state-tracking task (data.dataset: algorithmic; fbtrain/algorithmic.py).
     variables: int = _f(3, "algorithmic: variables per program (the first N of x y z p r).",
@@ -93,6 +106,17 @@ class DataConfig:
         if isinstance(shortest, int) and isinstance(longest, int) and shortest > longest:
             out.append(("train_min_program_len", shortest,
                         f"must be at most data.program_len ({longest})"))
+        known = (*SOURCES, "algorithmic")
+        if self.url is None and self.path is None and self.dataset not in known:
+            out.append(("dataset", self.dataset, f"has no usual address: use one of "
+                        f"{', '.join(known)}, or set data.url or data.path"))
+        sha = self.sha256
+        if isinstance(sha, str) and sha != AUTO_SHA256 and not _HEX64.fullmatch(sha.strip()):
+            out.append(("sha256", sha, f"must be {AUTO_SHA256}, null or 64 hex digits"))
+        if self.dataset in ARCHIVED and self.val_fraction != VAL_FRACTION:
+            out.append(("val_fraction", self.val_fraction, f"does not apply to {self.dataset}: "
+                        "its splits are fixed (the last 5,000,000 bytes test, the 5,000,000 "
+                        "before them val); remove the key"))
         return out
 
 

@@ -3,8 +3,12 @@
 Each split is a :class:`~fbtrain.data.Stream` of inputs and per-token targets, so the
 code that trains and scores never asks what the data is:
 
-- a text corpus (``data.dataset`` any other name): characters, next-character targets,
-  split into ``train`` and ``val`` by ``data.val_fraction``;
+- a text corpus (``data.dataset`` tinyshakespeare, a local ``data.path`` or a name with a
+  ``data.url``): characters, next-character targets, split into ``train`` and ``val`` by
+  ``data.val_fraction``;
+- ``data.dataset: enwik8`` or ``text8`` (:mod:`fbtrain.benchmarks`): bytes (enwik8) or
+  characters (text8), next-token targets, the standard ``train`` / ``val`` / ``test``
+  split; the splits are uint8 views of one buffer, not copies;
 - ``data.dataset: algorithmic``: the programs of :mod:`fbtrain.algorithmic` as words,
   ``train`` / ``val`` / ``test`` program sets concatenated into one stream each; only a
   ``print``'s ``;`` has a target (the printed value), every other target is
@@ -14,15 +18,16 @@ code that trains and scores never asks what the data is:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from fbtrain import algorithmic
+from fbtrain import algorithmic, benchmarks
 from fbtrain.config import DataConfig
 from fbtrain.data import (
     IGNORE_INDEX,
+    ByteTokenizer,
     CharTokenizer,
     DataError,
     Stream,
@@ -32,6 +37,7 @@ from fbtrain.data import (
     next_token_stream,
     split,
 )
+from fbtrain.sources import SOURCES
 
 ALGORITHMIC = "algorithmic"
 
@@ -56,21 +62,47 @@ class Corpus:
         return self.splits[name]
 
 
-def load_corpus(data_cfg: DataConfig, vocab: Sequence[str] | None = None,
-                load: Callable[[DataConfig], str] = load_text) -> Corpus:
+def load_corpus(data_cfg: DataConfig, vocab: Sequence[str] | None = None) -> Corpus:
     """The dataset ``data_cfg`` names; ``vocab`` (a checkpoint's) fixes the token ids.
 
-    ``load`` reads a text corpus (the trainer passes one that coordinates DDP ranks).
-    Raises DataError when the data does not fit ``vocab``.
+    Downloads into the cache when needed (under DDP the trainer lets rank 0 call this
+    first). Raises DataError when the data does not fit ``vocab``.
     """
     if data_cfg.dataset == ALGORITHMIC:
         return algorithmic_corpus(data_cfg, vocab)
-    text = load(data_cfg)
+    source = SOURCES.get(data_cfg.dataset)
+    if source is not None and source.archived:
+        return benchmark_corpus(data_cfg, vocab)
+    text = load_text(data_cfg)
     tokenizer = CharTokenizer(vocab) if vocab else CharTokenizer.from_text(text)
     ids = tokenizer.encode(text)
     train, val = split(ids, data_cfg.val_fraction)
     return Corpus(tokenizer, {"train": next_token_stream(train), "val": next_token_stream(val)},
                   labelled=False)
+
+
+def benchmark_corpus(data_cfg: DataConfig, vocab: Sequence[str] | None = None) -> Corpus:
+    """enwik8 (one token per byte) or text8 (per character: it is ASCII, so a character is
+    a byte), split the standard way; ids are uint8 ``[SIZE]``, each split a view of them."""
+    name = data_cfg.dataset
+    where = f"data.path {data_cfg.path}" if data_cfg.path else f"data.dataset {name}"
+    raw = benchmarks.load_bytes(data_cfg)  # uint8 [SIZE], memory-mapped
+    if vocab is None:
+        present = benchmarks.byte_counts(raw).nonzero().flatten().tolist()
+        vocab = [chr(b) for b in present]
+    tokenizer: Tokenizer
+    if SOURCES[name].tokenization == "byte":
+        tokenizer = ByteTokenizer(vocab)
+    else:
+        tokenizer = CharTokenizer(vocab)
+        if any(ord(t) >= 128 for t in tokenizer.tokens):
+            raise DataError(f"{where} holds bytes outside ASCII: it is not {name} (lowercase "
+                            "letters and spaces), whose characters are single bytes")
+    ids = benchmarks.encode_bytes(raw, tokenizer.tokens, where)  # uint8 [SIZE]
+    del raw  # the mapped file is no longer needed: only the ids stay in memory
+    splits = {split_name: next_token_stream(ids[start:end])
+              for split_name, (start, end) in benchmarks.split_bounds().items()}
+    return Corpus(tokenizer, splits, labelled=False)
 
 
 def algorithmic_corpus(data_cfg: DataConfig, vocab: Sequence[str] | None = None) -> Corpus:

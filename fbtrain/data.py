@@ -1,16 +1,20 @@
-"""Data: get the text, tokenize it by character, split it, and draw batches.
+"""Data: get the text, tokenize it (characters, words or bytes), split it, draw batches.
 
 Text comes either from a local file (``data.path``, never touches the network) or from
-``data.url``, downloaded once into a cache folder and verified by sha256. Everything
-the user can get wrong here raises :class:`DataError` with a one-line message that says
-which file or URL is at fault and what to do; the CLI turns it into exit code 2.
+``data.url`` (null: the dataset's usual address, :mod:`fbtrain.sources`), downloaded once
+into a cache folder and verified by sha256. The zipped benchmark corpora (enwik8, text8)
+are prepared in :mod:`fbtrain.benchmarks` on top of :func:`download`. Everything the user
+can get wrong here raises :class:`DataError` with a one-line message that says which file
+or URL is at fault and what to do; the CLI turns it into exit code 2.
 
-Shapes: token ids are 1-D ``LongTensor`` s; batches are ``[batch, seq_len]`` (batch first).
-Targets equal to :data:`IGNORE_INDEX` are not scored (PyTorch's cross-entropy convention).
+Shapes: token ids are 1-D integer tensors (LongTensors, or uint8 for a large byte-level
+corpus); batches are LongTensors ``[batch, seq_len]`` (batch first). Targets equal to
+:data:`IGNORE_INDEX` are not scored (PyTorch's cross-entropy convention).
 """
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import json
 import logging
@@ -27,6 +31,7 @@ import torch
 
 from fbtrain.config import MAX_VAL_FRACTION, DataConfig
 from fbtrain.io import atomic_write, atomic_write_text
+from fbtrain.sources import AUTO_SHA256, SOURCES
 
 log = logging.getLogger(__name__)
 
@@ -47,11 +52,14 @@ IGNORE_INDEX = -100  # a target position that no loss or metric counts (F.cross_
 
 
 class Stream(NamedTuple):
-    """A split as the model sees it: ``inputs`` and ``targets``, LongTensors ``[n]``.
+    """A split as the model sees it: ``inputs`` and ``targets``, integer tensors ``[n]``.
 
     ``targets[i]`` is what the model must predict after reading ``inputs[: i + 1]``;
     :data:`IGNORE_INDEX` where nothing is scored. A text corpus predicts the next token
     (:func:`next_token_stream`); a labelled dataset scores only the positions it labels.
+    Any integer dtype: a 100M-token corpus stays uint8 (inputs and targets two views of one
+    buffer), labelled targets need a signed one; windows are drawn with :func:`window`,
+    which makes them LongTensors.
     """
 
     inputs: torch.Tensor
@@ -59,8 +67,8 @@ class Stream(NamedTuple):
 
 
 def next_token_stream(ids: torch.Tensor) -> Stream:
-    """Token ids ``[n]`` -> inputs ``ids[:-1]``, targets ``ids[1:]`` (``n - 1`` predictions)."""
-    ids = ids.long()
+    """Token ids ``[n]`` -> inputs ``ids[:-1]``, targets ``ids[1:]`` (``n - 1`` predictions):
+    views of ``ids``, in its dtype, so nothing is copied."""
     return Stream(ids[:-1], ids[1:])
 
 
@@ -70,9 +78,18 @@ def as_stream(data: torch.Tensor | Stream) -> Stream:
         if not (isinstance(data.inputs, torch.Tensor) and data.inputs.dim() == 1
                 and data.inputs.shape == data.targets.shape):
             raise TypeError("a Stream needs 1-D inputs and targets of the same length")
-        return Stream(data.inputs.long(), data.targets.long())
+        if data.inputs.is_floating_point() or data.targets.is_floating_point():
+            raise TypeError("a Stream holds integer token ids, not floats")
+        return data
     _check_data(data)
     return next_token_stream(data)
+
+
+def window(ids: torch.Tensor, index: torch.Tensor | slice) -> torch.Tensor:
+    """``ids[index]`` as a new LongTensor (what embeddings and cross-entropy take), never a
+    view of ``ids``: only the drawn windows of a compact (uint8) split are widened, and a
+    caller may write into the result (e.g. :data:`IGNORE_INDEX`)."""
+    return ids[index].to(torch.long, copy=True)
 
 
 class DataError(Exception):
@@ -92,7 +109,7 @@ def _sha256_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def _one_line(text: str, limit: int = 200) -> str:
+def one_line(text: str, limit: int = 200) -> str:
     text = " ".join(str(text).split())
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
@@ -107,7 +124,7 @@ def _describe(exc: BaseException, timeout: float) -> str:
     errno = re.search(r"\[Errno -?\d+\] [^'\")\]]+", str(exc))
     if errno:
         return errno.group(0).strip()
-    return _one_line(f"{type(exc).__name__}: {exc}")
+    return one_line(f"{type(exc).__name__}: {exc}")
 
 
 def _write_verified(
@@ -171,7 +188,7 @@ def download(
             ) from None
         except OSError as e:  # after the requests errors: RequestException is an OSError too
             raise DataError(
-                f"cannot write {dest}: {_one_line(str(e))}; set data.cache_dir or FBTRAIN_CACHE "
+                f"cannot write {dest}: {one_line(str(e))}; set data.cache_dir or FBTRAIN_CACHE "
                 "to a writable folder"
             ) from None
         if attempt < attempts and backoff > 0:
@@ -204,25 +221,47 @@ def _read_local(path_str: str) -> str:
         raise DataError(f"data.path {path} is a folder; point it at a text file") from None
     except OSError as e:
         raise DataError(
-            f"data.path {path}: cannot read it ({e.strerror or _one_line(str(e))})"
+            f"data.path {path}: cannot read it ({e.strerror or one_line(str(e))})"
         ) from None
     return _decode(raw, path, "data.path")
+
+
+def address(data_cfg: DataConfig) -> tuple[str, str | None]:
+    """Where to download ``data.dataset`` from and the sha256 to expect (None: no check).
+
+    ``data.url`` null is the dataset's usual address; ``data.sha256: auto`` its pinned
+    checksum (none for a dataset without one, or a name fbtrain does not know).
+    """
+    source = SOURCES.get(data_cfg.dataset)
+    url = data_cfg.url or (source.url if source else None)
+    if url is None:
+        raise DataError(f"data.dataset = {data_cfg.dataset!r} has no usual address; set "
+                        f"data.url, {OFFLINE_HINT}")
+    sha = data_cfg.sha256
+    if sha == AUTO_SHA256:
+        sha = source.sha256 if source else None
+    return url, sha.strip().lower() if sha else None
+
+
+def cache_name(data_cfg: DataConfig) -> str:
+    """``data.dataset``, checked to be a plain file name (it names the cache entries)."""
+    name = str(data_cfg.dataset)
+    if not name or Path(name).name != name or name in (".", ".."):
+        raise DataError(f"data.dataset = {name!r} must be a plain name (it names the cache file)")
+    return name
 
 
 def load_text(data_cfg: DataConfig) -> str:
     """The corpus as a string: ``data.path`` if set, else the cached (or fresh) download.
 
     A cached file is hashed on every call (about 1 MB, milliseconds) and reused when it
-    matches ``data.sha256`` (or the check is off); a mismatch means a corrupt or stale
+    matches the expected sha256 (or the check is off); a mismatch means a corrupt or stale
     cache, so it is downloaded again.
     """
     if data_cfg.path:
         return _read_local(data_cfg.path)
-    name = str(data_cfg.dataset)
-    if not name or Path(name).name != name or name in (".", ".."):
-        raise DataError(f"data.dataset = {name!r} must be a plain name (it names the cache file)")
-    dest = cache_dir(data_cfg) / f"{name}.txt"
-    expected = data_cfg.sha256.strip().lower() if data_cfg.sha256 else None
+    dest = cache_dir(data_cfg) / f"{cache_name(data_cfg)}.txt"
+    url, expected = address(data_cfg)
     raw: bytes | None = None
     try:
         raw = dest.read_bytes()
@@ -234,11 +273,11 @@ def load_text(data_cfg: DataConfig) -> str:
         log.warning("cached %s does not match data.sha256; downloading again", dest)
         raw = None
     if raw is None:
-        download(data_cfg.url, dest, expected)
+        download(url, dest, expected)
         try:
             raw = dest.read_bytes()
         except OSError as e:
-            raise DataError(f"cannot read downloaded {dest}: {_one_line(str(e))}") from None
+            raise DataError(f"cannot read downloaded {dest}: {one_line(str(e))}") from None
     return _decode(raw, dest, "cached download")
 
 
@@ -275,6 +314,15 @@ class Tokenizer:
         """``text`` cut into tokens (not yet checked against the vocabulary)."""
         raise NotImplementedError
 
+    @staticmethod
+    def _show(token: str) -> str:
+        """A token as an error message names it."""
+        return repr(token)
+
+    def text_stream(self) -> TextStream:
+        """A decoder for ids that arrive one at a time (``fbtrain sample`` prints as it goes)."""
+        return TextStream(self)
+
     @property
     def vocab_size(self) -> int:
         return len(self.tokens)
@@ -286,7 +334,7 @@ class Tokenizer:
             ids = [self._index[c] for c in pieces]
         except KeyError:
             missing = sorted(set(pieces) - self._index.keys())
-            shown = ", ".join(repr(c) for c in missing[:_MAX_LISTED])
+            shown = ", ".join(self._show(c) for c in missing[:_MAX_LISTED])
             more = f" and {len(missing) - _MAX_LISTED} more" if len(missing) > _MAX_LISTED else ""
             raise DataError(
                 f"{len(missing)} {self.unit}(s) not in the vocabulary: {shown}{more}; "
@@ -309,8 +357,9 @@ class Tokenizer:
 
     @classmethod
     def from_dict(cls, d: Any) -> Tokenizer:
-        """A vocabulary dict, ``{"chars": [...]}`` or ``{"words": [...]}``, as its tokenizer
-        (the one it names when called on :class:`Tokenizer` itself)."""
+        """A vocabulary dict, ``{"chars": [...]}``, ``{"words": [...]}`` or
+        ``{"bytes": [...]}``, as its tokenizer (the one it names when called on
+        :class:`Tokenizer` itself)."""
         classes = [cls] if cls is not Tokenizer else list(TOKENIZERS.values())
         for klass in classes:
             if isinstance(d, dict) and isinstance(d.get(klass.key), list):
@@ -337,7 +386,7 @@ class Tokenizer:
         except FileNotFoundError:
             raise DataError(f"{path}: vocabulary file not found") from None
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise DataError(f"{path}: cannot read vocabulary ({_one_line(str(e))})") from None
+            raise DataError(f"{path}: cannot read vocabulary ({one_line(str(e))})") from None
         try:
             return cls.from_dict(d)
         except DataError as e:
@@ -394,7 +443,80 @@ class WordTokenizer(Tokenizer):
         return text.split()
 
 
-TOKENIZERS: dict[str, type[Tokenizer]] = {"char": CharTokenizer, "word": WordTokenizer}
+class ByteTokenizer(Tokenizer):
+    """One token per byte (enwik8: bits per character are bits per byte, as published).
+
+    A token is the byte ``b`` as the one-character string ``chr(b)`` (its latin-1 reading),
+    so vocab.json and checkpoints keep a list of strings like the other tokenizers. Bytes
+    go in and come out unchanged, invalid UTF-8 included (:meth:`decode_bytes`); text
+    (a prompt) is encoded as UTF-8, and :meth:`decode` reads the bytes as UTF-8 with
+    U+FFFD for what is not.
+    """
+
+    kind, key, unit, joiner, start = "byte", "bytes", "byte", "", "\n"
+    _what_valid = "single characters below U+0100 (one per byte value)"
+
+    @staticmethod
+    def _valid(token: object) -> bool:
+        return isinstance(token, str) and len(token) == 1 and ord(token) < 256
+
+    @staticmethod
+    def _show(token: str) -> str:
+        return f"0x{ord(token):02x}"
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> ByteTokenizer:
+        """Vocabulary of the sorted distinct bytes of ``data``."""
+        return cls([chr(b) for b in sorted(set(data))])
+
+    def pieces(self, text: str | bytes) -> list[str]:  # type: ignore[override]
+        raw = text.encode("utf-8") if isinstance(text, str) else bytes(text)
+        return [chr(b) for b in raw]
+
+    def decode_bytes(self, ids: torch.Tensor | Sequence[int]) -> bytes:
+        """Ids -> the exact bytes they stand for."""
+        return super().decode(ids).encode("latin-1")
+
+    def decode(self, ids: torch.Tensor | Sequence[int]) -> str:
+        """Ids -> text: the bytes read as UTF-8, U+FFFD where they are not valid UTF-8."""
+        return self.decode_bytes(ids).decode("utf-8", errors="replace")
+
+    def text_stream(self) -> TextStream:
+        return Utf8Stream(self)
+
+
+class TextStream:
+    """Decodes ids one at a time into the text they continue (one per generated sample)."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+
+    def feed(self, token_id: int) -> str:
+        """The text token ``token_id`` adds (joined as :meth:`Tokenizer.decode` joins)."""
+        return self.tokenizer.joiner + self.tokenizer.tokens[token_id]
+
+    def end(self) -> str:
+        """Text still held back when the ids stop (none here)."""
+        return ""
+
+
+class Utf8Stream(TextStream):
+    """Bytes to text as they arrive: a character split over several bytes is written once
+    it is whole, so the streamed text equals :meth:`ByteTokenizer.decode` of all the ids."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        super().__init__(tokenizer)
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def feed(self, token_id: int) -> str:
+        return self._decoder.decode(bytes([ord(self.tokenizer.tokens[token_id])]))
+
+    def end(self) -> str:
+        return self._decoder.decode(b"", final=True)
+
+
+TOKENIZERS: dict[str, type[Tokenizer]] = {"char": CharTokenizer, "word": WordTokenizer,
+                                          "byte": ByteTokenizer}
 
 
 def make_tokenizer(tokens: Sequence[str], kind: str | None = "char") -> Tokenizer:
@@ -482,7 +604,8 @@ class BatchSampler:
         index = starts[:, None] + torch.arange(seq_len)
         # One host->device copy; x and y are made contiguous on the device so that callers
         # may .view() them (e.g. flattening targets for cross-entropy).
-        pair = torch.stack([self.stream.inputs[index], self.stream.targets[index]])
+        inputs, targets = self.stream
+        pair = torch.stack([window(inputs, index), window(targets, index)])
         x, y = pair.to(device, non_blocking=True)
         return x.contiguous(), y.contiguous()
 
@@ -524,7 +647,7 @@ def fixed_windows(
     # Integer spacing: floor(i * last / (k - 1)); consecutive starts differ by >= span.
     starts = torch.tensor([i * last // (k - 1) for i in range(k)] if k > 1 else [0])
     index = starts[:, None] + torch.arange(span)
-    x, y = stream.inputs[index], stream.targets[index].clone()
+    x, y = window(stream.inputs, index), window(stream.targets, index)
     y[:, :context] = IGNORE_INDEX
     return x, y
 
@@ -570,7 +693,8 @@ class StreamLayout:
         end = min(begin + seq_len, self.length)
         self.cursor = end % self.length
         index = self.starts[:, None] + torch.arange(begin, end)
-        x, y = torch.stack([self.stream.inputs[index], self.stream.targets[index]]).to(device)
+        x, y = torch.stack([window(self.stream.inputs, index),
+                            window(self.stream.targets, index)]).to(device)
         return x.contiguous(), y.contiguous(), begin == 0
 
     def state_dict(self) -> dict[str, int]:

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from fbtrain.data import IGNORE_INDEX, Stream, as_stream
+from fbtrain.data import IGNORE_INDEX, Stream, as_stream, window
 from fbtrain.scoring import Scores, window_scores
 
 LN2 = math.log(2.0)
@@ -73,7 +73,8 @@ def evaluate_split(
         raise ValueError(f"need a 1-D tensor of at least 2 token ids, got shape "
                          f"{tuple(ids.shape)}")
     device = next(model.parameters()).device
-    # prediction i reads inputs[..i], scores targets[i]
+    # prediction i reads inputs[..i], scores targets[i]; a compact (uint8) split stays
+    # compact on the device, only the windows run are widened
     inputs, targets = (t.to(device) for t in as_stream(ids))
     n = len(targets)
     if n < 1:
@@ -97,19 +98,19 @@ def evaluate_split(
             for i in range(0, len(batched), batch_size):
                 index = torch.tensor(batched[i:i + batch_size], device=device)[:, None] + span
                 index -= history
-                y = targets[index].clone()
+                y = window(targets, index)
                 y[:, :history] = IGNORE_INDEX
-                add(inputs[index], y)
+                add(window(inputs, index), y)
             for a in sorted(set(starts) - set(batched)):
                 low, high = max(0, a - history), min(n, a + seq_len)
-                y = targets[low:high].clone()
+                y = window(targets, slice(low, high))
                 y[: a - low] = IGNORE_INDEX
-                add(inputs[low:high][None], y[None])
+                add(window(inputs, slice(low, high))[None], y[None])
         else:
             state = None
             for start in range(0, n, seq_len):
                 chunk = slice(start, start + seq_len)
-                state = add(inputs[chunk][None], targets[chunk][None], state)
+                state = add(window(inputs, chunk)[None], window(targets, chunk)[None], state)
     finally:
         model.train(was_training)
     return {
@@ -134,8 +135,8 @@ def run(
     device: str = "auto",
 ) -> dict[str, Any]:
     """``fbtrain eval``: loss / bpc / perplexity of a checkpoint on one split (train, val,
-    or test where the data has one: the algorithmic programs), plus accuracy for a labelled
-    dataset.
+    or test where the data has one: enwik8, text8, the algorithmic programs), plus accuracy
+    for a labelled dataset.
 
     The data is what the checkpoint's training config names (``config["data"]``: its local
     path or the cached download, or the generated programs), or the text ``data_path``; it

@@ -124,7 +124,8 @@ def generate(
         raise ValueError("prompt is empty: give at least one character (e.g. a newline)")
     ids = encode_prompt(tokenizer, prompt)  # [P]
     device = torch.device(device) if device is not None else _model_device(model)
-    vocab = tokenizer.tokens
+    # Per sample: a byte vocabulary prints a multi-byte character once it is whole.
+    streams = [tokenizer.text_stream() for _ in range(num_samples)]
     out = torch.empty(num_samples, length, dtype=torch.long)
     was_training = model.training
     model.eval()
@@ -140,11 +141,15 @@ def generate(
                 out[:, i] = token_cpu
                 if on_text is not None:
                     for s, t in enumerate(token_cpu.tolist()):
-                        on_text(s, tokenizer.joiner + vocab[t])  # continues the text
+                        on_text(s, streams[s].feed(t))  # continues the text
                 if i + 1 < length:  # the last character needs no prediction after it
                     logits, state = model(token.unsqueeze(1), state)  # [N, 1] on the state
     finally:
         model.train(was_training)
+    if on_text is not None:
+        for s, stream in enumerate(streams):
+            if tail := stream.end():  # an unfinished character at the very end
+                on_text(s, tail)
     return [tokenizer.decode(row) for row in out]
 
 

@@ -35,7 +35,7 @@ import re
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,13 +54,12 @@ from fbtrain.checkpoint import (
     strip_wrapper_prefixes,
 )
 from fbtrain.config import Config, ConfigError, ModelConfig, save_config
-from fbtrain.corpus import load_corpus
+from fbtrain.corpus import Corpus, load_corpus
 from fbtrain.data import (
     BatchSampler,
     DataError,
     StreamLayout,
     fixed_windows,
-    load_text,
     require_tokens,
 )
 from fbtrain.device import autocast, autocast_dtype
@@ -394,7 +393,7 @@ class Trainer:
         embedding rows are indexed by it), else from the data.
         """
         try:
-            corpus = load_corpus(self.cfg.data, vocab, self._load_text)
+            corpus = self._main_rank_first(lambda: load_corpus(self.cfg.data, vocab))
         except DataError as e:
             if not vocab:
                 raise
@@ -422,15 +421,16 @@ class Trainer:
         self.val_x, self.val_y = val_x.to(self.device), val_y.to(self.device)
         self.n_chars = (len(self.train_ids.inputs), len(val_ids.inputs))
 
-    def _load_text(self, data_cfg: Any = None) -> str:
-        # Under DDP rank 0 fills the download cache first, so ranks don't all download.
+    def _main_rank_first(self, load: Callable[[], Corpus]) -> Corpus:
+        # Under DDP rank 0 fills the download cache first, so ranks don't all download
+        # (or unzip: the other ranks then read the prepared enwik8/text8 from the cache).
         downloads = self.cfg.data.path is None and self.ctx.enabled
         if downloads and not self.ctx.is_main:
             self.ctx.barrier()
-        text = load_text(data_cfg or self.cfg.data)
+        corpus = load()
         if downloads and self.ctx.is_main:
             self.ctx.barrier()
-        return text
+        return corpus
 
     def _build(self, payload: dict | None, resume_path: Path | None,
                init: dict | None, init_path: Path | None) -> None:
