@@ -77,3 +77,14 @@ def test_gpu_check_runs_its_cpu_stand_in(tmp_path: Path):
     for section in ("== tests", "== exact", "== bench", "== train", "== sample",
                     "== profile", "== summary"):
         assert section in proc.stdout
+
+
+def test_corpus_load_reports_first_and_cached_runs(tmp_path: Path):
+    out = tmp_path / "load.json"
+    proc = run_script("corpus_load.py", "--size", "20000", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(out.read_text())
+    for run in ("first", "cached"):
+        assert report[run]["splits"] == {"train": 17999, "val": 999, "test": 999}
+        assert report[run]["dtype"] == "torch.uint8" and report[run]["peak_rss_mb"] > 0
+        assert f"{run}: load " in proc.stdout
