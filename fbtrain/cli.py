@@ -92,7 +92,7 @@ app = typer.Typer(
 class Split(str, Enum):
     val = "val"
     train = "train"
-    test = "test"  # data with a test split only (data.dataset: algorithmic)
+    test = "test"  # data with a test split only (enwik8, text8, algorithmic)
 
 
 class Context(str, Enum):
@@ -324,7 +324,7 @@ def evaluate(
     checkpoint: CheckpointOption,
     split: Annotated[
         Split, typer.Option("--split", help="Which part of the data to score (test: only "
-                            "data that has one, e.g. data.dataset: algorithmic)."),
+                            "data that has one: enwik8, text8, algorithmic)."),
     ] = Split.val,
     seq_len: Annotated[
         int | None,
