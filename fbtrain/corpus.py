@@ -6,7 +6,7 @@ code that trains and scores never asks what the data is:
 - a text corpus (``data.dataset`` tinyshakespeare, a local ``data.path`` or a name with a
   ``data.url``): characters, next-character targets, split into ``train`` and ``val`` by
   ``data.val_fraction``;
-- ``data.dataset: enwik8`` or ``text8`` (:mod:`fbtrain.benchmarks`): bytes (enwik8) or
+- ``data.dataset: enwik8`` or ``text8`` (:mod:`fbtrain.archives`): bytes (enwik8) or
   characters (text8), next-token targets, the standard ``train`` / ``val`` / ``test``
   split; the splits are uint8 views of one buffer, not copies;
 - ``data.dataset: algorithmic``: the programs of :mod:`fbtrain.algorithmic` as words,
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fbtrain import algorithmic, benchmarks
+from fbtrain import algorithmic, archives
 from fbtrain.config import DataConfig
 from fbtrain.data import (
     IGNORE_INDEX,
@@ -86,9 +86,9 @@ def benchmark_corpus(data_cfg: DataConfig, vocab: Sequence[str] | None = None) -
     a byte), split the standard way; ids are uint8 ``[SIZE]``, each split a view of them."""
     name = data_cfg.dataset
     where = f"data.path {data_cfg.path}" if data_cfg.path else f"data.dataset {name}"
-    raw = benchmarks.load_bytes(data_cfg)  # uint8 [SIZE], memory-mapped
+    raw = archives.load_bytes(data_cfg)  # uint8 [SIZE], memory-mapped
     if vocab is None:
-        present = benchmarks.byte_counts(raw).nonzero().flatten().tolist()
+        present = archives.byte_counts(raw).nonzero().flatten().tolist()
         vocab = [chr(b) for b in present]
     tokenizer: Tokenizer
     if SOURCES[name].tokenization == "byte":
@@ -98,10 +98,10 @@ def benchmark_corpus(data_cfg: DataConfig, vocab: Sequence[str] | None = None) -
         if any(ord(t) >= 128 for t in tokenizer.tokens):
             raise DataError(f"{where} holds bytes outside ASCII: it is not {name} (lowercase "
                             "letters and spaces), whose characters are single bytes")
-    ids = benchmarks.encode_bytes(raw, tokenizer.tokens, where)  # uint8 [SIZE]
+    ids = archives.encode_bytes(raw, tokenizer.tokens, where)  # uint8 [SIZE]
     del raw  # the mapped file is no longer needed: only the ids stay in memory
     splits = {split_name: next_token_stream(ids[start:end])
-              for split_name, (start, end) in benchmarks.split_bounds().items()}
+              for split_name, (start, end) in archives.split_bounds().items()}
     return Corpus(tokenizer, splits, labelled=False)
 
 

@@ -3,7 +3,7 @@
 Text comes either from a local file (``data.path``, never touches the network) or from
 ``data.url`` (null: the dataset's usual address, :mod:`fbtrain.sources`), downloaded once
 into a cache folder and verified by sha256. The zipped benchmark corpora (enwik8, text8)
-are prepared in :mod:`fbtrain.benchmarks` on top of :func:`download`. Everything the user
+are prepared in :mod:`fbtrain.archives` on top of :func:`download`. Everything the user
 can get wrong here raises :class:`DataError` with a one-line message that says which file
 or URL is at fault and what to do; the CLI turns it into exit code 2.
 

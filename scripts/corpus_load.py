@@ -37,14 +37,14 @@ class QuietHandler(SimpleHTTPRequestHandler):
 def child(url: str, cache: str, size: int) -> None:
     """Load the corpus once and print one JSON line: seconds, peak RSS, split sizes."""
     start = time.perf_counter()
-    from fbtrain import benchmarks
+    from fbtrain import archives
     from fbtrain.config import DataConfig
     from fbtrain.corpus import load_corpus
 
     imported = time.perf_counter()
     base_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Python + torch
     if size != ENWIK8_SIZE:
-        benchmarks.SIZE, benchmarks.HELD_OUT = size, size // 20
+        archives.SIZE, archives.HELD_OUT = size, size // 20
     corpus = load_corpus(DataConfig(dataset="enwik8", url=url, cache_dir=cache))
     done = time.perf_counter()
     print(json.dumps({

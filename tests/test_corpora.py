@@ -17,7 +17,7 @@ import yaml
 from conftest import Server
 from typer.testing import CliRunner
 
-from fbtrain import benchmarks
+from fbtrain import archives
 from fbtrain.cli import app
 from fbtrain.config import ConfigError, DataConfig, load_config
 from fbtrain.corpus import load_corpus
@@ -44,8 +44,8 @@ runner = CliRunner()
 @pytest.fixture(autouse=True)
 def small_corpora(monkeypatch: pytest.MonkeyPatch) -> None:
     """The size check and split at test scale (module constants: not a user setting)."""
-    monkeypatch.setattr(benchmarks, "SIZE", SIZE)
-    monkeypatch.setattr(benchmarks, "HELD_OUT", HELD_OUT)
+    monkeypatch.setattr(archives, "SIZE", SIZE)
+    monkeypatch.setattr(archives, "HELD_OUT", HELD_OUT)
 
 
 def enwik8_bytes(size: int = SIZE, seed: int = 0) -> bytes:
@@ -165,9 +165,9 @@ def test_archive_without_the_file_is_refused(tmp_path: Path, server: Server) -> 
 
 def test_offline_names_the_way_out(tmp_path: Path, refused_url: str,
                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(benchmarks, "download", partial(download, backoff=0))  # no waiting
+    monkeypatch.setattr(archives, "download", partial(download, backoff=0))  # no waiting
     with pytest.raises(DataError) as e:
-        benchmarks.fetch(data_cfg(tmp_path, "enwik8", refused_url), tmp_path / "cache" / "x")
+        archives.fetch(data_cfg(tmp_path, "enwik8", refused_url), tmp_path / "cache" / "x")
     assert one_line(e).startswith(f"could not download {refused_url}: ")
     assert "--set data.path=FILE" in str(e.value)
     assert cached(tmp_path) == []
