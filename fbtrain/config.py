@@ -120,6 +120,10 @@ class DataConfig:
         return out
 
 
+MEMORY_INITS = ("uniform", "embedding")
+EMBEDDING_SHARE = 0.95  # memory_init: embedding: the embedding's share of m_t at step 0
+
+
 @dataclass
 class ModelConfig:
     kind: str = _f(
@@ -143,10 +147,21 @@ class ModelConfig:
         "project LayerNorm(memory), as the paper's code does).",
         choices=("none", "layernorm"),
     )
+    memory_init: str = _f(
+        "uniform",
+        "How the memory mix softmax(w) starts (feedback kinds): uniform (the embedding and "
+        "every layer alike, as the paper) or embedding (95% the embedding: memory starts as "
+        "the tokens themselves; carried-memory training starts learning sooner).",
+        choices=MEMORY_INITS,
+    )
 
     def problems(self) -> list[tuple[str, Any, str]]:
         out = _field_problems(self)
         bad = {key for key, _, _ in out}
+        if self.kind == "transformer" and self.memory_init != "uniform" and "kind" not in bad:
+            out.append(("memory_init", self.memory_init,
+                        "applies to the feedback kinds only (a transformer has no memory "
+                        "mix); remove the key"))
         ints = isinstance(self.d_model, int) and isinstance(self.n_heads, int)
         ints = ints and not bad & {"d_model", "n_heads"}
         if ints and self.n_heads > 0 and self.d_model % self.n_heads:

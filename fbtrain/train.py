@@ -416,8 +416,13 @@ class Trainer:
         # With carried memory each scored window runs on a full memory window of context.
         # A labelled dataset may need more context to be scored exactly (corpus.history).
         context = max(self.cfg.model.memory_window, corpus.history) if carry else 0
-        val_x, val_y = fixed_windows(val_ids, self.cfg.max_seq_len, train.eval_windows,
-                                     context=context)
+        # Carried segments are often short (16 tokens): windows of one segment would score
+        # a few hundred tokens, too few to compare runs or pick best.pt by, so each window
+        # scores at least a memory window's worth.
+        scored = self.cfg.max_seq_len
+        if carry:
+            scored = max(scored, self.cfg.model.memory_window)
+        val_x, val_y = fixed_windows(val_ids, scored, train.eval_windows, context=context)
         self.val_x, self.val_y = val_x.to(self.device), val_y.to(self.device)
         self.n_chars = (len(self.train_ids.inputs), len(val_ids.inputs))
 

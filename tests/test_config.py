@@ -208,6 +208,10 @@ def test_bad_set_syntax(override: str, message: str):
         (["train.context=stream"], r"train\.context = 'stream': must be one of reset, carry"),
         (["model.memory_norm=rms"], r"model\.memory_norm = 'rms': must be one of none, "
                                     r"layernorm"),
+        (["model.memory_init=zero"], r"model\.memory_init = 'zero': must be one of "
+                                     r"uniform, embedding"),
+        (["model.kind=transformer", "model.memory_init=embedding"],
+         r"model\.memory_init = 'embedding': applies to the feedback kinds only"),
     ],
 )
 def test_problem_messages(overrides: list[str], message: str):

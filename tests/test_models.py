@@ -363,6 +363,23 @@ def test_transformer_first_position_ignores_attention():
     torch.testing.assert_close(full[:, 0], shifted[:, 0], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("kind", FEEDBACK_KINDS)
+@pytest.mark.parametrize("n_layers", [1, 3])
+def test_memory_init_sets_only_the_starting_mix(kind, n_layers):
+    """uniform: softmax(w) = 1 / (L + 1) each (the seed's start); embedding: 0.95 on the
+    embedding, 0.05 / L on each layer. Every other parameter starts the same."""
+    models = {}
+    for init in ("uniform", "embedding"):
+        torch.manual_seed(0)
+        models[init] = build_model(small(kind, n_layers=n_layers, memory_init=init), 11)
+    uniform = torch.full((n_layers + 1,), 1 / (n_layers + 1))
+    embedding = torch.tensor([0.95] + [0.05 / n_layers] * n_layers)
+    torch.testing.assert_close(models["uniform"].memory_weights().detach(), uniform)
+    torch.testing.assert_close(models["embedding"].memory_weights().detach(), embedding)
+    a, b = (dict(m.named_parameters()) for m in models.values())
+    assert [n for n in a if not torch.equal(a[n], b[n])] == ["mem_weights"]
+
+
 def test_invalid_model_config_is_a_clear_error():
     with pytest.raises(ValueError, match=r"model.d_model = 10: must be divisible by n_heads"):
         build_model(ModelConfig(d_model=10, n_heads=4), 11)

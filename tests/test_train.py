@@ -24,8 +24,11 @@ from typing import Any
 import pytest
 import torch
 
-from fbtrain.checkpoint import load_checkpoint
+from fbtrain.checkpoint import load_checkpoint, load_model
 from fbtrain.config import Config, ConfigError, ModelConfig, TrainConfig, config_from_dict
+from fbtrain.corpus import load_corpus
+from fbtrain.data import fixed_windows
+from fbtrain.evaluate import mean_loss
 from fbtrain.models import build_model
 from fbtrain.schedule import LRSchedule, param_groups
 from fbtrain.train import Trainer, TrainingError, apply_warm_start, run, summarize_names
@@ -435,6 +438,38 @@ def test_nonfinite_loss_stops_without_nan_checkpoint(tmp_path: Path) -> None:
         payload = load_checkpoint(path)
         assert payload["step"] < failed
         assert all(torch.isfinite(t).all() for t in payload["model"].values()), path
+
+
+def test_carry_validation_scores_a_memory_window_per_window(tmp_path: Path) -> None:
+    """Carried segments of 8 tokens with a memory window of 16: each validation window reads
+    16 tokens of context and then scores 16 (not 8), so short segments do not shrink the
+    validation sample. The logged last-step figure is recomputed from the saved weights."""
+    cfg = make_cfg(tmp_path, model={"max_rel_pos": 16},
+                   train={"context": "carry", "max_steps": 3, "eval_every": 3},
+                   curriculum=[{"seq_len": 8}])
+    run_dir = run(cfg, quiet=True)
+    logged = [r["val/loss"] for r in records(run_dir) if r.get("step") == 3 and "val/loss" in r]
+    model, tokenizer, _ = load_model(run_dir / "checkpoints" / "last.pt")
+    val = load_corpus(cfg.data, tokenizer.tokens).stream("val")
+
+    def loss(scored: int) -> float:
+        x, y = fixed_windows(val, scored, cfg.train.eval_windows, context=16)
+        return mean_loss(model, x, y, batch_size=64)
+
+    assert logged == [pytest.approx(loss(16), abs=1e-6)]
+    assert loss(16) != pytest.approx(loss(8), abs=1e-6)
+
+
+def test_memory_init_trains_carried_and_is_kept_by_the_checkpoint(tmp_path: Path) -> None:
+    """model.memory_init: embedding through a carried run: the checkpoint records it, and
+    the model it rebuilds carries the trained mix (moved from, but still near, 0.95)."""
+    cfg = make_cfg(tmp_path, model={"memory_init": "embedding", "max_rel_pos": 16},
+                   train={"context": "carry", "max_steps": 3}, curriculum=[{"seq_len": 8}])
+    run_dir = run(cfg, quiet=True)
+    model, _, payload = load_model(run_dir / "checkpoints" / "last.pt")
+    assert payload["model_config"]["memory_init"] == "embedding"
+    share = model.memory_weights()[0].item()
+    assert 0.9 < share < 1 and share != pytest.approx(0.95, abs=1e-7)
 
 
 def test_memory_norm_keeps_carried_memory_bounded(tmp_path: Path) -> None:

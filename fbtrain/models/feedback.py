@@ -12,6 +12,7 @@ code does): each layer's own pre-attention LayerNorm for ``feedback``, one share
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -19,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from fbtrain.config import ModelConfig
+from fbtrain.config import EMBEDDING_SHARE, MEMORY_INITS, ModelConfig
 from fbtrain.models.feedback_core import (
     CoreSpec,
     FeedbackCoreFunction,
@@ -29,6 +30,24 @@ from fbtrain.models.feedback_core import (
 )
 from fbtrain.models.layers import Layer, init_weights
 from fbtrain.models.state import MemoryState, kept_sources
+
+
+def initial_memory_logits(n_layers: int, memory_init: str) -> Tensor:
+    """The memory-mix logits w ``[n_layers + 1]`` a model starts from.
+
+    ``uniform``: all equal (the seed's ones; softmax 1 / (n_layers + 1) each). ``embedding``:
+    softmax(w)_0 = EMBEDDING_SHARE, the rest shared equally by the layers, so at first memory
+    holds the tokens (what a transformer's first layer reads) rather than a mix dominated
+    by the layers' untrained outputs, which with carried memory fold the whole history into
+    every slot; training then sets the mix (the weights are trainable, never decayed).
+    """
+    logits = torch.ones(n_layers + 1)
+    if memory_init == "embedding":
+        share = EMBEDDING_SHARE
+        logits[0] += math.log(share / (1 - share) * n_layers)
+    elif memory_init != "uniform":
+        raise ValueError(f"memory_init = {memory_init!r}: must be one of {', '.join(MEMORY_INITS)}")
+    return logits
 
 
 class FeedbackTransformer(nn.Module):
@@ -49,7 +68,7 @@ class FeedbackTransformer(nn.Module):
             self.value = nn.Linear(d, d, bias=False)
             if self.memory_norm:
                 self.mem_norm = nn.LayerNorm(d)
-        self.mem_weights = nn.Parameter(torch.ones(cfg.n_layers + 1))
+        self.mem_weights = nn.Parameter(initial_memory_logits(cfg.n_layers, cfg.memory_init))
         self.ln_f = nn.LayerNorm(d)
         self.head = nn.Linear(d, vocab_size)
         init_weights(self)

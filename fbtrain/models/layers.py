@@ -79,7 +79,7 @@ class Layer(nn.Module):
 def init_weights(model: nn.Module) -> None:
     """GPT-2 style init: N(0, 0.02) matrices and embeddings, zero biases, LayerNorm (1, 0).
 
-    Position parameters (r, b, u) stay zero and memory weights stay one, as specified.
+    Position parameters (r, b, u) stay zero; memory weights keep the start memory_init gave.
     """
     for module in model.modules():
         if isinstance(module, nn.Linear):
