@@ -136,17 +136,19 @@ def _read(path: Path, what: str) -> torch.Tensor:
         raise DataError(f"{what}: cannot read it ({one_line(str(e), 120)})") from None
 
 
-def byte_counts(raw: torch.Tensor) -> torch.Tensor:
-    """How often each byte value occurs in uint8 ``raw`` ``[n]``: int64 ``[256]``."""
+def present_bytes(raw: torch.Tensor) -> list[int]:
+    """The byte values that occur in uint8 ``raw`` ``[n]``, ascending (one pass)."""
     counts = torch.zeros(256, dtype=torch.long)
     for start in range(0, len(raw), _CHUNK):
         counts += torch.bincount(raw[start:start + _CHUNK], minlength=256)
-    return counts
+    return counts.nonzero().flatten().tolist()
 
 
-def encode_bytes(raw: torch.Tensor, tokens: Sequence[str], what: str) -> torch.Tensor:
+def encode_bytes(raw: torch.Tensor, tokens: Sequence[str], present: Sequence[int],
+                 what: str) -> torch.Tensor:
     """uint8 bytes ``[n]`` -> uint8 ids ``[n]`` in vocabulary ``tokens`` (byte ``b`` is the
-    token ``chr(b)``); DataError naming the bytes the vocabulary lacks.
+    token ``chr(b)``); ``present`` is :func:`present_bytes` of ``raw`` (the caller has it
+    already); DataError naming the bytes the vocabulary lacks.
 
     Works chunk by chunk, so only one chunk at a time is widened (to the int32 index
     ``index_select`` takes: faster than int64 and half the size).
@@ -158,7 +160,7 @@ def encode_bytes(raw: torch.Tensor, tokens: Sequence[str], what: str) -> torch.T
     for i, token in enumerate(tokens):
         if len(token) == 1 and ord(token) < 256:
             known[ord(token)], lut[ord(token)] = True, i
-    missing = ((byte_counts(raw) > 0) & ~known).nonzero().flatten().tolist()
+    missing = [b for b in present if not known[b]]
     if missing:
         shown = ", ".join(f"0x{b:02x}" for b in missing[:10])
         raise DataError(f"{what}: {len(missing)} byte value(s) not in the vocabulary: {shown}")

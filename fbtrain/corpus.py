@@ -87,8 +87,8 @@ def benchmark_corpus(data_cfg: DataConfig, vocab: Sequence[str] | None = None) -
     name = data_cfg.dataset
     where = f"data.path {data_cfg.path}" if data_cfg.path else f"data.dataset {name}"
     raw = archives.load_bytes(data_cfg)  # uint8 [SIZE], memory-mapped
+    present = archives.present_bytes(raw)  # one pass over the 100 MB, used twice below
     if vocab is None:
-        present = archives.byte_counts(raw).nonzero().flatten().tolist()
         vocab = [chr(b) for b in present]
     tokenizer: Tokenizer
     if SOURCES[name].tokenization == "byte":
@@ -98,7 +98,7 @@ def benchmark_corpus(data_cfg: DataConfig, vocab: Sequence[str] | None = None) -
         if any(ord(t) >= 128 for t in tokenizer.tokens):
             raise DataError(f"{where} holds bytes outside ASCII: it is not {name} (lowercase "
                             "letters and spaces), whose characters are single bytes")
-    ids = archives.encode_bytes(raw, tokenizer.tokens, where)  # uint8 [SIZE]
+    ids = archives.encode_bytes(raw, tokenizer.tokens, present, where)  # uint8 [SIZE]
     del raw  # the mapped file is no longer needed: only the ids stay in memory
     splits = {split_name: next_token_stream(ids[start:end])
               for split_name, (start, end) in archives.split_bounds().items()}

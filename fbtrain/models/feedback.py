@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from fbtrain.config import EMBEDDING_SHARE, MEMORY_INITS, ModelConfig
+from fbtrain.config import EMBEDDING_SHARE, ModelConfig
 from fbtrain.models.feedback_core import (
     CoreSpec,
     FeedbackCoreFunction,
@@ -41,12 +41,10 @@ def initial_memory_logits(n_layers: int, memory_init: str) -> Tensor:
     by the layers' untrained outputs, which with carried memory fold the whole history into
     every slot; training then sets the mix (the weights are trainable, never decayed).
     """
-    logits = torch.ones(n_layers + 1)
+    logits = torch.ones(n_layers + 1)  # build_model has checked memory_init is a known one
     if memory_init == "embedding":
         share = EMBEDDING_SHARE
         logits[0] += math.log(share / (1 - share) * n_layers)
-    elif memory_init != "uniform":
-        raise ValueError(f"memory_init = {memory_init!r}: must be one of {', '.join(MEMORY_INITS)}")
     return logits
 
 
