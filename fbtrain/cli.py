@@ -270,7 +270,8 @@ def sample(
     length: Annotated[
         int,
         typer.Option("--length", "-n", metavar="N", min=1, max=INT64_MAX,
-                     help="Characters to generate per sample."),
+                     help="Tokens to generate per sample: characters (bytes for enwik8, "
+                          "words for algorithmic programs)."),
     ] = 500,
     temperature: Annotated[
         float,

@@ -35,7 +35,7 @@ from fbtrain.sources import AUTO_SHA256, SOURCES
 
 log = logging.getLogger(__name__)
 
-OFFLINE_HINT = "or work offline with --set data.path=FILE pointing at a local copy of the text"
+OFFLINE_HINT = "or work offline with --set data.path=FILE pointing at a local copy of the corpus"
 VOCAB_FILE = "vocab.json"
 _CHUNK = 1 << 16  # bytes per streamed read: large enough to be fast, small enough to stay live
 _MAX_LISTED = 10  # unknown characters named in an error; more would not fit on one line
