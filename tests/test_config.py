@@ -43,6 +43,21 @@ def test_configs_are_shipped():
             "tiny_shakespeare_fixed", "tiny_shakespeare_carry", "gpu", "tiny"} <= names
 
 
+@pytest.mark.parametrize("prefix", ["algorithmic", "algorithmic_reach"])
+def test_benchmark_pairs_differ_only_in_the_model_compared(prefix: str):
+    """The state-tracking comparison is fair: the 4-layer feedback model and the 8-layer
+    transformer see the same programs, width, heads, window, streams, schedule and tokens."""
+    feedback = load_config(Path(CONFIGS[0].parent, f"{prefix}_feedback.yaml")).to_dict()
+    transformer = load_config(Path(CONFIGS[0].parent, f"{prefix}_transformer.yaml")).to_dict()
+    assert (feedback["model"]["kind"], feedback["model"]["n_layers"]) == ("feedback_kv", 4)
+    assert (transformer["model"]["kind"], transformer["model"]["n_layers"]) == ("transformer", 8)
+    for cfg in (feedback, transformer):
+        cfg["run"].pop("name")
+        for key in ("kind", "n_layers", "memory_init"):  # memory_init: feedback kinds only
+            cfg["model"].pop(key)
+    assert feedback == transformer
+
+
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
 def test_shipped_config_validates(path: Path):
     cfg = load_config(path)
