@@ -122,6 +122,7 @@ class DataConfig:
 
 MEMORY_INITS = ("uniform", "embedding")
 EMBEDDING_SHARE = 0.95  # memory_init: embedding: the embedding's share of m_t at step 0
+POSITION_INITS = ("zero", "recency")
 
 
 @dataclass
@@ -153,6 +154,13 @@ class ModelConfig:
         "every layer alike, as the paper) or embedding (95% the embedding: memory starts as "
         "the tokens themselves; carried-memory training starts learning sooner).",
         choices=MEMORY_INITS,
+    )
+    position_init: str = _f(
+        "zero",
+        "How the position bias b starts: zero (the seed's; attention starts uniform over the "
+        "window) or recency (head h of H starts at -2^(-2h/H) logits per position back, so "
+        "attention starts on recent slots; carried-memory training learns faster with it).",
+        choices=POSITION_INITS,
     )
 
     def problems(self) -> list[tuple[str, Any, str]]:

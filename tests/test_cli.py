@@ -112,7 +112,7 @@ def test_bad_config_exits_2_with_every_problem(tmp_path: Path):
     assert lines == [
         f"error: {path}: unknown key model.d_modle (did you mean model.d_model?); allowed: "
         "kind, d_model, n_heads, d_ff, n_layers, dropout, max_rel_pos, mem_len, memory_norm, "
-        "memory_init",
+        "memory_init, position_init",
         f"error: {path}: train.lr = 0.0: must be > 0",
     ]
     assert "Traceback" not in result.output

@@ -227,6 +227,8 @@ def test_bad_set_syntax(override: str, message: str):
                                      r"uniform, embedding"),
         (["model.kind=transformer", "model.memory_init=embedding"],
          r"model\.memory_init = 'embedding': applies to the feedback kinds only"),
+        (["model.position_init=alibi"], r"model\.position_init = 'alibi': must be one of "
+                                        r"zero, recency"),
     ],
 )
 def test_problem_messages(overrides: list[str], message: str):

@@ -380,6 +380,31 @@ def test_memory_init_sets_only_the_starting_mix(kind, n_layers):
     assert [n for n in a if not torch.equal(a[n], b[n])] == ["mem_weights"]
 
 
+@pytest.mark.parametrize("kind", ALL_KINDS)
+def test_position_init_recency_sets_only_the_position_bias(kind):
+    """zero: b starts at 0 (the seed's). recency: head h of H scores a slot o positions back
+    -2^(-2h/H) * o logits at the start - checked on the folded score bias c the core adds,
+    which divides b by sqrt(d_k). Every other parameter starts the same."""
+    models = {}
+    for init in ("zero", "recency"):
+        torch.manual_seed(0)
+        models[init] = build_model(small(kind, position_init=init), 11)
+    P, H = 32, 2
+    for layer in models["zero"].layers:
+        assert not layer.attn.b.any()
+    offsets = torch.arange(P, 0, -1, dtype=torch.float64)  # slot order: largest offset first
+    slopes = torch.tensor([2 ** -1.0, 2 ** -2.0], dtype=torch.float64)
+    for n_pos in (P, 5):  # a window of n slots uses the newest n offsets
+        expected = -(slopes[:, None] * offsets[None, P - n_pos:])  # [H, n_pos]
+        for layer in models["recency"].layers:
+            c = layer.attn.folded(n_pos).c.squeeze(1).double()
+            torch.testing.assert_close(c, expected, rtol=1e-6, atol=1e-6)
+    a, b = (dict(m.named_parameters()) for m in models.values())
+    changed = [n for n in a if not torch.equal(a[n], b[n])]
+    assert changed == [f"layers.{i}.attn.b" for i in range(3)]
+    assert H == small(kind).n_heads
+
+
 def test_invalid_model_config_is_a_clear_error():
     with pytest.raises(ValueError, match=r"model.d_model = 10: must be divisible by n_heads"):
         build_model(ModelConfig(d_model=10, n_heads=4), 11)

@@ -69,7 +69,7 @@ class FeedbackTransformer(nn.Module):
         self.mem_weights = nn.Parameter(initial_memory_logits(cfg.n_layers, cfg.memory_init))
         self.ln_f = nn.LayerNorm(d)
         self.head = nn.Linear(d, vocab_size)
-        init_weights(self)
+        init_weights(self, cfg.position_init)
         # Folded tables by window size, inside a frozen_weights() block (None outside).
         self._folded: dict[int, tuple] | None = None
 

@@ -76,10 +76,11 @@ class Layer(nn.Module):
         self.ff2 = nn.Linear(d_ff, d_model)
 
 
-def init_weights(model: nn.Module) -> None:
+def init_weights(model: nn.Module, position_init: str = "zero") -> None:
     """GPT-2 style init: N(0, 0.02) matrices and embeddings, zero biases, LayerNorm (1, 0).
 
-    Position parameters (r, b, u) stay zero; memory weights keep the start memory_init gave.
+    Position parameters r and u stay zero, and b too unless ``position_init`` is
+    ``recency`` (:func:`recency_bias`); memory weights keep the start memory_init gave.
     """
     for module in model.modules():
         if isinstance(module, nn.Linear):
@@ -88,3 +89,23 @@ def init_weights(model: nn.Module) -> None:
                 nn.init.zeros_(module.bias)
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, std=0.02)
+        elif isinstance(module, RelativeAttention) and position_init == "recency":
+            with torch.no_grad():
+                module.b.copy_(recency_bias(*module.b.shape, module.d_head))
+
+
+def recency_bias(max_rel_pos: int, n_heads: int, d_head: int) -> Tensor:
+    """The ``recency`` start of b [max_rel_pos, n_heads]: head h (1..H) scores a slot o
+    positions back ``-2^(-2h/H) * o`` logits (slopes 0.71, 0.5, 0.35, 0.25 for 4 heads; an
+    ALiBi-like prior, ALiBi's own are 2^(-8h/H)), times sqrt(d_k) since the score divides
+    b by it.
+
+    Why: under Adam b moves about lr a step, which the 1/sqrt(d_k) makes a logit change of
+    lr/sqrt(d_k), so from zero it barely moves in a CPU budget and attention stays spread
+    over the whole window. Windows trained from empty memory are short for their first
+    tokens, which makes attention local anyway; carried memory fills every window, so
+    there it pays to start local (measured: see the README's carried-memory results).
+    """
+    slopes = 2.0 ** (-2.0 * torch.arange(1, n_heads + 1, dtype=torch.float64) / n_heads)
+    offsets = torch.arange(max_rel_pos, 0, -1, dtype=torch.float64)  # row i: offset P - i
+    return (-offsets[:, None] * slopes[None, :] * math.sqrt(d_head)).float()

@@ -31,7 +31,7 @@ class Transformer(nn.Module):
         )
         self.ln_f = nn.LayerNorm(d)
         self.head = nn.Linear(d, vocab_size)
-        init_weights(self)
+        init_weights(self, cfg.position_init)
 
     def empty_state(self, batch: int, like: Tensor) -> MemoryState:
         dk = self.cfg.d_model // self.cfg.n_heads
