@@ -389,7 +389,8 @@ def test_position_init_recency_sets_only_the_position_bias(kind):
     for init in ("zero", "recency"):
         torch.manual_seed(0)
         models[init] = build_model(small(kind, position_init=init), 11)
-    P, H = 32, 2
+    P, H = small(kind).max_rel_pos, small(kind).n_heads
+    assert (P, H) == (32, 2)  # the slopes below are written out for two heads
     for layer in models["zero"].layers:
         assert not layer.attn.b.any()
     offsets = torch.arange(P, 0, -1, dtype=torch.float64)  # slot order: largest offset first
@@ -402,7 +403,6 @@ def test_position_init_recency_sets_only_the_position_bias(kind):
     a, b = (dict(m.named_parameters()) for m in models.values())
     changed = [n for n in a if not torch.equal(a[n], b[n])]
     assert changed == [f"layers.{i}.attn.b" for i in range(3)]
-    assert H == small(kind).n_heads
 
 
 def test_invalid_model_config_is_a_clear_error():
