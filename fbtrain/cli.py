@@ -153,6 +153,8 @@ def _user_errors(*, value_errors: bool = False) -> Iterator[None]:
         bad_input += (ValueError,)
     try:
         yield
+    except BrokenPipeError:  # `fbtrain sample | head`: the reader has all it wanted
+        _quit_on_closed_stdout()
     except ConfigError as e:
         for problem in e.problems:
             _error(problem)
@@ -367,9 +369,23 @@ def evaluate(
     typer.echo(json.dumps(result, default=str) if as_json else evaluator.format_result(result))
 
 
+def _quit_on_closed_stdout() -> None:
+    """Exit quietly (code 0) when stdout's reader has gone, as `head` does to a pipe."""
+    from fbtrain.metrics import silence_stdout
+
+    silence_stdout()
+    raise typer.Exit(0)
+
+
 def main() -> None:
     """Entry point of the ``fbtrain`` script and of ``python -m fbtrain``."""
-    app(prog_name="fbtrain")
+    try:
+        app(prog_name="fbtrain")
+    except BrokenPipeError:  # a result printed after the reader left (eval | true)
+        from fbtrain.metrics import silence_stdout
+
+        silence_stdout()
+        sys.exit(0)
 
 
 if __name__ == "__main__":

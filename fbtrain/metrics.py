@@ -24,12 +24,16 @@ the memory weights ``softmax(w)`` as one multi-line chart; the HParams tab compa
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
 import json
 import math
 import numbers
+import os
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
@@ -237,31 +241,47 @@ class MetricsLogger:
         if not self.enabled or not self.console:
             return
         parts = _format_postfix(postfix)
-        if self.show_progress and _isatty(sys.stdout):
-            bar = self._get_bar()
-            if step >= bar.n:
-                bar.update(step - bar.n)  # update() (not n=) keeps tqdm's rate estimate.
-            else:
-                bar.n = step
-            bar.set_postfix_str(" | ".join(parts), refresh=True)
-            return
-        total = f"/{self.total_steps}" if self.total_steps else ""
-        line = " | ".join([f"step {step}{total}", *parts])
-        eta = self._eta(step)
-        if eta is not None:
-            line += f" | eta {eta}"
-        print(line, file=sys.stdout, flush=True)
+        with self._console_guard():
+            if self.show_progress and _isatty(sys.stdout):
+                bar = self._get_bar()
+                if step >= bar.n:
+                    bar.update(step - bar.n)  # update() (not n=) keeps tqdm's rate estimate.
+                else:
+                    bar.n = step
+                bar.set_postfix_str(" | ".join(parts), refresh=True)
+                return
+            total = f"/{self.total_steps}" if self.total_steps else ""
+            line = " | ".join([f"step {step}{total}", *parts])
+            eta = self._eta(step)
+            if eta is not None:
+                line += f" | eta {eta}"
+            print(line, file=sys.stdout, flush=True)
 
     def info(self, message: str) -> None:
         """Print a message (above the bar when one is shown) unless the console is off."""
         if not self.enabled or not self.console:
             return
-        if self._bar is not None:
-            from tqdm import tqdm
+        with self._console_guard():
+            if self._bar is not None:
+                from tqdm import tqdm
 
-            tqdm.write(message, file=sys.stdout)
-        else:
-            print(message, file=sys.stdout, flush=True)
+                tqdm.write(message, file=sys.stdout)
+            else:
+                print(message, file=sys.stdout, flush=True)
+
+    @contextlib.contextmanager
+    def _console_guard(self) -> Iterator[None]:
+        """Losing the console never costs the run: when stdout is gone (a closed pipe such
+        as ``| head``, a closed terminal) the console is switched off and training goes on,
+        still writing metrics.jsonl, TensorBoard and checkpoints."""
+        try:
+            yield
+        except OSError as e:
+            if e.errno not in (errno.EPIPE, errno.EIO, errno.ENXIO):
+                raise
+            self.console = False
+            self._bar = None
+            silence_stdout()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -277,7 +297,8 @@ class MetricsLogger:
             return
         self._closed = True
         if self._bar is not None:
-            self._bar.close()
+            with self._console_guard():
+                self._bar.close()
             self._bar = None
         failed: FileWriteError | None = None
         for name, closer in (("tb", self._close_writer), (JSONL_NAME, self._close_jsonl)):
@@ -376,6 +397,15 @@ class MetricsLogger:
 
 
 # ----------------------------------------------------------------------------- helpers
+
+
+def silence_stdout() -> None:
+    """Point stdout at /dev/null, so that writes (and Python's flush at exit) to a console
+    that is gone raise nothing more."""
+    with contextlib.suppress(OSError, ValueError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
 
 
 def _plain(value: Any) -> Any:

@@ -17,7 +17,7 @@ from types import TracebackType
 
 from fbtrain.checkpoint import CHECKPOINT_DIR
 from fbtrain.config import ConfigError
-from fbtrain.io import remove_stale_temps
+from fbtrain.io import FileWriteError, remove_stale_temps, write_error
 
 LOCK_NAME = ".lock"
 
@@ -36,6 +36,7 @@ class RunDirLock:
         self.run_dir = Path(run_dir)
         self.enabled = enabled
         self.removed: list[Path] = []
+        self.created: list[Path] = []  # folders create_and_acquire made, deepest first
         self._fd: int | None = None
 
     @property
@@ -46,11 +47,35 @@ class RunDirLock:
     def held(self) -> bool:
         return self._fd is not None
 
+    def create_and_acquire(self) -> None:
+        """Create the run directory (and its parents) if need be, then :meth:`acquire`.
+
+        A file-system error (a full disk, a read-only folder) is one line naming the path;
+        a lock file this call created is not left behind when it fails.
+        """
+        if not self.enabled:
+            return
+        missing = [d for d in (self.run_dir, *self.run_dir.parents) if not d.exists()]
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise _file_error(self.run_dir, e) from None
+        self.created = missing
+        try:
+            self.acquire()
+        except BaseException:
+            self._remove_created_folders()  # refused or failed: leave nothing behind
+            raise
+
     def acquire(self) -> None:
         """Take the lock (the directory must exist), then remove stale temp files."""
         if not self.enabled or self._fd is not None:
             return
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        existed = self.path.exists()
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise _file_error(self.path, e) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -64,11 +89,37 @@ class RunDirLock:
         except BaseException:
             os.close(fd)
             raise
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        except OSError as e:  # a full disk: no pid to record, and no lock to leave behind
+            if not existed:
+                self.path.unlink(missing_ok=True)
+            os.close(fd)
+            raise _file_error(self.path, e) from None
         self._fd = fd
         for folder in (self.run_dir, self.run_dir / CHECKPOINT_DIR):
             self.removed += remove_stale_temps(folder)
+
+    def remove_created(self) -> None:
+        """Undo :meth:`create_and_acquire` for a fresh start that failed before it wrote
+        anything: the lock file and the folders it created go, as long as they hold
+        nothing else. Only while the lock is held."""
+        if self._fd is None or not self.created:
+            return
+        if any(p.name != LOCK_NAME for p in self.run_dir.iterdir()):
+            return
+        self.path.unlink(missing_ok=True)
+        self.release()
+        self._remove_created_folders()
+
+    def _remove_created_folders(self) -> None:
+        for folder in self.created:  # deepest first; a folder something else uses stays
+            try:
+                folder.rmdir()
+            except OSError:
+                break
+        self.created = []
 
     def release(self) -> None:
         """Let go (closing the descriptor drops the flock). The file stays: deleting it
@@ -85,6 +136,12 @@ class RunDirLock:
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         self.release()
+
+
+def _file_error(path: Path, error: OSError) -> FileWriteError:
+    """``error`` as one line naming ``path`` (a full disk says so in words)."""
+    return write_error(path, error) or FileWriteError(error.errno, error.strerror or str(error),
+                                                      str(path))
 
 
 def _read_pid(fd: int) -> str:

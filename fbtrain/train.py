@@ -72,7 +72,10 @@ from fbtrain.schedule import LRSchedule, build_optimizer
 from fbtrain.scoring import count_scored, score_sums, window_scores
 
 EXIT_NONFINITE = 1
-EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}  # 128 + signal number, as shells do
+# 128 + signal number, as shells do. SIGHUP: the terminal (or SSH session) was closed.
+EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143, signal.SIGHUP: 129}
+# Under DDP a rank that received no signal stops for the most final one another rank got.
+STOP_PRIORITY = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
 EVAL_BATCH = 64  # validation windows per forward: no gradients, so wide batches are cheap
 WARMUP_STEPS = 1  # steps of each process left out of tokens/s (allocations, first kernels)
 # Model fields that fix the shapes of the weights; a checkpoint must agree on all of them.
@@ -116,18 +119,37 @@ def preserve_rng(device: torch.device) -> Iterator[None]:
             random.setstate(state)
 
 
+class StopRequested(BaseException):
+    """Raised by :class:`StopSignals` inside an interruptible block (evaluation, sampling).
+
+    A BaseException, like KeyboardInterrupt: no ``except Exception`` may swallow it."""
+
+
 class StopSignals:
-    """SIGINT / SIGTERM set ``received``; the loop saves and stops at the end of the step.
+    """SIGINT / SIGTERM / SIGHUP ask the run to stop; it saves and exits with the first one's
+    code (130 / 143 / 129).
+
+    By default a signal only sets ``received``, and the loop stops at the end of the step,
+    so an optimizer step or a save is never cut in half. Inside :meth:`interruptible`
+    (evaluation and sampling: read-only work that can take long), the first signal also
+    raises :class:`StopRequested` at once, and the loop saves and stops from there.
 
     Repeated signals change nothing: under torchrun every worker gets Ctrl-C twice (from the
-    terminal and forwarded by the agent), and the save must still happen. (SIGKILL remains
-    for a user who cannot wait one step.) Handlers are only installed from the main thread
-    (Python allows no other) and the previous ones are put back on exit.
+    terminal and forwarded by the agent), and the save must still happen. After a stop the
+    three signals stay ignored until the process exits: a second Ctrl-C while it shuts down
+    (TensorBoard's writer threads, atexit) must neither print a traceback nor change the
+    exit code. Without a signal the previous handlers are put back on exit.
+    (SIGKILL remains for a user who cannot wait one step.) Handlers are only installed from
+    the main thread (Python allows no other).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, allow_interrupts: bool = True) -> None:
         self.received: int | None = None
         self._previous: dict[int, Any] = {}
+        # Off under DDP: a rank leaving its evaluation early would reach the step's
+        # collectives out of turn with the others; there every stop waits for the step.
+        self._allow = allow_interrupts
+        self._interruptible = False
 
     def __enter__(self) -> StopSignals:
         if threading.current_thread() is threading.main_thread():
@@ -136,13 +158,36 @@ class StopSignals:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self._interruptible = False
         for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
+            # After a stop the process is on its way out with the first signal's code:
+            # later signals are ignored until it exits (no KeyboardInterrupt traceback in
+            # a writer thread's shutdown, no SIGTERM default turning 130 into 143).
+            signal.signal(sig, handler if self.received is None else signal.SIG_IGN)
         self._previous.clear()
 
+    @contextlib.contextmanager
+    def interruptible(self) -> Iterator[None]:
+        """A block a signal may cut short with :class:`StopRequested` (also one that came
+        before the block began)."""
+        if not self._allow:
+            yield
+            return
+        if self.received is not None:
+            raise StopRequested
+        self._interruptible = True
+        try:
+            yield
+        finally:
+            self._interruptible = False
+
     def _handle(self, signum: int, frame: object) -> None:
-        if self.received is None:
-            self.received = signum
+        if self.received is not None:
+            return
+        self.received = signum
+        if self._interruptible:
+            self._interruptible = False
+            raise StopRequested
 
 
 class Throughput:
@@ -308,21 +353,38 @@ class Trainer:
     def fit(self, resume: str | None) -> Path:
         """Set up (fresh, resumed or warm-started), train to ``max_steps``, return the run dir.
 
-        The run directory is owned (locked) throughout: from here when it exists, else from
-        its creation in :meth:`_prepare_run_dir`.
+        The run directory is created and owned (locked) first, and every decision about
+        what it holds (fresh start, resume, refusal) is taken while the lock is held: a
+        second process can never act on what it saw before the first one finished. A fresh
+        start that fails before it wrote anything leaves no directory behind.
         """
-        with self.run_lock:
-            return self._fit(resume)
+        self._own_run_dir()
+        wrote = False
+        try:
+            started = time.perf_counter()
+            resume_path = self._resume_path(resume)
+            payload = load_checkpoint(resume_path) if resume_path else None
+            init_path, init = self._warm_start_source(payload)
+            self._seed_everything()
+            vocab = (payload or init or {}).get("vocab")
+            self._setup_data(vocab, init_path if payload is None else resume_path)
+            self._build(payload, resume_path, init, init_path)
+            wrote = True
+            return self._train(payload, resume_path, started)
+        finally:
+            if not wrote:
+                self.run_lock.remove_created()
+            self.run_lock.release()
 
-    def _fit(self, resume: str | None) -> Path:
-        started = time.perf_counter()
-        resume_path = self._resume_path(resume)
-        payload = load_checkpoint(resume_path) if resume_path else None
-        init_path, init = self._warm_start_source(payload)
-        self._seed_everything()
-        vocab = (payload or init or {}).get("vocab")
-        self._setup_data(vocab, init_path if payload is None else resume_path)
-        self._build(payload, resume_path, init, init_path)
+    def _own_run_dir(self) -> None:
+        """Create the run directory (rank 0) and take its lock. Other ranks wait until rank
+        0 holds it, then read what it holds."""
+        if self.ctx.is_main:
+            self.run_lock.create_and_acquire()
+        self.ctx.barrier()
+
+    def _train(self, payload: dict | None, resume_path: Path | None, started: float) -> Path:
+        """Write the run's files, log, train and finish (the set-up is done)."""
         self._prepare_run_dir(fresh=payload is None)
         self.logger = MetricsLogger(
             self.run_dir, tensorboard=self.cfg.logging.tensorboard, console=not self.quiet,
@@ -338,7 +400,7 @@ class Trainer:
             self._announce(resume_path)
             if self.warm_report is not None:
                 self.logger.info(self.warm_report.summary())
-            with StopSignals() as signals:
+            with StopSignals(allow_interrupts=not self.ctx.enabled) as signals:
                 self._loop(signals)
             self._finish(started)
         finally:
@@ -346,6 +408,7 @@ class Trainer:
         return self.run_dir
 
     def _resume_path(self, resume: str | None) -> Path | None:
+        """The checkpoint to continue from (None: a fresh start), decided under the lock."""
         last = self.manager.last_path
         if resume is None:
             if last.is_file():
@@ -357,7 +420,19 @@ class Trainer:
             return None
         if resume == "auto":
             return last if last.is_file() else None
-        return resolve_checkpoint(resume, prefer="last")
+        path = resolve_checkpoint(resume, prefer="last")
+        theirs = [p for p in (self.manager.last_path, self.manager.best_path,
+                              *self.manager.numbered()) if p.is_file()]
+        if theirs and not path.resolve().is_relative_to(self.run_dir.resolve()):
+            # Resuming writes last.pt, best.pt and metrics.jsonl here: another run's would
+            # be overwritten. (A checkpoint of this run itself, say step-N.pt, is fine.)
+            raise ConfigError([
+                f"--resume {path} belongs to another run, but run directory {self.run_dir} "
+                f"already holds its own checkpoints ({theirs[0].name}, ...); resume into "
+                f"another run.name (--set run.name=NEW), or use --resume auto to continue "
+                f"{self.run_dir.name}"
+            ])
+        return path
 
     def _warm_start_source(self, payload: dict | None) -> tuple[Path | None, dict | None]:
         """The ``train.init_from`` checkpoint, loaded (only when starting fresh)."""
@@ -405,11 +480,11 @@ class Trainer:
         train = self.cfg.train
         self.sampler = BatchSampler(self.train_ids, self.cfg.run.seed, rank=self.ctx.rank)
         carry = train.context == "carry"
+        self.batches: CarriedStreams | RandomWindows
         if carry:
             layout = StreamLayout(self.train_ids, train.batch_size * train.grad_accum,
                                   self.ctx.rank, self.ctx.world_size)
-            self.batches: CarriedStreams | RandomWindows = CarriedStreams(layout,
-                                                                          train.grad_accum)
+            self.batches = CarriedStreams(layout, train.grad_accum)
         else:
             self.batches = RandomWindows(self.sampler, train.grad_accum)
         # Computed once: every evaluation scores the same windows, so curves are comparable.
@@ -500,14 +575,16 @@ class Trainer:
             # The checkpoint holds rank 0's streams only: other ranks (or a changed world
             # size) continue on fresh streams of their own rather than replay rank 0's.
             seed = rank_seed(self.cfg.run.seed, self.ctx.rank, self.step)
-            self.sampler = BatchSampler(self.train_ids, seed, rank=self.ctx.rank)
+            # Reseeded in place: the batches already draw from this sampler object, and
+            # the checkpoint saves its state (a new object would leave both stale).
+            fresh = BatchSampler(self.train_ids, seed, rank=self.ctx.rank)
+            self.sampler.load_state_dict(fresh.state_dict())
+            self.sampler.seed = seed
             torch.manual_seed(seed)
 
     def _prepare_run_dir(self, *, fresh: bool) -> None:
         """config.yaml and vocab.json (rank 0); a fresh start also drops old TensorBoard runs."""
         if self.ctx.is_main:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            self.run_lock.acquire()
             save_config(self.cfg, self.run_dir / "config.yaml")
             self.tokenizer.save(self.run_dir)
             if fresh:
@@ -560,7 +637,7 @@ class Trainer:
                              f"train.max_steps is {cfg.max_steps}")
         prev_seq_len = self.cfg.seq_len_at(max(0, self.step - 1)) if self.step else None
         if self.step == 0 and cfg.max_steps > 0:
-            self._evaluate_untrained()
+            self._evaluate_untrained(signals)
         while self.step < cfg.max_steps:
             seq_len = self.cfg.seq_len_at(self.step)
             if prev_seq_len is not None and seq_len != prev_seq_len:
@@ -572,7 +649,7 @@ class Trainer:
             self.step += 1
             self.tokens += result.tokens
             self.last_loss = result.loss
-            self._after_step(result)
+            self._after_step(result, signals)
 
     def _train_step(self, signals: StopSignals) -> StepResult:
         """Forward/backward over ``grad_accum`` micro-batches, clip, check, optimizer step.
@@ -634,12 +711,15 @@ class Trainer:
             loss_value, norm_value, acc_value = torch.stack(
                 [loss.float(), grad_norm.float(), accuracy.float()]).tolist()
             return loss_value, norm_value, acc_value, signals.received
-        flags = torch.tensor([float(signals.received == signal.SIGINT),
-                              float(signals.received == signal.SIGTERM)], device=self.device)
+        # One flag per signal; a stop any rank was asked for stops every rank.
+        flags = torch.tensor([float(signals.received == sig) for sig in EXIT_CODES],
+                             device=self.device)
         stats = torch.cat([torch.stack([loss.float(), grad_norm.float(), accuracy.float()]),
                            flags])
-        loss_sum, norm_sum, acc_sum, n_int, n_term = self.ctx.all_reduce_sum(stats).tolist()
-        stop = signal.SIGTERM if n_term else signal.SIGINT if n_int else None
+        loss_sum, norm_sum, acc_sum, *counts = self.ctx.all_reduce_sum(stats).tolist()
+        asked = {sig for sig, n in zip(EXIT_CODES, counts, strict=True) if n}
+        # This rank's own signal when it has one (its exit code must match what it says).
+        stop = signals.received or next((s for s in STOP_PRIORITY if s in asked), None)
         # Every rank holds the same (all-reduced) gradients, hence the same norm.
         n = self.ctx.world_size
         return loss_sum / n, norm_sum / n, acc_sum / n, stop
@@ -663,8 +743,11 @@ class Trainer:
             EXIT_NONFINITE,
         )
 
-    def _after_step(self, result: StepResult) -> None:
-        """Log, evaluate, sample and checkpoint as the step number asks; stop on a signal."""
+    def _after_step(self, result: StepResult, signals: StopSignals) -> None:
+        """Log, evaluate, sample and checkpoint as the step number asks; stop on a signal.
+
+        A signal during the evaluation or the sample cuts it short (that step then logs no
+        validation figure); the step itself is saved all the same."""
         cfg, step = self.cfg, self.step
         final = step == cfg.train.max_steps
         record: dict[str, Any] = {}
@@ -672,21 +755,29 @@ class Trainer:
             record.update(self._train_metrics(result))
         improved = False
         evaluated = step % cfg.train.eval_every == 0 or final
-        if evaluated:
-            improved = self._evaluate(record)
-        if record:
+        try:
+            if evaluated:
+                improved = self._evaluate(record, signals)
+            if record:
+                self.logger.log(step, record)
+                record = {}
+            if self._sample_due(evaluated):
+                self._log_sample(signals)
+        except StopRequested:
+            pass
+        if record:  # the training figures of a step whose evaluation was cut short
             self.logger.log(step, record)
-        if self._sample_due(evaluated):
-            self._log_sample()
+        # Under DDP the stop the ranks agreed on at the step; alone, any signal so far.
+        stop = result.stop if self.ctx.enabled else signals.received
         every = step % cfg.checkpoint.every == 0
-        if every or final or improved or result.stop is not None:
+        if every or final or improved or stop is not None:
             self._save(numbered=every or final, best=improved)
-        if result.stop is not None and not final:
+        if stop is not None and not final:
             self.ctx.barrier()  # torchrun ends every rank once one exits: let rank 0 finish
             raise TrainingError(
-                f"interrupted at step {step} ({signal.Signals(result.stop).name}); saved "
+                f"interrupted at step {step} ({signal.Signals(stop).name}); saved "
                 f"{self.manager.last_path}; resume with --resume auto",
-                EXIT_CODES[result.stop],
+                EXIT_CODES[stop],
             )
 
     def _train_metrics(self, result: StepResult) -> dict[str, Any]:
@@ -714,15 +805,21 @@ class Trainer:
         self.logger.progress(self.step, shown)
         return metrics
 
-    def _evaluate_untrained(self) -> None:
+    def _evaluate_untrained(self, signals: StopSignals) -> None:
         """Step 0: the untrained model's validation loss (and a sample), so every curve
         starts at the start. Not a candidate for best.pt: there is nothing to save yet."""
         record: dict[str, Any] = {}
-        self._evaluate(record, candidate=False)
-        if record:
-            self.logger.log(0, record)
-        if self._sample_due(evaluated=True):
-            self._log_sample()
+        try:
+            self._evaluate(record, signals, candidate=False)
+            if record:
+                self.logger.log(0, record)
+            if self._sample_due(evaluated=True):
+                self._log_sample(signals)
+        except StopRequested:
+            name = signal.Signals(signals.received or signal.SIGINT).name
+            raise TrainingError(f"interrupted before the first step ({name}); nothing was "
+                                "trained, so no checkpoint was written",
+                                EXIT_CODES[signals.received or signal.SIGINT]) from None
 
     def _sample_due(self, evaluated: bool) -> bool:
         """A sample with every evaluation (``sample_every: null``), or every N steps and at
@@ -732,13 +829,15 @@ class Trainer:
             return evaluated
         return every > 0 and (step % every == 0 or step == self.cfg.train.max_steps)
 
-    def _evaluate(self, record: dict[str, Any], candidate: bool = True) -> bool:
+    def _evaluate(self, record: dict[str, Any], signals: StopSignals,
+                  candidate: bool = True) -> bool:
         """Validation loss on the fixed windows (rank 0); True when it is the best so far.
 
         ``candidate=False`` (step 0) logs the loss without making it the best to beat."""
         if not self.ctx.is_main:
             return False
-        with preserve_rng(self.device), autocast(self.cfg.run.precision, self.device):
+        with signals.interruptible(), preserve_rng(self.device), \
+                autocast(self.cfg.run.precision, self.device):
             scores = window_scores(self.raw_model, self.val_x, self.val_y, EVAL_BATCH)
         loss = scores.loss
         self.val_loss = loss
@@ -757,7 +856,7 @@ class Trainer:
                          f" | ppl {metrics['val/perplexity']:.2f}{accuracy}{best}")
         return improved
 
-    def _log_sample(self) -> None:
+    def _log_sample(self, signals: StopSignals) -> None:
         """A short generated text for the log (rank 0), from its own seeded generator."""
         if not self.ctx.is_main:
             return
@@ -765,7 +864,8 @@ class Trainer:
             from fbtrain.sample import generate
 
             generator = torch.Generator().manual_seed(self.cfg.run.seed + self.step)
-            with preserve_rng(self.device), autocast(self.cfg.run.precision, self.device):
+            with signals.interruptible(), preserve_rng(self.device), \
+                    autocast(self.cfg.run.precision, self.device):
                 text = generate(self.raw_model, self.tokenizer, self.tokenizer.start,
                                 self.cfg.train.sample_length, generator=generator)[0]
         except Exception as e:  # a failed sample must not cost the training run

@@ -85,6 +85,15 @@ DDP_DRIVER = textwrap.dedent("""
 
 
 @pytest.fixture(autouse=True)
+def signal_handlers() -> Iterator[None]:
+    """A run stopped by a signal leaves the signals ignored until exit: not past a test."""
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    yield
+    for s, handler in before.items():
+        signal.signal(s, handler)
+
+
+@pytest.fixture(autouse=True)
 def one_thread() -> Iterator[None]:
     """Tiny models run faster (and steadier on a busy machine) on one thread."""
     before = torch.get_num_threads()
@@ -312,13 +321,15 @@ def test_resume_is_bitwise_exact(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 
     metrics = Trainer._train_metrics
 
-    def interrupt_at_step_3(self: Trainer, result: Any) -> dict[str, Any]:
-        if self.step == 3:  # the flag stops the run after step 4, which it saves
+    def interrupt_at_step_4(self: Trainer, result: Any) -> dict[str, Any]:
+        # Step 4 has no evaluation or sample for the signal to cut short: the run stops
+        # at the end of the step, which it saves, and every logged line is kept.
+        if self.step == 4:
             signal.raise_signal(signal.SIGINT)
         return metrics(self, result)
 
     with monkeypatch.context() as patch:
-        patch.setattr(Trainer, "_train_metrics", interrupt_at_step_3)
+        patch.setattr(Trainer, "_train_metrics", interrupt_at_step_4)
         with pytest.raises(TrainingError, match="interrupted at step 4"):
             run(make_cfg(tmp_path, "halves", **common), quiet=True)
     halves = run(make_cfg(tmp_path, "halves", **common), resume="auto", quiet=True)
@@ -411,13 +422,14 @@ def test_sigterm_saves_and_exits_143(tmp_path: Path, monkeypatch: pytest.MonkeyP
         return metrics(self, result)
 
     monkeypatch.setattr(Trainer, "_train_metrics", terminate_at_step_2)
-    before = signal.getsignal(signal.SIGTERM)
-    with pytest.raises(TrainingError, match="interrupted at step 3 .SIGTERM.; saved") as info:
+    with pytest.raises(TrainingError, match="interrupted at step 2 .SIGTERM.; saved") as info:
         run(make_cfg(tmp_path, train={"max_steps": 50}), quiet=True)
     assert info.value.exit_code == 143
-    assert signal.getsignal(signal.SIGTERM) is before  # handlers put back
-    # Step 2's sync had passed when the signal came: the flag stops the run after step 3.
-    assert load_checkpoint(tmp_path / "runs" / "run" / "checkpoints" / "last.pt")["step"] == 3
+    # Until the process exits, later signals are ignored (the first one's code stands).
+    assert all(signal.getsignal(s) is signal.SIG_IGN
+               for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP))
+    # The signal came after step 2's sync, before its save: the run stops at step 2.
+    assert load_checkpoint(tmp_path / "runs" / "run" / "checkpoints" / "last.pt")["step"] == 2
 
 
 # ----------------------------------------------------------------------------- failures

@@ -24,7 +24,7 @@ from fbtrain.config import EMBEDDING_SHARE, ModelConfig
 from fbtrain.models.feedback_core import (
     CoreSpec,
     FeedbackCoreFunction,
-    core_choice,
+    core,
     core_forward,
     flatten_layers,
 )
@@ -51,7 +51,10 @@ def initial_memory_logits(n_layers: int, memory_init: str) -> Tensor:
 class FeedbackTransformer(nn.Module):
     def __init__(self, cfg: ModelConfig, vocab_size: int):
         super().__init__()
-        core_choice()  # a bad $FBTRAIN_CORE is a CoreError now, not at the first step
+        # The core is chosen (and the C++ one built, on first use) now, not at the first
+        # step: a bad $FBTRAIN_CORE is an error before training starts, and a build is
+        # waited for while Ctrl-C still interrupts (the trainer defers it in its loop).
+        core()
         self.cfg = cfg
         self.shared_kv = cfg.kind == "feedback_kv"
         d = cfg.d_model
