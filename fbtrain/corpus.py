@@ -82,12 +82,14 @@ def load_corpus(data_cfg: DataConfig, vocab: Sequence[str] | None = None) -> Cor
 
 
 def benchmark_corpus(data_cfg: DataConfig, vocab: Sequence[str] | None = None) -> Corpus:
-    """enwik8 (one token per byte) or text8 (per character: it is ASCII, so a character is
-    a byte), split the standard way; ids are uint8 ``[SIZE]``, each split a view of them."""
+    """enwik8 (one token per byte) or text8 (per character: its alphabet, checked by
+    :func:`fbtrain.archives.load_bytes`, is ASCII, so a character is a byte), split the
+    standard way; ids are uint8 ``[SIZE]``, each split a view of them."""
     name = data_cfg.dataset
     where = f"data.path {data_cfg.path}" if data_cfg.path else f"data.dataset {name}"
-    raw = archives.load_bytes(data_cfg)  # uint8 [SIZE], memory-mapped
-    present = archives.present_bytes(raw)  # one pass over the 100 MB, used twice below
+    # uint8 [SIZE], memory-mapped, and its byte values (one pass over the 100 MB, used for
+    # the alphabet check, the vocabulary and encode_bytes' missing-byte check).
+    raw, present = archives.load_bytes(data_cfg)
     if vocab is None:
         vocab = [chr(b) for b in present]
     tokenizer: Tokenizer
@@ -95,9 +97,6 @@ def benchmark_corpus(data_cfg: DataConfig, vocab: Sequence[str] | None = None) -
         tokenizer = ByteTokenizer(vocab)
     else:
         tokenizer = CharTokenizer(vocab)
-        if any(ord(t) >= 128 for t in tokenizer.tokens):
-            raise DataError(f"{where} holds bytes outside ASCII: it is not {name} (lowercase "
-                            "letters and spaces), whose characters are single bytes")
     ids = archives.encode_bytes(raw, tokenizer.tokens, present, where)  # uint8 [SIZE]
     del raw  # the mapped file is no longer needed: only the ids stay in memory
     splits = {split_name: next_token_stream(ids[start:end])

@@ -2,10 +2,13 @@
 
 Text comes either from a local file (``data.path``, never touches the network) or from
 ``data.url`` (null: the dataset's usual address, :mod:`fbtrain.sources`), downloaded once
-into a cache folder and verified by sha256. The zipped benchmark corpora (enwik8, text8)
-are prepared in :mod:`fbtrain.archives` on top of :func:`download`. Everything the user
-can get wrong here raises :class:`DataError` with a one-line message that says which file
-or URL is at fault and what to do; the CLI turns it into exit code 2.
+into a cache folder and verified by sha256. A cache entry is keyed by the dataset's name
+and the URL (:func:`cache_entry`), written atomically by one process at a time
+(:class:`CacheLock`), and a download has a total deadline (:data:`DOWNLOAD_DEADLINE`).
+The zipped benchmark corpora (enwik8, text8) are prepared in :mod:`fbtrain.archives` on
+top of :func:`download`. Everything the user can get wrong here raises :class:`DataError`
+with a one-line message that says which file or URL is at fault and what to do; the CLI
+turns it into exit code 2.
 
 Shapes: token ids are 1-D integer tensors (LongTensors, or uint8 for a large byte-level
 corpus); batches are LongTensors ``[batch, seq_len]`` (batch first). Targets equal to
@@ -15,6 +18,7 @@ corpus); batches are LongTensors ``[batch, seq_len]`` (batch first). Targets equ
 from __future__ import annotations
 
 import codecs
+import fcntl
 import hashlib
 import json
 import logging
@@ -22,15 +26,18 @@ import math
 import os
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from types import TracebackType
 from typing import IO, Any, NamedTuple
 
 import requests
 import torch
+import urllib3
 
 from fbtrain.config import MAX_VAL_FRACTION, DataConfig
 from fbtrain.io import atomic_write, atomic_write_text
+from fbtrain.rundir import _read_pid
 from fbtrain.sources import AUTO_SHA256, SOURCES
 
 log = logging.getLogger(__name__)
@@ -38,6 +45,13 @@ log = logging.getLogger(__name__)
 OFFLINE_HINT = "or work offline with --set data.path=FILE pointing at a local copy of the corpus"
 VOCAB_FILE = "vocab.json"
 _CHUNK = 1 << 16  # bytes per streamed read: large enough to be fast, small enough to stay live
+# A download's total time, retries included: enwik8's 36 MB zip at 20 KB/s. A module
+# constant (not configuration) so that tests can lower it.
+DOWNLOAD_DEADLINE = 30 * 60.0
+# How long a process waits for another one that is filling the same cache entry: longer
+# than that one's download may take (and its unzipping).
+LOCK_WAIT = DOWNLOAD_DEADLINE + 10 * 60.0
+_LOCK_POLL = 0.1  # seconds between looks at a lock held by another process
 _MAX_LISTED = 10  # unknown characters named in an error; more would not fit on one line
 # Failures worth another attempt: the network, not the request, is at fault.
 _TRANSIENT = (
@@ -106,10 +120,21 @@ def cache_dir(data_cfg: DataConfig) -> Path:
 
 
 def _sha256_bytes(data: bytes) -> str:
+    """The sha256 hex digest of ``data``."""
     return hashlib.sha256(data).hexdigest()
 
 
+def file_sha256(path: Path) -> str:
+    """The sha256 hex digest of the file ``path``, read in chunks (never whole in memory)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK * 16):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
 def one_line(text: str, limit: int = 200) -> str:
+    """``text`` with its whitespace runs collapsed, cut to ``limit`` characters."""
     text = " ".join(str(text).split())
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
@@ -127,14 +152,59 @@ def _describe(exc: BaseException, timeout: float) -> str:
     return one_line(f"{type(exc).__name__}: {exc}")
 
 
+def _late(url: str, limit: float) -> DataError:
+    """The error of a download that did not finish within its total deadline."""
+    return DataError(f"could not download {url}: not finished within the download deadline "
+                     f"of {limit:g} s; check your connection, {OFFLINE_HINT}")
+
+
+def _unwritable(path: Path, error: OSError) -> DataError:
+    """The error of a cache that cannot be written."""
+    return DataError(f"cannot write {path}: {one_line(str(error))}; set data.cache_dir or "
+                     "FBTRAIN_CACHE to a writable folder")
+
+
+def _chunks(response: requests.Response) -> Iterator[bytes]:
+    """The body of ``response`` as it arrives: each chunk is what one read of the socket
+    brings (at most :data:`_CHUNK` bytes), so a caller can check a deadline between reads
+    even when the server trickles. ``iter_content`` instead fills each chunk before it
+    returns it, and every byte that arrives resets the read timeout: one byte every few
+    seconds would then never time out. urllib3's errors become requests' (as
+    ``iter_content`` does); a urllib3 without ``read1`` (< 2.3) falls back to
+    ``iter_content``, where the deadline is checked per filled chunk only."""
+    read1 = getattr(response.raw, "read1", None)
+    if read1 is None:
+        yield from response.iter_content(chunk_size=_CHUNK)
+        return
+    while True:
+        try:
+            chunk = read1(_CHUNK, decode_content=True)
+        except urllib3.exceptions.ProtocolError as e:
+            raise requests.exceptions.ChunkedEncodingError(e) from e
+        except urllib3.exceptions.DecodeError as e:
+            raise requests.exceptions.ContentDecodingError(e) from e
+        except urllib3.exceptions.ReadTimeoutError as e:
+            raise requests.ConnectionError(e) from e
+        except urllib3.exceptions.SSLError as e:
+            raise requests.exceptions.SSLError(e) from e
+        if not chunk:
+            return
+        yield chunk
+
+
 def _write_verified(
-    response: requests.Response, f: IO[bytes], url: str, sha256: str | None
+    response: requests.Response, f: IO[bytes], url: str, sha256: str | None, end: float,
+    limit: float,
 ) -> None:
-    """Stream the body into ``f``, hashing as we go; raise DataError on a checksum mismatch."""
+    """Stream the body into ``f``, hashing as we go; raise DataError on a checksum mismatch,
+    or once ``time.monotonic()`` passes ``end`` (the deadline, ``limit`` seconds long)."""
     digest = hashlib.sha256()
-    for chunk in response.iter_content(chunk_size=_CHUNK):
+    for chunk in _chunks(response):
         digest.update(chunk)
         f.write(chunk)
+        if time.monotonic() > end:
+            # Raised inside atomic_write, which deletes the temp file.
+            raise _late(url, limit)
     actual = digest.hexdigest()
     if sha256 is not None and actual != sha256:
         # Raised inside atomic_write, which deletes the temp file: nothing bad is left behind.
@@ -152,27 +222,38 @@ def download(
     timeout: float = 30.0,
     retries: int = 3,
     backoff: float = 1.0,
+    deadline: float | None = None,
 ) -> Path:
     """Download ``url`` to ``dest`` atomically, verifying ``sha256`` (None: skip) and return it.
 
     The body is streamed to a temp file in ``dest``'s folder, fsynced and moved into place
     with ``os.replace``, so ``dest`` is either absent, the old file, or the complete verified
-    download. ``timeout`` applies to connecting and to each read. ``retries`` is the total
-    number of attempts; connection errors, timeouts, 5xx, 408 and 429 are retried after
+    download. ``timeout`` applies to connecting and to each read; ``deadline`` (seconds,
+    None: :data:`DOWNLOAD_DEADLINE`) bounds the whole call, retries and waits included, so
+    a server that trickles a byte at a time cannot hold a run forever (a read that has
+    started may overrun it by up to ``timeout``). ``retries`` is the total number of
+    attempts; connection errors, timeouts, 5xx, 408 and 429 are retried after
     ``backoff * 2**k`` seconds (``backoff=0`` in tests), other 4xx fail at once. A checksum
     mismatch is not retried: the same URL would give the same bytes.
     """
     dest = Path(dest)
     expected = sha256.strip().lower() if sha256 else None
     attempts = max(1, int(retries))
+    limit = DOWNLOAD_DEADLINE if deadline is None else float(deadline)
+    end = time.monotonic() + limit
     reason = "no attempt made"
     for attempt in range(1, attempts + 1):
+        left = end - time.monotonic()
+        if left <= 0:
+            raise _late(url, limit)
+        wait = min(timeout, left)  # no single wait may outlast the deadline
         try:
             log.info("downloading %s -> %s (attempt %d/%d)", url, dest, attempt, attempts)
-            with requests.get(url, stream=True, timeout=(timeout, timeout)) as response:
+            with requests.get(url, stream=True, timeout=(wait, wait)) as response:
                 status = response.status_code
                 if 200 <= status < 300:
-                    atomic_write(dest, lambda f: _write_verified(response, f, url, expected))
+                    atomic_write(dest, lambda f: _write_verified(response, f, url, expected,
+                                                                 end, limit))
                     return dest
                 reason = f"HTTP {status} {response.reason or ''}".strip()
                 if not (status >= 500 or status in (408, 429)):
@@ -180,38 +261,37 @@ def download(
                         f"could not download {url}: {reason}; check data.url, {OFFLINE_HINT}"
                     )
         except _TRANSIENT as e:
-            reason = _describe(e, timeout)
+            reason = _describe(e, wait)
         except requests.RequestException as e:  # bad URL, too many redirects: retrying won't help
             raise DataError(
-                f"could not download {url}: {_describe(e, timeout)}; check data.url, "
+                f"could not download {url}: {_describe(e, wait)}; check data.url, "
                 f"{OFFLINE_HINT}"
             ) from None
         except OSError as e:  # after the requests errors: RequestException is an OSError too
-            raise DataError(
-                f"cannot write {dest}: {one_line(str(e))}; set data.cache_dir or FBTRAIN_CACHE "
-                "to a writable folder"
-            ) from None
+            raise _unwritable(dest, e) from None
         if attempt < attempts and backoff > 0:
-            time.sleep(backoff * 2 ** (attempt - 1))
+            time.sleep(max(0.0, min(backoff * 2 ** (attempt - 1), end - time.monotonic())))
     raise DataError(
         f"could not download {url}: {reason} (after {attempts} attempt"
         f"{'s' if attempts != 1 else ''}); check your connection, {OFFLINE_HINT}"
     )
 
 
-def _decode(raw: bytes, path: Path, what: str) -> str:
+def _decode(raw: bytes, what: str, fix: str | None = None) -> str:
+    """``raw`` as UTF-8 text; DataError "<what> is not valid UTF-8 / is empty; <fix>" (fix
+    None: the advice for a local file)."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise DataError(
-            f"{what} {path} is not valid UTF-8 (byte {e.start}); convert it to UTF-8 text"
-        ) from None
+        raise DataError(f"{what} is not valid UTF-8 (byte {e.start}); "
+                        f"{fix or 'convert it to UTF-8 text'}") from None
     if not text:
-        raise DataError(f"{what} {path} is empty; point it at a text file with content")
+        raise DataError(f"{what} is empty; {fix or 'point it at a text file with content'}")
     return text
 
 
 def _read_local(path_str: str) -> str:
+    """The text of ``data.path`` (never the network); DataError naming the file otherwise."""
     path = Path(path_str).expanduser()
     try:
         raw = path.read_bytes()
@@ -223,7 +303,7 @@ def _read_local(path_str: str) -> str:
         raise DataError(
             f"data.path {path}: cannot read it ({e.strerror or one_line(str(e))})"
         ) from None
-    return _decode(raw, path, "data.path")
+    return _decode(raw, f"data.path {path}")
 
 
 def address(data_cfg: DataConfig) -> tuple[str, str | None]:
@@ -251,34 +331,165 @@ def cache_name(data_cfg: DataConfig) -> str:
     return name
 
 
-def load_text(data_cfg: DataConfig) -> str:
-    """The corpus as a string: ``data.path`` if set, else the cached (or fresh) download.
+def cache_entry(data_cfg: DataConfig, suffix: str = "") -> Path:
+    """The cache file for what ``data_cfg`` downloads: ``<cache>/<dataset><suffix>`` for the
+    dataset's usual address, ``<cache>/<dataset>@<16 hex digits><suffix>`` for any other
+    ``data.url`` (the digits begin the sha256 of the URL).
 
-    A cached file is hashed on every call (about 1 MB, milliseconds) and reused when it
-    matches the expected sha256 (or the check is off); a mismatch means a corrupt or stale
-    cache, so it is downloaded again.
+    The URL is part of the key, so changing ``data.url`` fetches the new address instead
+    of reusing what the old one gave. The usual address keeps the plain name, so entries
+    made before URLs were keyed are still used for it (nothing is downloaded again).
     """
-    if data_cfg.path:
-        return _read_local(data_cfg.path)
-    dest = cache_dir(data_cfg) / f"{cache_name(data_cfg)}.txt"
-    url, expected = address(data_cfg)
-    raw: bytes | None = None
+    name = cache_name(data_cfg)
+    url, _ = address(data_cfg)
+    source = SOURCES.get(name)
+    if source is None or url != source.url:
+        name += "@" + _sha256_bytes(url.encode("utf-8"))[:16]
+    return cache_dir(data_cfg) / (name + suffix)
+
+
+class CacheLock:
+    """``with CacheLock(entry):`` the sole right to write the cache entry ``entry`` (and its
+    temp files and ``leftovers``) for the block.
+
+    The holder keeps ``fcntl.flock`` on ``<folder>/.<entry name>.lock`` (which also records
+    its process id), as :class:`fbtrain.rundir.RunDirLock` does for a run directory: the
+    kernel drops it when the process ends however it ends. A second process wanting the same
+    entry waits (polling) for up to ``wait`` seconds (None: :data:`LOCK_WAIT`), then gives up
+    with a DataError naming the holder; once it holds the lock it must look at the cache
+    again, as the first may have filled it. Holding the lock proves that no writer of this
+    entry is alive, so the temp files of its downloads found then (left by a kill -9) and
+    ``leftovers`` are deleted; ``removed`` lists them. Readers take no lock: entries are
+    replaced atomically, so a reader sees the old file or the new one.
+    """
+
+    def __init__(self, entry: Path, leftovers: Sequence[Path] = (), wait: float | None = None):
+        self.entry = Path(entry)
+        self.leftovers = [Path(p) for p in leftovers]
+        self.wait = wait
+        self.removed: list[Path] = []
+        self._fd: int | None = None
+
+    @property
+    def path(self) -> Path:
+        return self.entry.with_name(f".{self.entry.name}.lock")
+
+    def __enter__(self) -> CacheLock:
+        """Wait for the lock, record this process's id, delete the leftovers."""
+        try:
+            self.entry.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise _unwritable(self.entry.parent, e) from None
+        try:
+            self._wait(fd)
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            # The temp names atomic_write gives the entry, its archive and its record.
+            temp = re.compile(rf"^\.{re.escape(self.entry.name)}(\.zip|\.json)?"
+                              r"\.[A-Za-z0-9_]{8}\.tmp$")
+            stale = sorted(p for p in self.entry.parent.iterdir() if temp.match(p.name))
+            for p in stale + [p for p in self.leftovers if p.exists()]:
+                p.unlink(missing_ok=True)
+                self.removed.append(p)
+        except OSError as e:
+            os.close(fd)
+            raise _unwritable(self.entry.parent, e) from None
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fd = fd
+        if self.removed:
+            log.info("removed leftovers of an interrupted download: %s",
+                     ", ".join(p.name for p in self.removed))
+        return self
+
+    def _wait(self, fd: int) -> None:
+        """Take the flock on ``fd``, polling while another process holds it; DataError
+        naming the holder once ``wait`` seconds have gone by."""
+        limit = LOCK_WAIT if self.wait is None else self.wait
+        give_up = time.monotonic() + limit
+        waited = False
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                pid = _read_pid(fd)
+                holder = f"pid {pid}" if pid else "pid unknown"
+            if time.monotonic() >= give_up:
+                raise DataError(
+                    f"cache entry {self.entry} is still being written by another fbtrain "
+                    f"process ({holder}) after {limit:g} s of waiting; wait for it or stop it, "
+                    "or set data.cache_dir to another folder")
+            if not waited:
+                log.info("waiting for %s, which is writing %s", holder, self.entry)
+                waited = True
+            time.sleep(_LOCK_POLL)
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        """Let go (closing the descriptor drops the flock); the lock file stays, as
+        RunDirLock's does (deleting it would let two processes lock two different files)."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def _cached_text(dest: Path, expected: str | None, warn: bool) -> str | None:
+    """The text of the cache entry ``dest`` if it is there and usable (matches ``expected``
+    when given, is UTF-8 and not empty), else None; ``warn``: log why it is not usable."""
+    reason = None
     try:
         raw = dest.read_bytes()
     except FileNotFoundError:
-        pass
+        return None
     except OSError as e:
-        log.warning("cannot read cached %s (%s); downloading again", dest, e)
-    if raw is not None and expected is not None and _sha256_bytes(raw) != expected:
-        log.warning("cached %s does not match data.sha256; downloading again", dest)
-        raw = None
-    if raw is None:
+        reason = f"cannot be read ({one_line(str(e))})"
+    else:
+        if expected is not None and _sha256_bytes(raw) != expected:
+            reason = "does not match data.sha256"
+        else:
+            try:
+                return _decode(raw, f"cached {dest}")
+            except DataError as e:  # an older fbtrain cached downloads it then refused
+                if warn:
+                    log.warning("%s; downloading again", str(e).split(";")[0])
+                return None
+    if warn:
+        log.warning("cached %s %s; downloading again", dest, reason)
+    return None
+
+
+def load_text(data_cfg: DataConfig) -> str:
+    """The corpus as a string: ``data.path`` if set, else the cached (or fresh) download.
+
+    The cache entry is :func:`cache_entry` (suffix ``.txt``). It is hashed on every call
+    when a sha256 is expected (about 1 MB, milliseconds) and reused when it matches (or the
+    check is off) and is UTF-8 text; otherwise it is downloaded again, under the entry's
+    :class:`CacheLock`. A download that is not UTF-8 text is refused and not kept.
+    """
+    if data_cfg.path:
+        return _read_local(data_cfg.path)
+    url, expected = address(data_cfg)
+    dest = cache_entry(data_cfg, ".txt")
+    text = _cached_text(dest, expected, warn=False)
+    if text is not None:
+        return text
+    with CacheLock(dest):
+        text = _cached_text(dest, expected, warn=True)  # another process may have made it
+        if text is not None:
+            return text
         download(url, dest, expected)
         try:
             raw = dest.read_bytes()
         except OSError as e:
             raise DataError(f"cannot read downloaded {dest}: {one_line(str(e))}") from None
-    return _decode(raw, dest, "cached download")
+        try:
+            return _decode(raw, url, f"nothing was saved; check data.url, {OFFLINE_HINT}")
+        except DataError:
+            dest.unlink(missing_ok=True)  # refused content is never left in the cache
+            raise
 
 
 # ----------------------------------------------------------------------------- tokenizer

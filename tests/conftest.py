@@ -21,7 +21,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 class Server:
     """A local HTTP server; ``hits[path]`` counts requests, ``release`` ends stalls.
 
-    ``routes[path]`` is served as it is; ``body`` is what /flaky and /stall-body send.
+    ``routes[path]`` is served as it is; ``body`` is what /flaky, /stall-body, /short
+    and /gate send. /trickle sends ``trickle`` one byte every 0.2 s. /gate sets ``at_gate`` once its
+    headers are out, then holds the body back until ``gate`` is set.
     """
 
     base: str
@@ -30,6 +32,9 @@ class Server:
     flaky_failures: int = 1  # /flaky answers 500 this many times, then the body
     body: bytes = b""
     routes: dict[str, bytes] = field(default_factory=dict)
+    trickle: bytes = b"x" * 20  # 4 s at a byte per 0.2 s: longer than any test's deadline
+    gate: threading.Event = field(default_factory=threading.Event)
+    at_gate: threading.Event = field(default_factory=threading.Event)
 
     def url(self, path: str) -> str:
         return self.base + path
@@ -74,6 +79,32 @@ def server(monkeypatch: pytest.MonkeyPatch) -> Iterator[Server]:
                 self.wfile.write(srv.body[: len(srv.body) // 2])
                 self.wfile.flush()
                 srv.release.wait(5)
+            elif self.path == "/short":  # half the body, then the connection closes
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(srv.body)))
+                self.end_headers()
+                self.wfile.write(srv.body[: len(srv.body) // 2])
+                self.close_connection = True
+            elif self.path == "/trickle":  # every byte resets a per-read timeout
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(srv.trickle)))
+                self.end_headers()
+                try:
+                    for i in range(len(srv.trickle)):
+                        self.wfile.write(srv.trickle[i:i + 1])
+                        self.wfile.flush()
+                        if srv.release.wait(0.2):
+                            break
+                except OSError:  # the client gave up and closed the connection
+                    pass
+            elif self.path == "/gate":
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(srv.body)))
+                self.end_headers()
+                self.wfile.flush()
+                srv.at_gate.set()
+                srv.gate.wait(5)
+                self.wfile.write(srv.body)
             else:
                 self._send(404, b"not here")
 
@@ -88,6 +119,7 @@ def server(monkeypatch: pytest.MonkeyPatch) -> Iterator[Server]:
         yield srv
     finally:
         srv.release.set()
+        srv.gate.set()
         httpd.shutdown()
         httpd.server_close()
         thread.join(5)

@@ -4,6 +4,8 @@ served on 127.0.0.1 with the sizes shrunk), byte tokenization, compact streams, 
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import io
 import json
 import random
@@ -71,8 +73,21 @@ def data_cfg(tmp_path: Path, name: str, url: str, **kw: object) -> DataConfig:
 
 
 def cached(tmp_path: Path) -> list[str]:
+    """The cache's files, temp files included, less the entries' lock files."""
     folder = tmp_path / "cache"
-    return sorted(p.name for p in folder.iterdir()) if folder.exists() else []
+    return sorted(p.name for p in folder.iterdir()
+                  if not p.name.endswith(".lock")) if folder.exists() else []
+
+
+def key(name: str, url: str) -> str:
+    """The cache entry of ``name`` from a URL other than its usual one (name@16 hex digits
+    of the URL's sha256: the layout the docs describe)."""
+    return f"{name}@{hashlib.sha256(url.encode()).hexdigest()[:16]}"
+
+
+def usual(monkeypatch: pytest.MonkeyPatch, name: str, url: str) -> None:
+    """Make ``url`` the usual address of ``name`` (the real one is not reachable here)."""
+    monkeypatch.setitem(SOURCES, name, dataclasses.replace(SOURCES[name], url=url))
 
 
 def one_line(e: pytest.ExceptionInfo) -> str:
@@ -92,8 +107,13 @@ def test_enwik8_is_downloaded_unzipped_checked_split_and_cached(
     cfg = data_cfg(tmp_path, "enwik8", server.url("/enwik8.zip"))
     corpus = load_corpus(cfg)
     assert server.hits["/enwik8.zip"] == 1
-    assert cached(tmp_path) == ["enwik8"]  # the prepared file; the archive is gone
-    assert (tmp_path / "cache" / "enwik8").read_bytes() == raw
+    entry = key("enwik8", server.url("/enwik8.zip"))
+    assert cached(tmp_path) == [entry, entry + ".json"]  # the file and its record; no zip
+    assert (tmp_path / "cache" / entry).read_bytes() == raw
+    record = json.loads((tmp_path / "cache" / (entry + ".json")).read_text())
+    assert record == {"url": server.url("/enwik8.zip"),
+                      "archive_sha256": hashlib.sha256(server.routes["/enwik8.zip"]).hexdigest(),
+                      "sha256": hashlib.sha256(raw).hexdigest()}
     tok = corpus.tokenizer
     assert isinstance(tok, ByteTokenizer) and tok.vocab_size == 256 and tok.unit == "byte"
     # The standard split: the last HELD_OUT bytes test, the HELD_OUT before them val.
@@ -125,10 +145,57 @@ def test_text8_is_character_level(tmp_path: Path, server: Server) -> None:
     assert tok.decode(corpus.stream("test").inputs) == raw[-HELD_OUT:-1].decode("ascii")
 
 
-def test_text8_refuses_non_ascii(tmp_path: Path, server: Server) -> None:
-    server.routes["/text8.zip"] = zipped("text8", enwik8_bytes())
-    with pytest.raises(DataError, match=r"holds bytes outside ASCII: it is not text8"):
-        load_corpus(data_cfg(tmp_path, "text8", server.url("/text8.zip")))
+def test_text8_refuses_non_ascii_and_caches_nothing(tmp_path: Path, server: Server) -> None:
+    raw = enwik8_bytes()
+    first = next(i for i, b in enumerate(raw) if b not in b"abcdefghijklmnopqrstuvwxyz ")
+    server.routes["/text8.zip"] = zipped("text8", raw)
+    url = server.url("/text8.zip")
+    with pytest.raises(DataError, match=rf"^text8 in {url}: byte 0x{raw[first]:02x}( \(.+\))? "
+                       rf"at offset {first:,} is not allowed: text8 holds only lowercase "
+                       r"letters a-z and spaces; nothing was saved; check data.url"):
+        load_corpus(data_cfg(tmp_path, "text8", url))
+    assert cached(tmp_path) == []
+    server.routes["/text8.zip"] = zipped("text8", text8_bytes())  # the next run is not stuck
+    assert load_corpus(data_cfg(tmp_path, "text8", url)).tokenizer.vocab_size == 27
+    assert server.hits["/text8.zip"] == 2
+
+
+def text8_with(byte: bytes, at: int = 1234) -> bytes:
+    """text8 with one byte outside its alphabet."""
+    raw = text8_bytes()
+    return raw[:at] + byte + raw[at + 1:]
+
+
+def test_text8_refuses_other_ascii(tmp_path: Path, server: Server) -> None:
+    server.routes["/text8.zip"] = zipped("text8", text8_with(b"A"))
+    url = server.url("/text8.zip")
+    with pytest.raises(DataError, match=rf"^text8 in {url}: byte 0x41 \('A'\) at offset 1,234 "
+                       r"is not allowed: text8 holds only lowercase letters a-z and spaces; "
+                       r"nothing was saved; "):
+        load_corpus(data_cfg(tmp_path, "text8", url))
+    assert cached(tmp_path) == []
+
+
+def test_text8_local_copy_is_checked(tmp_path: Path, refused_url: str) -> None:
+    local = tmp_path / "text8"
+    local.write_bytes(text8_with(b"\n", at=3999))
+    with pytest.raises(DataError, match=rf"^data.path {local}: byte 0x0a at offset 3,999 is not "
+                       r"allowed: text8 holds only lowercase letters a-z and spaces; point "
+                       r"data.path at the unzipped text8$"):
+        load_corpus(data_cfg(tmp_path, "text8", refused_url, path=str(local)))
+
+
+def test_refused_text8_cached_by_older_versions_is_prepared_again(
+    tmp_path: Path, server: Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    usual(monkeypatch, "text8", server.url("/text8.zip"))
+    raw = text8_bytes()
+    server.routes["/text8.zip"] = zipped("text8", raw)
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / "text8").write_bytes(text8_with(b"\xe9"))  # what 0.1 cached, refused
+    corpus = load_corpus(data_cfg(tmp_path, "text8", None))
+    assert server.hits["/text8.zip"] == 1 and corpus.tokenizer.vocab_size == 27
+    assert (tmp_path / "cache" / "text8").read_bytes() == raw
 
 
 def test_truncated_archive_is_refused_and_leaves_nothing(tmp_path: Path, server: Server
@@ -177,10 +244,79 @@ def test_cache_entry_of_the_wrong_size_is_rebuilt(tmp_path: Path, server: Server
     raw = enwik8_bytes()
     server.routes["/enwik8.zip"] = zipped("enwik8", raw)
     (tmp_path / "cache").mkdir()
-    (tmp_path / "cache" / "enwik8").write_bytes(raw[:100])  # an interrupted copy, say
+    entry = tmp_path / "cache" / key("enwik8", server.url("/enwik8.zip"))
+    entry.write_bytes(raw[:100])  # a copy damaged by hand, say
     load_corpus(data_cfg(tmp_path, "enwik8", server.url("/enwik8.zip")))
     assert server.hits["/enwik8.zip"] == 1
-    assert (tmp_path / "cache" / "enwik8").read_bytes() == raw
+    assert entry.read_bytes() == raw
+
+
+def test_changing_the_url_prepares_the_new_archive(tmp_path: Path, server: Server) -> None:
+    old, new = enwik8_bytes(seed=1), enwik8_bytes(seed=2)
+    server.routes["/old.zip"], server.routes["/new.zip"] = zipped("enwik8", old), zipped(
+        "enwik8", new)
+    assert load_corpus(data_cfg(tmp_path, "enwik8", server.url("/old.zip"))).tokenizer
+    corpus = load_corpus(data_cfg(tmp_path, "enwik8", server.url("/new.zip")))
+    assert server.hits["/new.zip"] == 1
+    assert corpus.tokenizer.decode_bytes(corpus.stream("test").inputs) == new[-HELD_OUT:-1]
+
+
+def test_old_cache_entry_serves_the_usual_address(tmp_path: Path, server: Server,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The usual address keeps the plain name: an entry made before URLs were keyed (no
+    record beside it) is used as it is, unless a sha256 asks for a check it cannot pass."""
+    usual(monkeypatch, "enwik8", server.url("/enwik8.zip"))
+    raw = enwik8_bytes()
+    server.routes["/enwik8.zip"] = zipped("enwik8", raw)
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / "enwik8").write_bytes(raw)
+    load_corpus(data_cfg(tmp_path, "enwik8", None))
+    assert server.hits["/enwik8.zip"] == 0 and cached(tmp_path) == ["enwik8"]
+    zip_sha = hashlib.sha256(server.routes["/enwik8.zip"]).hexdigest()
+    load_corpus(data_cfg(tmp_path, "enwik8", None, sha256=zip_sha))  # nothing to check by:
+    assert server.hits["/enwik8.zip"] == 1  # downloaded once more, checked, recorded
+    assert cached(tmp_path) == ["enwik8", "enwik8.json"]
+
+
+def test_given_sha256_is_checked_against_the_cached_file(
+    tmp_path: Path, server: Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    raw = enwik8_bytes()
+    server.routes["/enwik8.zip"] = zipped("enwik8", raw)
+    zip_sha = hashlib.sha256(server.routes["/enwik8.zip"]).hexdigest()
+    url = server.url("/enwik8.zip")
+    entry = tmp_path / "cache" / key("enwik8", url)
+    load_corpus(data_cfg(tmp_path, "enwik8", url))  # sha256 auto: none pinned for enwik8
+    wrong = "0" * 64
+    with pytest.raises(DataError) as e:
+        load_corpus(data_cfg(tmp_path, "enwik8", url, sha256=wrong))
+    assert one_line(e).startswith(f"cached {entry} was unzipped from an archive with sha256 "
+                                  f"{zip_sha}, but data.sha256 expects {wrong}; ")
+    load_corpus(data_cfg(tmp_path, "enwik8", url, sha256=zip_sha))
+    assert server.hits["/enwik8.zip"] == 1  # both answered from the cache
+    damaged = bytearray(raw)
+    damaged[7] ^= 1
+    entry.write_bytes(bytes(damaged))  # same size: only the hash notices
+    load_corpus(data_cfg(tmp_path, "enwik8", url, sha256=zip_sha))
+    assert server.hits["/enwik8.zip"] == 2 and entry.read_bytes() == raw  # rebuilt
+
+    def no_hashing(path: Path) -> str:
+        raise AssertionError(f"{path} was hashed")
+
+    monkeypatch.setattr(archives, "file_sha256", no_hashing)
+    load_corpus(data_cfg(tmp_path, "enwik8", url))  # no sha256 given: a cache read stays fast
+
+
+def test_leftovers_of_a_killed_preparation_are_removed(tmp_path: Path, server: Server) -> None:
+    server.routes["/enwik8.zip"] = zipped("enwik8", enwik8_bytes())
+    url = server.url("/enwik8.zip")
+    entry = key("enwik8", url)
+    (tmp_path / "cache").mkdir()
+    for name in (f".{entry}.zip.a1b2c3d4.tmp", f"{entry}.zip", f".{entry}.a1b2c3d4.tmp",
+                 f".{entry}.json.a1b2c3d4.tmp"):  # a kill -9 while downloading or unzipping
+        (tmp_path / "cache" / name).write_bytes(b"partial")
+    load_corpus(data_cfg(tmp_path, "enwik8", url))
+    assert cached(tmp_path) == [entry, entry + ".json"]
 
 
 def test_local_copy_is_used_and_checked(tmp_path: Path, refused_url: str) -> None:

@@ -3,14 +3,20 @@ split and batches. Offline and fast: the server runs on 127.0.0.1 in a thread.""
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
+import logging
+import os
+import threading
+import time
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import Server
 
+from fbtrain import data
 from fbtrain.config import DataConfig
 from fbtrain.data import (
     IGNORE_INDEX,
@@ -24,6 +30,7 @@ from fbtrain.data import (
     load_text,
     split,
 )
+from fbtrain.sources import SOURCES, Source
 
 TEXT = "".join(f"Line {i}: To be, or not to be, that is the question.\n" for i in range(200))
 BODY = TEXT.encode("utf-8")
@@ -43,6 +50,18 @@ def cfg(tmp_path: Path, url: str, sha256: str | None = SHA, **kw: object) -> Dat
                       cache_dir=str(tmp_path / "cache"), **kw)
 
 
+def key(name: str, url: str) -> str:
+    """The cache entry of dataset ``name`` downloaded from a URL other than its usual one
+    (the layout the docs describe: name, "@", 16 hex digits of the URL's sha256)."""
+    return f"{name}@{hashlib.sha256(url.encode()).hexdigest()[:16]}"
+
+
+def listing(folder: Path) -> list[str]:
+    """What ``folder`` holds, temp files included, less the entries' lock files (which
+    stay, like a run directory's .lock)."""
+    return sorted(p.name for p in folder.iterdir() if not p.name.endswith(".lock"))
+
+
 # ----------------------------------------------------------------------------- download
 
 
@@ -50,7 +69,7 @@ def test_download_then_cache_hit(tmp_path: Path, server: Server) -> None:
     c = cfg(tmp_path, server.url("/text.txt"))
     assert load_text(c) == TEXT
     assert server.hits["/text.txt"] == 1
-    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == ["tiny.txt"]
+    assert listing(tmp_path / "cache") == [key("tiny", server.url("/text.txt")) + ".txt"]
     assert load_text(c) == TEXT  # served from the cache: no second request
     assert server.hits["/text.txt"] == 1
 
@@ -58,7 +77,8 @@ def test_download_then_cache_hit(tmp_path: Path, server: Server) -> None:
 def test_cache_without_checksum_is_reused(tmp_path: Path, server: Server) -> None:
     c = cfg(tmp_path, server.url("/text.txt"), sha256=None)
     (tmp_path / "cache").mkdir()
-    (tmp_path / "cache" / "tiny.txt").write_text("already here\n", encoding="utf-8")
+    entry = tmp_path / "cache" / (key("tiny", server.url("/text.txt")) + ".txt")
+    entry.write_text("already here\n", encoding="utf-8")
     assert load_text(c) == "already here\n"
     assert server.hits["/text.txt"] == 0
 
@@ -66,10 +86,11 @@ def test_cache_without_checksum_is_reused(tmp_path: Path, server: Server) -> Non
 def test_corrupt_cache_is_downloaded_again(tmp_path: Path, server: Server) -> None:
     c = cfg(tmp_path, server.url("/text.txt"))
     (tmp_path / "cache").mkdir()
-    (tmp_path / "cache" / "tiny.txt").write_text("truncated", encoding="utf-8")
+    entry = tmp_path / "cache" / (key("tiny", server.url("/text.txt")) + ".txt")
+    entry.write_text("truncated", encoding="utf-8")
     assert load_text(c) == TEXT
     assert server.hits["/text.txt"] == 1
-    assert (tmp_path / "cache" / "tiny.txt").read_bytes() == BODY
+    assert entry.read_bytes() == BODY
 
 
 def test_checksum_mismatch_names_both_hashes_and_leaves_nothing(
@@ -79,7 +100,7 @@ def test_checksum_mismatch_names_both_hashes_and_leaves_nothing(
     with pytest.raises(DataError, match=f"expected {wrong}, got {SHA}") as info:
         load_text(cfg(tmp_path, server.url("/text.txt"), sha256=wrong))
     assert "\n" not in str(info.value)
-    assert list((tmp_path / "cache").iterdir()) == []  # no file, no temp file
+    assert listing(tmp_path / "cache") == []  # no file, no temp file
     assert server.hits["/text.txt"] == 1  # a mismatch is not retried
 
 
@@ -173,7 +194,150 @@ def test_fbtrain_cache_env_is_used_for_downloads(
     monkeypatch.setenv("FBTRAIN_CACHE", str(tmp_path / "env"))
     c = DataConfig(dataset="tiny", url=server.url("/text.txt"), sha256=SHA)
     assert load_text(c) == TEXT
-    assert (tmp_path / "env" / "tiny.txt").read_bytes() == BODY
+    assert (tmp_path / "env" / (key("tiny", server.url("/text.txt")) + ".txt")).read_bytes() == BODY
+
+
+# ------------------------------------------------------------------- cache key, lock, deadline
+
+
+def test_changing_the_url_downloads_from_the_new_one(tmp_path: Path, server: Server) -> None:
+    other = "A different corpus altogether.\n" * 20
+    server.routes["/other.txt"] = other.encode()
+    assert load_text(cfg(tmp_path, server.url("/text.txt"))) == TEXT
+    assert load_text(cfg(tmp_path, server.url("/other.txt"), sha256=None)) == other
+    assert server.hits["/other.txt"] == 1
+    # Both stay cached, each under its own key: going back downloads nothing.
+    assert load_text(cfg(tmp_path, server.url("/text.txt"))) == TEXT
+    assert load_text(cfg(tmp_path, server.url("/other.txt"), sha256=None)) == other
+    assert dict(server.hits) == {"/text.txt": 1, "/other.txt": 1}
+
+
+def test_cache_made_before_urls_were_keyed_serves_the_usual_address(
+    tmp_path: Path, server: Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A regression guard (it passes on the old layout too): the usual address keeps the
+    plain name, so nobody downloads Tiny Shakespeare again after upgrading."""
+    monkeypatch.setitem(SOURCES, "tinyshakespeare", Source(server.url("/text.txt"), SHA, "char"))
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / "tinyshakespeare.txt").write_bytes(BODY)
+    for url in (None, server.url("/text.txt")):  # null, or the usual address spelled out
+        assert load_text(DataConfig(url=url, cache_dir=str(tmp_path / "cache"))) == TEXT
+    assert sum(server.hits.values()) == 0
+
+
+def test_download_that_is_not_text_is_refused_and_not_cached(tmp_path: Path, server: Server
+                                                             ) -> None:
+    url = server.url("/latin1.txt")
+    server.routes["/latin1.txt"] = b"caf\xe9\n"
+    with pytest.raises(DataError, match=rf"^{url} is not valid UTF-8 \(byte 3\); nothing was "
+                       r"saved; check data.url, or work offline with --set data.path=FILE"):
+        load_text(cfg(tmp_path, url, sha256=None))
+    assert listing(tmp_path / "cache") == []
+    server.routes["/latin1.txt"] = "café\n".encode()  # fixed upstream: the next run gets it
+    assert load_text(cfg(tmp_path, url, sha256=None)) == "café\n"
+    assert server.hits["/latin1.txt"] == 2
+
+
+def test_refused_text_cached_by_older_versions_is_downloaded_again(
+    tmp_path: Path, server: Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(SOURCES, "tinyshakespeare", Source(server.url("/text.txt"), SHA, "char"))
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / "tinyshakespeare.txt").write_bytes(b"caf\xe9\n")  # refused each run
+    assert load_text(DataConfig(sha256=None, cache_dir=str(tmp_path / "cache"))) == TEXT
+    assert server.hits["/text.txt"] == 1
+
+
+def test_stale_temp_files_of_the_entry_are_removed(tmp_path: Path, server: Server) -> None:
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    entry = key("tiny", server.url("/text.txt")) + ".txt"
+    (cache / f".{entry}.k9x_2ab7.tmp").write_bytes(BODY[:100])  # a kill -9 mid-download
+    (cache / ".other.txt.k9x_2ab7.tmp").write_bytes(b"x")  # another entry's: may be live
+    assert load_text(cfg(tmp_path, server.url("/text.txt"))) == TEXT
+    assert listing(cache) == [".other.txt.k9x_2ab7.tmp", entry]
+
+
+def test_entry_being_downloaded_elsewhere_is_waited_for_and_left_alone(
+    tmp_path: Path, server: Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(data, "LOCK_WAIT", 0.3)
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    entry = key("tiny", server.url("/text.txt")) + ".txt"
+    temp = cache / f".{entry}.k9x_2ab7.tmp"  # the live download's file
+    temp.write_bytes(BODY[:100])
+    with open(cache / f".{entry}.lock", "w") as holder:
+        fcntl.flock(holder, fcntl.LOCK_EX)
+        holder.write(f"{os.getpid()}\n")
+        holder.flush()
+        with pytest.raises(DataError, match=rf"^cache entry {cache / entry} is still being "
+                           rf"written by another fbtrain process \(pid {os.getpid()}\) after "
+                           r"0.3 s of waiting; wait for it or stop it, or set data.cache_dir"):
+            load_text(cfg(tmp_path, server.url("/text.txt")))
+    assert temp.exists() and server.hits["/text.txt"] == 0
+
+
+def test_two_downloads_of_one_entry_at_once_fetch_it_once(
+    tmp_path: Path, server: Server, caplog: pytest.LogCaptureFixture
+) -> None:
+    waiting = threading.Event()
+
+    class Spot(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.getMessage().startswith("waiting for pid"):
+                waiting.set()
+
+    spot = Spot()
+    logging.getLogger("fbtrain.data").addHandler(spot)
+    caplog.set_level(logging.INFO, logger="fbtrain.data")
+    c = cfg(tmp_path, server.url("/gate"))
+    results: list[str] = []
+    threads = [threading.Thread(target=lambda: results.append(load_text(c))) for _ in range(2)]
+    try:
+        threads[0].start()
+        assert server.at_gate.wait(5)  # the first is mid-download, holding the lock
+        threads[1].start()
+        waiting.wait(5)  # the second waits for it (an unlocked one would reach the gate)
+        server.gate.set()
+        for t in threads:
+            t.join(5)
+    finally:
+        logging.getLogger("fbtrain.data").removeHandler(spot)
+    assert results == [TEXT, TEXT]
+    assert server.hits["/gate"] == 1
+    assert listing(tmp_path / "cache") == [key("tiny", server.url("/gate")) + ".txt"]
+
+
+def test_trickling_server_meets_the_download_deadline(
+    tmp_path: Path, server: Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(data, "DOWNLOAD_DEADLINE", 1.0)
+    url = server.url("/trickle")
+    start = time.monotonic()
+    with pytest.raises(DataError, match=rf"^could not download {url}: not finished within the "
+                       r"download deadline of 1 s; check your connection, or work offline"):
+        load_text(cfg(tmp_path, url, sha256=None))
+    assert time.monotonic() - start < 3  # the trickle alone would take 4 s
+    assert server.hits["/trickle"] == 1  # not retried: the deadline is for the whole download
+    assert listing(tmp_path / "cache") == []
+
+
+def test_body_cut_short_is_not_accepted(tmp_path: Path, server: Server) -> None:
+    """A regression guard for reading the body as it arrives: a connection closed before
+    Content-Length bytes came is a failed attempt, not a short file."""
+    with pytest.raises(DataError, match=r"IncompleteRead.*after 2 attempts"):
+        download(server.url("/short"), tmp_path / "x.txt", None, retries=2, backoff=0)
+    assert server.hits["/short"] == 2 and list(tmp_path.iterdir()) == []
+
+
+def test_deadline_bounds_the_retries_too(tmp_path: Path, server: Server) -> None:
+    start = time.monotonic()
+    with pytest.raises(DataError, match=r"not finished within the download deadline of 0.5 s"):
+        download(server.url("/stall"), tmp_path / "x.txt", None, timeout=0.2, retries=100,
+                 backoff=0, deadline=0.5)
+    assert time.monotonic() - start < 2 and server.hits["/stall"] <= 4
+    assert list(tmp_path.iterdir()) == []
 
 
 # ----------------------------------------------------------------------------- tokenizer
