@@ -37,7 +37,7 @@ import urllib3
 
 from fbtrain.config import MAX_VAL_FRACTION, DataConfig
 from fbtrain.io import atomic_write, atomic_write_text
-from fbtrain.rundir import _read_pid
+from fbtrain.rundir import read_pid
 from fbtrain.sources import AUTO_SHA256, SOURCES
 
 log = logging.getLogger(__name__)
@@ -415,7 +415,7 @@ class CacheLock:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 return
             except BlockingIOError:
-                pid = _read_pid(fd)
+                pid = read_pid(fd)
                 holder = f"pid {pid}" if pid else "pid unknown"
             if time.monotonic() >= give_up:
                 raise DataError(

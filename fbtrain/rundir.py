@@ -79,7 +79,7 @@ class RunDirLock:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = _read_pid(fd)
+            holder = read_pid(fd)
             os.close(fd)
             raise ConfigError([
                 f"run directory {self.run_dir} is in use by another fbtrain process "
@@ -144,7 +144,7 @@ def _file_error(path: Path, error: OSError) -> FileWriteError:
                                                       str(path))
 
 
-def _read_pid(fd: int) -> str:
+def read_pid(fd: int) -> str:
     """The process id the holder wrote ('' if it has not yet, or the file is odd)."""
     text = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
     return text if text.isdigit() else ""
