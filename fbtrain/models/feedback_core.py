@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import json
 import os
 import shlex
 import shutil
@@ -121,11 +122,8 @@ def extension_name(base: str, source: Path, cflags: Sequence[str],
     sharing a cache under one name would rebuild each time they alternate. One name per
     source gives each its own folder.
     """
-    digest = hashlib.sha256()
-    parts = [source.read_bytes(), *(s.encode() for s in (*cflags, "|", *ldflags)),
-             torch.__version__.encode()]
-    for part in parts:  # length-prefixed, so no two lists of parts hash alike
-        digest.update(len(part).to_bytes(8, "little") + part)
+    digest = hashlib.sha256(source.read_bytes())
+    digest.update(json.dumps([list(cflags), list(ldflags), torch.__version__]).encode())
     return f"{base}_{digest.hexdigest()[:8]}"
 
 
