@@ -146,3 +146,37 @@ def test_native_choice_without_a_compiler_exits_2(tmp_path):
                       "needs a C++ compiler (g++) on PATH: 'c++' not found (set CXX to name "
                       "another compiler)"]
     assert NOTICE not in result.stderr and "Traceback" not in result.stderr
+
+
+def _broken_compiler_env(tmp_path: Path, core: str) -> dict[str, str]:
+    """CXX=false: a compiler that exists but fails the ``$CXX --version`` torch runs to
+    check it (an empty extensions cache, so a build is attempted)."""
+    env = _no_compiler_env(tmp_path, core)
+    env.update(CXX="false", PATH=os.environ["PATH"])
+    return env
+
+
+def test_a_compiler_that_fails_its_check_falls_back_with_the_notice(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-c", "from fbtrain.models.feedback_core import core; "
+         "print(core().__name__)"], env=_broken_compiler_env(tmp_path, "auto"),
+        capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "fbtrain.models.python_core"
+    assert "Traceback" not in result.stderr
+    notices = [line for line in result.stderr.splitlines() if NOTICE in line]
+    assert len(notices) == 1
+    assert notices[0].startswith("fbtrain: could not build fbtrain's C++ core")
+    assert "'false' does not work as a C++ compiler (false --version exited with status 1" \
+        in notices[0]
+
+
+def test_native_choice_with_a_compiler_that_fails_its_check_exits_2(tmp_path):
+    result = _train(tmp_path, _broken_compiler_env(tmp_path, "native"))
+    assert result.returncode == 2, result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: could not build fbtrain's C++ core ({feedback_core.CSRC}); it "
+                      "needs a C++ compiler (g++) on PATH: 'false' does not work as a C++ "
+                      "compiler (false --version exited with status 1; set CXX to name "
+                      "another compiler)"]
+    assert NOTICE not in result.stderr and "Traceback" not in result.stderr

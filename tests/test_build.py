@@ -1,0 +1,298 @@
+"""Building the C++ core: one build folder per source, fbtrain's build lock (waiters say
+whom they wait for, Ctrl-C stops them), recovery from a build killed part-way, and a
+compiler that fails torch's check.
+
+The lock tests build a one-function C++ source (no torch headers: about a second) in a
+temporary TORCH_EXTENSIONS_DIR, in subprocesses, the way a second ``fbtrain`` would.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from fbtrain.models import feedback_core
+
+CXX = shutil.which("c++") or shutil.which("g++")
+needs_compiler = pytest.mark.skipif(CXX is None, reason="needs a C++ compiler")
+BASE = "fbtrain_test"
+
+# Builds the tiny source given as argv[1] with load_extension and prints what it returns.
+BUILDER = """
+import ctypes, signal, sys
+from pathlib import Path
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal, whatever
+# the parent did with SIGINT
+from fbtrain.models import feedback_core
+library = feedback_core.load_extension(sys.argv[2], Path(sys.argv[1]), [], [])
+print(ctypes.CDLL(str(library)).fbtrain_test_answer())
+"""
+
+
+def _tiny_source(tmp_path: Path, answer: int = 42) -> Path:
+    """A C++ file with one function; its text is unique to the test (a name of its own in
+    torch's per-process registry of extensions)."""
+    source = tmp_path / f"tiny_{answer}.cpp"
+    source.write_text(f"// {uuid.uuid4()}\n"
+                      f'extern "C" int fbtrain_test_answer() {{ return {answer}; }}\n')
+    return source
+
+
+@pytest.fixture
+def extensions(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An empty TORCH_EXTENSIONS_DIR, here and for subprocesses."""
+    root = tmp_path / "extensions"
+    root.mkdir()
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(root))
+    monkeypatch.delenv("CXX", raising=False)
+    return root
+
+
+def _builder(source: Path, env: dict[str, str] | None = None,
+             new_session: bool = False) -> subprocess.Popen:
+    """A subprocess building ``source`` (stdout: its answer; stderr: fbtrain's lines)."""
+    return subprocess.Popen([sys.executable, "-c", BUILDER, str(source), BASE],
+                            env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=new_session)
+
+
+@pytest.fixture
+def reap() -> Iterator[Callable[[subprocess.Popen], subprocess.Popen]]:
+    """Register a subprocess to be killed, with its session, at the end of the test."""
+    procs: list[subprocess.Popen] = []
+    yield lambda proc: procs.append(proc) or proc
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate()
+
+
+def _lines(stream) -> queue.Queue:
+    """The stream's lines as they come (a thread reads them), so a test can wait for one
+    with a timeout."""
+    lines: queue.Queue = queue.Queue()
+
+    def pump() -> None:
+        for line in stream:
+            lines.put(line.rstrip("\n"))
+        lines.put(None)
+
+    threading.Thread(target=pump, daemon=True).start()
+    return lines
+
+
+def _wait_for_line(lines: queue.Queue, pattern: str, timeout: float = 60) -> str:
+    """The first line matching ``pattern``; fails after ``timeout`` s or at end of stream."""
+    deadline = time.monotonic() + timeout
+    seen = []
+    while True:
+        try:
+            line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            pytest.fail(f"no line matching {pattern!r} within {timeout}s; saw {seen}")
+        if line is None:
+            pytest.fail(f"stream ended without a line matching {pattern!r}; saw {seen}")
+        if re.search(pattern, line):
+            return line
+        seen.append(line)
+
+
+def _wait_until(condition: Callable[[], bool], timeout: float = 60) -> None:
+    """Poll ``condition`` (every 50 ms) until it holds; fail after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout}s")
+        time.sleep(0.05)
+
+
+def _build_dir(source: Path) -> Path:
+    return feedback_core.build_directory(feedback_core.extension_name(BASE, source, [], []))
+
+
+# --- one build folder per source -----------------------------------------------------------
+
+def test_each_source_and_flag_set_gets_its_own_build_folder(tmp_path, extensions):
+    """torch keeps one folder per extension name; the name carries a hash of the source,
+    flags and torch version, so two checkouts sharing a cache never rebuild over each
+    other."""
+    a, b = _tiny_source(tmp_path, 1), _tiny_source(tmp_path, 2)
+    name = feedback_core.extension_name
+    assert re.fullmatch(rf"{BASE}_[0-9a-f]{{8}}", name(BASE, a, [], []))
+    assert name(BASE, a, ["-O3"], []) == name(BASE, a, ["-O3"], [])  # stable
+    names = {name(BASE, a, [], []), name(BASE, b, [], []), name(BASE, a, ["-O3"], []),
+             name(BASE, a, [], ["-O3"]), name(BASE, a, ["-O3", "-mavx2"], [])}
+    assert len(names) == 5
+    folders = {feedback_core.build_directory(n) for n in names}
+    assert len(folders) == 5 and all(f.parent == extensions and f.is_dir() for f in folders)
+
+
+def test_the_core_is_built_in_a_folder_named_for_its_source(tmp_path):
+    base, source, cflags, ldflags = feedback_core._core_recipe()
+    assert source == feedback_core.CSRC and base in ("fbtrain_core", "fbtrain_core_avx2")
+    name = feedback_core.extension_name(base, source, cflags, ldflags)
+    assert re.fullmatch(rf"{base}_[0-9a-f]{{8}}", name)
+    edited = tmp_path / "feedback_core.cpp"
+    edited.write_text(source.read_text() + "\n// another version\n")
+    assert feedback_core.extension_name(base, edited, cflags, ldflags) != name
+
+
+# --- the build lock ----------------------------------------------------------------------
+
+@needs_compiler
+def test_a_waiter_names_the_holder_then_builds_when_it_lets_go(tmp_path, extensions, reap):
+    source = _tiny_source(tmp_path)
+    build_dir = _build_dir(source)
+    with feedback_core.build_lock(build_dir) as locked:
+        assert locked
+        waiter = reap(_builder(source))
+        err = _lines(waiter.stderr)
+        line = _wait_for_line(err, "waiting")
+        assert line == (f"fbtrain: waiting for another process (pid {os.getpid()}) building "
+                        f"the C++ core in {build_dir}")
+        assert waiter.poll() is None  # still waiting while the lock is held
+    out, _ = waiter.communicate(timeout=120)
+    assert waiter.returncode == 0 and out.strip() == "42"
+
+
+@needs_compiler
+def test_ctrl_c_interrupts_a_waiter(tmp_path, extensions, reap):
+    source = _tiny_source(tmp_path)
+    with feedback_core.build_lock(_build_dir(source)):
+        waiter = reap(_builder(source))
+        err = _lines(waiter.stderr)
+        _wait_for_line(err, "waiting for another process")
+        waiter.send_signal(signal.SIGINT)
+        waiter.wait(timeout=20)  # seconds, not when the lock comes free
+    assert waiter.returncode in (-signal.SIGINT, 130)
+    rest = []
+    while (line := err.get(timeout=10)) is not None:
+        rest.append(line)
+    assert rest[-1] == "KeyboardInterrupt"
+
+
+def _slow_compiler(tmp_path: Path) -> tuple[dict[str, str], Path, Path]:
+    """CXX for a compiler whose compile step (``-c``) waits while a ``hold`` file exists,
+    after creating ``started``: a build that stays in progress until the test lets it go.
+    Named g++, which torch's compiler check accepts by name."""
+    bin_dir = tmp_path / "slowbin"
+    bin_dir.mkdir()
+    hold, started = tmp_path / "hold", tmp_path / "started"
+    wrapper = bin_dir / "g++"
+    wrapper.write_text(
+        "#!/bin/sh\n"
+        'case " $* " in *" -c "*)\n'
+        f'  touch "{started}"; while [ -e "{hold}" ]; do sleep 0.05; done;;\n'
+        "esac\n"
+        f'exec "{CXX}" "$@"\n')
+    wrapper.chmod(0o755)
+    hold.touch()
+    return {"CXX": str(wrapper)}, hold, started
+
+
+@needs_compiler
+def test_a_build_killed_part_way_does_not_hang_the_next(tmp_path, extensions, reap):
+    """kill -9 mid-compile leaves torch's ``lock`` file behind (what made every later run
+    wait forever); the next build clears it and completes."""
+    source = _tiny_source(tmp_path)
+    build_dir = _build_dir(source)
+    env, hold, started = _slow_compiler(tmp_path)
+    first = reap(_builder(source, env, new_session=True))
+    _wait_until(started.exists)  # compiling: inside torch's lock and fbtrain's
+    assert (build_dir / feedback_core.TORCH_LOCK).exists()
+    os.killpg(first.pid, signal.SIGKILL)  # python and ninja
+    first.wait(timeout=20)
+    for pid, _ in feedback_core._builders_in(build_dir):  # the compile: its own group
+        os.kill(pid, signal.SIGKILL)
+    _wait_until(lambda: not feedback_core._builders_in(build_dir), timeout=20)
+    assert (build_dir / feedback_core.TORCH_LOCK).exists()  # the stale state: no one left
+
+    second = reap(_builder(source))
+    out, err = second.communicate(timeout=120)
+    assert second.returncode == 0 and out.strip() == "42", err
+    assert f"fbtrain: removed the lock file a killed build left in {build_dir}" in err
+    assert not (build_dir / feedback_core.TORCH_LOCK).exists()
+
+
+@needs_compiler
+def test_the_next_build_waits_for_what_a_killed_build_left_running(
+        tmp_path, extensions, reap):
+    """kill -9 of fbtrain alone leaves its ninja finishing the compile in the build folder;
+    the next build waits for them (naming one) rather than compiling over them."""
+    source = _tiny_source(tmp_path)
+    build_dir = _build_dir(source)
+    env, hold, started = _slow_compiler(tmp_path)
+    first = reap(_builder(source, env, new_session=True))
+    _wait_until(started.exists)
+    first.kill()  # the python process only
+    first.wait(timeout=20)
+    builders = feedback_core._builders_in(build_dir)
+    assert "ninja" in {command for _, command in builders}
+
+    try:
+        second = reap(_builder(source))
+        err = _lines(second.stderr)
+        line = _wait_for_line(err, "waiting")
+        pid, command = builders[0]
+        assert line == (f"fbtrain: waiting for a build left running by a killed process "
+                        f"(pid {pid}, {command}) in {build_dir}")
+        assert second.poll() is None
+        hold.unlink()  # the orphaned compile finishes, and then its ninja dies
+        _wait_for_line(err, "removed the lock file")
+        out, _ = second.communicate(timeout=120)
+        assert second.returncode == 0 and out.strip() == "42"
+    finally:
+        hold.unlink(missing_ok=True)
+        for pid, _ in feedback_core._builders_in(build_dir):  # what is left of the first
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+# --- a compiler that fails torch's check ---------------------------------------------------
+
+def test_a_compiler_that_fails_its_check_is_a_core_build_error(tmp_path, extensions,
+                                                               monkeypatch):
+    """CXX=false exists, but fails the ``$CXX --version`` torch runs to check it: one line,
+    not the CalledProcessError's traceback."""
+    monkeypatch.setenv("CXX", "false")
+    with pytest.raises(feedback_core.CoreBuildError,
+                       match=r"^could not build fbtrain's C\+\+ core .*: 'false' does not work "
+                             r"as a C\+\+ compiler \(false --version exited with status 1; "
+                             r"set CXX to name another compiler\)$"):
+        feedback_core.load_extension(BASE, _tiny_source(tmp_path), [], [])
+
+
+@needs_compiler
+def test_the_core_loads_past_the_lock_a_killed_build_left(tmp_path):
+    """The reported hang: after a killed first build every run printed "compiling the C++
+    core" and waited forever. The core's build (copied from this session's cache, so
+    nothing compiles) with the ``lock`` file a killed build leaves loads within seconds."""
+    feedback_core.native_ops()  # this session's build, made here if not yet
+    recipe = feedback_core._core_recipe()
+    name = feedback_core.extension_name(*recipe)
+    root = tmp_path / "extensions"
+    shutil.copytree(feedback_core.build_directory(name), root / name)  # keeps the mtimes
+    (root / name / feedback_core.TORCH_LOCK).touch()
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(root), "FBTRAIN_CORE": "native",
+           "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(
+        [sys.executable, "-c", "from fbtrain.models.feedback_core import core; "
+         "print(core().__name__)"], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "NativeCore"
+    assert result.stderr.splitlines() == [
+        f"fbtrain: removed the lock file a killed build left in {root / name}"]
