@@ -9,9 +9,11 @@ problem at once as one line each (file, key, value, what is allowed) in a
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import difflib
 import math
 import re
+import reprlib
 import types
 import typing
 from dataclasses import dataclass, field
@@ -19,6 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from fbtrain.algorithmic import MIN_PRINTING_LEN
 
 # Re-exported: the defaults of configs written before data.url could be null name them.
 from fbtrain.sources import (  # noqa: F401
@@ -35,6 +39,10 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_VAL_FRACTION = 0.5  # more held out than trained on is a mistake, not a choice
 VAL_FRACTION = 0.1  # data.val_fraction's default (the only value enwik8/text8 accept)
 _HEX64 = re.compile(r"[0-9a-fA-F]{64}")
+# A YAML document may stand for far more values than it holds: nine levels of nine aliases
+# of nine strings are 400 bytes and 387 million strings. No config comes near this.
+MAX_YAML_VALUES = 100_000
+MAX_SHOWN = 80  # characters of a value that an error message shows
 
 
 class ConfigError(ValueError):
@@ -53,7 +61,48 @@ def _f(default: Any, help: str, **checks: Any) -> Any:
 
 
 def _copy(value: Any) -> Any:
+    """A deep copy through YAML (shared values stay shared, as aliases)."""
     return yaml.safe_load(yaml.safe_dump(value))
+
+
+class _ShortRepr(reprlib.Repr):
+    """repr() that stops early: a message never prints (or even walks) a huge value."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.maxlevel = 3
+        self.maxlist = self.maxtuple = self.maxdict = self.maxset = self.maxfrozenset = 6
+        self.maxstring = self.maxlong = self.maxother = MAX_SHOWN
+
+    def repr_dict(self, x: dict, level: int) -> str:
+        """As reprlib's, but in the order the keys were written (reprlib sorts them)."""
+        if not x:
+            return "{}"
+        if level <= 0:
+            return "{...}"
+        items = [f"{self.repr1(k, level - 1)}: {self.repr1(v, level - 1)}"
+                 for k, v in list(x.items())[:self.maxdict]]
+        return "{" + ", ".join(items) + (", ..." if len(x) > self.maxdict else "") + "}"
+
+    def repr_int(self, x: int, level: int) -> str:
+        """Digits, or past Python's 4300-digit limit for int-to-text, their count."""
+        try:
+            return super().repr_int(x, level)
+        except ValueError:
+            return f"<an integer of about {int(x.bit_length() * math.log10(2))} digits>"
+
+
+_SHORT_REPR = _ShortRepr()
+
+
+def _show(value: Any) -> str:
+    """``repr(value)`` for an error message: at most MAX_SHOWN characters."""
+    return _cut(_SHORT_REPR.repr(value))
+
+
+def _cut(text: str) -> str:
+    """``text`` cut to MAX_SHOWN characters (a key or value quoted in a message)."""
+    return text if len(text) <= MAX_SHOWN else text[:MAX_SHOWN - 3] + "..."
 
 
 @dataclass
@@ -66,6 +115,18 @@ class RunConfig:
         "auto", "auto (bf16 autocast on CUDA, fp32 on CPU), fp32, bf16 or fp16.",
         choices=("auto", "fp32", "bf16", "fp16"),
     )
+
+    def problems(self) -> list[tuple[str, Any, str]]:
+        """Field checks, and run.name: a folder name, never a path (it is joined to
+        run.out_dir, and '..' or 'a/b' would put the run elsewhere)."""
+        out = _field_problems(self)
+        name = self.name
+        if isinstance(name, str) and (name in ("", ".", "..") or
+                                      any(c in name for c in ("/", "\\", "\0"))):
+            out.append(("name", name, "must be a plain folder name (one path component: not "
+                        "empty, '.' or '..', no / or \\ or NUL); the run directory is "
+                        "<run.out_dir>/<run.name>, so put the path in run.out_dir"))
+        return out
 
 
 @dataclass
@@ -113,6 +174,13 @@ class DataConfig:
         sha = self.sha256
         if isinstance(sha, str) and sha != AUTO_SHA256 and not _HEX64.fullmatch(sha.strip()):
             out.append(("sha256", sha, f"must be {AUTO_SHA256}, null or 64 hex digits"))
+        if self.dataset == "algorithmic" and isinstance(longest, int) and (
+                1 <= longest < MIN_PRINTING_LEN):
+            out.append(("program_len", longest, f"must be >= {MIN_PRINTING_LEN} for "
+                        "data.dataset = algorithmic: a program's first statement always "
+                        "assigns a variable, so a print (the only scored token) needs a "
+                        "second statement; with none there is nothing to train or "
+                        "validate on"))
         if self.dataset in ARCHIVED and self.val_fraction != VAL_FRACTION:
             out.append(("val_fraction", self.val_fraction, f"does not apply to {self.dataset}: "
                         "its splits are fixed (the last 5,000,000 bytes test, the 5,000,000 "
@@ -375,7 +443,7 @@ def _build_section(cls: type, raw: Any, name: str, where: str, problems: list[st
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
-        problems.append(f"{where}: {name} = {raw!r}: must be a mapping of keys to values")
+        problems.append(f"{where}: {name} = {_show(raw)}: must be a mapping of keys to values")
         return cls()
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
@@ -385,14 +453,15 @@ def _build_section(cls: type, raw: Any, name: str, where: str, problems: list[st
             close = difflib.get_close_matches(str(key), names, n=1)
             hint = f" (did you mean {name}.{close[0]}?)" if close else ""
             problems.append(
-                f"{where}: unknown key {name}.{key}{hint}; allowed: {', '.join(names)}"
+                f"{where}: unknown key {name}.{_cut(str(key))}{hint}; allowed: "
+                f"{', '.join(names)}"
             )
             continue
         allowed_types = _allowed_types(hints[key])
         ok, coerced = _coerce(value, allowed_types)
         if not ok:
             problems.append(
-                f"{where}: {name}.{key} = {value!r}: must be {_type_name(allowed_types)}"
+                f"{where}: {name}.{key} = {_show(value)}: must be {_type_name(allowed_types)}"
             )
             continue
         values[key] = coerced
@@ -400,35 +469,39 @@ def _build_section(cls: type, raw: Any, name: str, where: str, problems: list[st
     checker = getattr(section, "problems", None)
     found = checker() if checker else _field_problems(section)
     for key, value, message in found:
-        problems.append(f"{where}: {name}.{key} = {value!r}: {message}")
+        problems.append(f"{where}: {name}.{key} = {_show(value)}: {message}")
     return section
 
 
 def _build_curriculum(raw: Any, where: str, problems: list[str]) -> list[CurriculumStage]:
+    """The curriculum's stages; problems go to ``problems``. Stages that have one are left
+    out (and with none left, the default curriculum stands in: check nothing against it)."""
     shape = "a list of stages like [{until_step: 1000, seq_len: 32}, {seq_len: 64}]"
     if raw is None:
         raw = DEFAULT_CURRICULUM
     if isinstance(raw, int) and not isinstance(raw, bool):
         raw = [{"seq_len": raw}]
     if not isinstance(raw, list) or not raw:
-        problems.append(f"{where}: curriculum = {raw!r}: must be {shape}")
+        problems.append(f"{where}: curriculum = {_show(raw)}: must be {shape}")
         return [CurriculumStage(**s) for s in DEFAULT_CURRICULUM]
     stages: list[CurriculumStage] = []
     previous = 0
     for i, item in enumerate(raw):
         key = f"curriculum[{i}]"
         if not isinstance(item, dict) or "seq_len" not in item:
-            problems.append(f"{where}: {key} = {item!r}: must be {{seq_len: N[, until_step: S]}}")
+            problems.append(f"{where}: {key} = {_show(item)}: must be "
+                            "{seq_len: N[, until_step: S]}")
             continue
         unknown = set(item) - {"seq_len", "until_step"}
         if unknown:
-            problems.append(f"{where}: unknown key {key}.{sorted(unknown)[0]}; "
+            # str(): keys may mix types (1 and 'a'), which do not sort together.
+            problems.append(f"{where}: unknown key {key}.{_cut(sorted(map(str, unknown))[0])}; "
                             "allowed: seq_len, until_step")
         seq_len, until = item["seq_len"], item.get("until_step")
         if (not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 1
                 or seq_len > INT64_MAX):
-            problems.append(f"{where}: {key}.seq_len = {seq_len!r}: must be an integer >= 1"
-                            f" (at most {INT64_MAX})")
+            problems.append(f"{where}: {key}.seq_len = {_show(seq_len)}: must be an integer "
+                            f">= 1 (at most {INT64_MAX})")
             continue
         last = i == len(raw) - 1
         if until is None and not last:
@@ -438,7 +511,7 @@ def _build_curriculum(raw: Any, where: str, problems: list[str]) -> list[Curricu
         if until is not None:
             if (not isinstance(until, int) or isinstance(until, bool) or until <= previous
                     or until > INT64_MAX):
-                problems.append(f"{where}: {key}.until_step = {until!r}: must be an integer "
+                problems.append(f"{where}: {key}.until_step = {_show(until)}: must be an integer "
                                 f"> {previous} (stages run in order; at most {INT64_MAX})")
                 continue
             previous = until
@@ -446,13 +519,17 @@ def _build_curriculum(raw: Any, where: str, problems: list[str]) -> list[Curricu
     return stages or [CurriculumStage(**s) for s in DEFAULT_CURRICULUM]
 
 
-def _cross_checks(cfg: Config, where: str) -> list[str]:
+def _cross_checks(cfg: Config, where: str, curriculum_ok: bool = True) -> list[str]:
+    """Problems between keys of different sections. ``curriculum_ok``: the curriculum as
+    written had no problem; otherwise it is only what was left of it (or the default), and
+    a problem found in that would be about stages the user never wrote."""
     out = []
-    for i, stage in enumerate(cfg.curriculum):
+    stages = cfg.curriculum if curriculum_ok else []
+    for i, stage in enumerate(stages):
         if stage.seq_len > cfg.model.max_rel_pos:
             out.append(f"{where}: curriculum[{i}].seq_len = {stage.seq_len}: must be <= "
                        f"model.max_rel_pos ({cfg.model.max_rel_pos})")
-    lengths = {stage.seq_len for stage in cfg.curriculum}
+    lengths = {stage.seq_len for stage in stages}
     if cfg.train.context == "carry" and cfg.train.constant_tokens and len(lengths) > 1:
         out.append(f"{where}: train.context = carry with train.constant_tokens = true and "
                    f"curriculum lengths {sorted(lengths)}: carried streams keep one batch "
@@ -463,7 +540,15 @@ def _cross_checks(cfg: Config, where: str) -> list[str]:
     device = cfg.run.device
     if not (device in ("auto", "cpu", "cuda") or
             (device.startswith("cuda:") and device[5:].isdigit())):
-        out.append(f"{where}: run.device = {device!r}: must be auto, cpu, cuda or cuda:N")
+        out.append(f"{where}: run.device = {_show(device)}: must be auto, cpu, cuda or cuda:N")
+    if cfg.data.dataset == "algorithmic":
+        # The programs are generated: a file or address given as well would go unread.
+        for key in ("path", "url"):
+            value = getattr(cfg.data, key)
+            if value is not None:
+                out.append(f"{where}: data.{key} = {_show(value)}: does not apply to "
+                           "data.dataset = algorithmic (its programs are generated from "
+                           "data.seed); remove the key, or name another dataset")
     return out
 
 
@@ -480,14 +565,24 @@ def config_from_dict(raw: Any, where: str = "<config>") -> Config:
         if key not in allowed:
             close = difflib.get_close_matches(str(key), allowed, n=1)
             hint = f" (did you mean {close[0]}?)" if close else ""
-            problems.append(f"{where}: unknown section {key}{hint}; allowed: {', '.join(allowed)}")
-    sections = {
-        name: _build_section(cls, raw.get(name), name, where, problems)
-        for name, cls in SECTIONS.items()
-    }
+            problems.append(f"{where}: unknown section {_cut(str(key))}{hint}; allowed: "
+                            f"{', '.join(allowed)}")
+    sections, sized = {}, True  # sized: every key the memory estimate reads is valid
+    for name, cls in SECTIONS.items():
+        before = len(problems)
+        sections[name] = _build_section(cls, raw.get(name), name, where, problems)
+        sized = sized and (name not in ("model", "train") or len(problems) == before)
+    before = len(problems)
     curriculum = _build_curriculum(raw.get("curriculum"), where, problems)
+    curriculum_ok = len(problems) == before
     cfg = Config(curriculum=curriculum, **sections)
-    problems += _cross_checks(cfg, where)
+    problems += _cross_checks(cfg, where, curriculum_ok)
+    if sized and curriculum_ok:
+        from fbtrain.budget import memory_problem
+
+        too_big = memory_problem(cfg)
+        if too_big:
+            problems.append(f"{where}: {too_big}")
     if problems:
         raise ConfigError(problems)
     return cfg
@@ -510,6 +605,10 @@ def read_yaml(path: str | Path) -> Any:
         line = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
         raise ConfigError([f"{path}:{line}: malformed YAML: {problem}"]) from None
+    except _YAMLTooBig:
+        raise ConfigError([f"{path}: {_YAMLTooBig.message('the YAML')}"]) from None
+    except (ValueError, RecursionError) as e:
+        raise ConfigError([f"{path}: {_yaml_failure(e)}"]) from None
     finally:
         loader.dispose()
     if loader.duplicates:
@@ -517,13 +616,119 @@ def read_yaml(path: str | Path) -> Any:
     return data
 
 
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """yaml.safe_load that notes every key given twice in one mapping (YAML keeps the last
-    silently, so a second ``lr:`` further down would quietly win over the first)."""
+class _YAMLTooBig(Exception):
+    """The document stands for more than MAX_YAML_VALUES values once aliases are expanded."""
+
+    @staticmethod
+    def message(what: str) -> str:
+        """The problem, said of ``what`` (the YAML, the value)."""
+        return (f"{what} expands to more than {MAX_YAML_VALUES:,} values through its aliases "
+                "(each *name repeats everything &name anchors); a config holds a few dozen: "
+                "write the values out instead")
+
+
+def _yaml_failure(e: ValueError | RecursionError) -> str:
+    """One line for what PyYAML raises outside its own errors: a value its constructors
+    cannot build (a 5000-digit number, the date 2024-13-45) or nesting past the stack."""
+    if isinstance(e, RecursionError):
+        return ("malformed YAML: lists or mappings nested too deeply (thousands of levels); "
+                "a config needs three at most")
+    first = str(e).splitlines()[0] if str(e) else repr(e)
+    return f"malformed YAML: a value cannot be read: {_cut(first)}"
+
+
+def _expanded_size(root: yaml.Node, limit: int) -> int:
+    """Values (nodes) the document ``root`` stands for with every alias expanded, counted
+    up to just past ``limit``. An alias is the anchored node itself in the composed graph,
+    so sizes are memoised per node: the count costs one visit per distinct node however
+    often it is repeated. A node inside itself (``&a [*a]``) expands without end."""
+    sizes: dict[int, int] = {}
+    open_nodes: set[int] = set()
+
+    def size(node: yaml.Node) -> int:
+        key = id(node)
+        if key in sizes:
+            return sizes[key]
+        if key in open_nodes:
+            return limit + 1
+        open_nodes.add(key)
+        if isinstance(node, yaml.SequenceNode):
+            children = node.value
+        elif isinstance(node, yaml.MappingNode):
+            children = [child for pair in node.value for child in pair]
+        else:
+            children = []
+        total = 1
+        for child in children:
+            total += size(child)
+            if total > limit:
+                break
+        open_nodes.discard(key)
+        sizes[key] = total
+        return total
+
+    return size(root)
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """yaml.safe_load that refuses, before building anything, a document whose aliases
+    expand past MAX_YAML_VALUES values (PyYAML would build it as shared references, but
+    copying or printing it walks every one: minutes, then a MemoryError)."""
+
+    def get_single_data(self) -> Any:
+        node = self.get_single_node()
+        if node is None:
+            return None
+        if _expanded_size(node, MAX_YAML_VALUES) > MAX_YAML_VALUES:
+            raise _YAMLTooBig()
+        self.before_construct(node)
+        return self.construct_document(node)
+
+    def before_construct(self, node: yaml.Node) -> None:
+        """A look at the composed document before it is built (nothing here)."""
+
+
+def _load_yaml_value(text: str) -> Any:
+    """yaml.safe_load of one --set value, under the same bound as a file."""
+    loader = _BoundedLoader(text)
+    try:
+        return loader.get_single_data()
+    finally:
+        loader.dispose()
+
+
+_STR_TAG, _NULL_TAG = "tag:yaml.org,2002:str", "tag:yaml.org,2002:null"
+
+
+class _UniqueKeyLoader(_BoundedLoader):
+    """The config file's loader: notes every key given twice in one mapping (YAML keeps the
+    last silently, so a second ``lr:`` further down would quietly win over the first), and
+    reads each text field's plain scalar as the text written (see :meth:`before_construct`)."""
 
     def __init__(self, stream: str):
         super().__init__(stream)
         self.duplicates: list[tuple[int, str]] = []  # (line, message)
+
+    def before_construct(self, node: yaml.Node) -> None:
+        """Text fields (run.name, data.path, ...) keep the text written: YAML 1.1 would read
+        ``name: 007`` as 7, ``yes`` as True and ``2024-06-01`` as a date. Only plain
+        (unquoted) scalars that would not be null change; as --set does (apply_overrides)."""
+        if not isinstance(node, yaml.MappingNode):
+            return
+        for section_node, body in node.value:
+            if not (isinstance(section_node, yaml.ScalarNode)
+                    and isinstance(body, yaml.MappingNode)):
+                continue
+            for i, (key_node, value_node) in enumerate(body.value):
+                if (isinstance(key_node, yaml.ScalarNode)
+                        and isinstance(value_node, yaml.ScalarNode)
+                        and value_node.style is None
+                        and value_node.tag not in (_STR_TAG, _NULL_TAG)
+                        and _is_text_field(section_node.value, key_node.value)):
+                    # A new node, not a retagged one: an alias elsewhere keeps its type.
+                    text = yaml.ScalarNode(_STR_TAG, value_node.value, value_node.start_mark,
+                                           value_node.end_mark, style=None)
+                    body.value[i] = (key_node, text)
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
         first_line: dict[Any, int] = {}
@@ -532,7 +737,7 @@ class _UniqueKeyLoader(yaml.SafeLoader):
             line = key_node.start_mark.line + 1
             try:
                 if key in first_line:
-                    self.duplicates.append((line, f"duplicate key {key!r} at line {line} "
+                    self.duplicates.append((line, f"duplicate key {_show(key)} at line {line} "
                                             f"(first given at line {first_line[key]}); "
                                             "give each key once"))
                 else:
@@ -549,26 +754,34 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
         key, sep, text = item.partition("=")
         key = key.strip()
         if not sep or not key:
-            problems.append(f"--set {item!r}: must look like section.key=value")
+            problems.append(f"--set {_show(item)}: must look like section.key=value")
             continue
         try:
-            value = yaml.safe_load(text) if text.strip() else None
+            value = _load_yaml_value(text) if text.strip() else None
+        except _YAMLTooBig:
+            problems.append(f"--set {_show(item)}: {_YAMLTooBig.message('the value')}")
+            continue
+        except (ValueError, RecursionError) as e:
+            problems.append(f"--set {_show(item)}: {_yaml_failure(e)}")
+            continue
         except yaml.YAMLError:
-            problems.append(f"--set {item!r}: value {text!r} is not valid YAML")
+            problems.append(f"--set {_show(item)}: value {_show(text)} is not valid YAML")
             continue
         parts = key.split(".")
         if parts == ["curriculum"]:
             raw["curriculum"] = value
             continue
         if len(parts) != 2:
-            problems.append(f"--set {item!r}: key must be section.key (or curriculum)")
+            problems.append(f"--set {_show(item)}: key must be section.key (or curriculum)")
             continue
         section = raw.setdefault(parts[0], {})
         if not isinstance(section, dict):
-            problems.append(f"--set {item!r}: {parts[0]} is not a section")
+            problems.append(f"--set {_show(item)}: {parts[0]} is not a section")
             continue
-        if _is_text_field(parts[0], parts[1]) and isinstance(value, (int, float)):
-            value = text.strip()  # run.name=007 stays "007", not the integer 7
+        if (_is_text_field(parts[0], parts[1])
+                and isinstance(value, (int, float, datetime.date))):
+            # run.name=007 stays "007" (not the integer 7), 2024-06-01 too (not a date).
+            value = text.strip()
         section[parts[1]] = value
     if problems:
         raise ConfigError(problems)
@@ -596,7 +809,7 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
     file_problems = []
     for name in SECTIONS:
         if raw.get(name) is not None and not isinstance(raw[name], dict):
-            file_problems.append(f"{where}: {name} = {raw[name]!r}: must be a mapping of "
+            file_problems.append(f"{where}: {name} = {_show(raw[name])}: must be a mapping of "
                                  "keys to values")
             raw[name] = {}
     try:

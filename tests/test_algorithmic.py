@@ -179,6 +179,31 @@ def test_one_variable_and_the_variable_names() -> None:
         algorithmic.generate_program(random.Random(0), 6, 10)
 
 
+@pytest.mark.parametrize("variables", [1, 5])
+def test_the_shortest_program_that_can_print(variables: int) -> None:
+    """MIN_PRINTING_LEN, which the config holds data.program_len to: shorter programs never
+    print (nothing to score), programs of that length can."""
+    shortest = algorithmic.MIN_PRINTING_LEN
+    for length in range(1, shortest):
+        programs = algorithmic.generate_split(0, "val", 500, variables, length)
+        assert not any(s.label for p in programs for s in p)
+    programs = algorithmic.generate_split(0, "val", 500, variables, shortest)
+    assert any(s.label for p in programs for s in p)
+
+
+def test_a_setting_with_nothing_to_score_is_refused() -> None:
+    from fbtrain.config import ConfigError, load_config
+
+    sets = ["data.dataset=algorithmic", "data.variables=1", "data.program_len=1"]
+    with pytest.raises(ConfigError, match=r"^<defaults> \(with --set\): data\.program_len = 1: "
+                       r"must be >= 2 for data\.dataset = algorithmic: a program's first "
+                       r"statement always assigns a variable"):
+        load_config(None, sets)
+    assert load_config(None, [*sets[:2], "data.program_len=2"]).data.program_len == 2
+    # Only the algorithmic task reads the key.
+    assert load_config(None, ["data.program_len=1"]).data.program_len == 1
+
+
 def test_deterministic_and_splits_differ() -> None:
     def text(seed: int, split: str, count: int = 30) -> list[str]:
         return [algorithmic.program_text(p)

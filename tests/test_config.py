@@ -418,3 +418,285 @@ def test_total_tokens_is_the_sum_over_steps(path: Path):
                                "curriculum=[{until_step: 5, seq_len: 8}, {until_step: 9, "
                                "seq_len: 16}, {seq_len: 32}]", "model.max_rel_pos=64"])
     assert short.total_tokens() == total_tokens(short) * 3
+
+
+# ----------------------------------------------------------------------------- memory
+
+
+GIB = 2**30
+
+
+@pytest.fixture
+def machine(monkeypatch: pytest.MonkeyPatch) -> int:
+    """This machine has 24 GiB, whatever it really has (messages quote the figure)."""
+    from fbtrain import budget
+
+    monkeypatch.setattr(budget, "physical_memory", lambda: 24 * GIB)
+    return 24 * GIB
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["model.d_model=1048576"],
+         r"model\.d_model = 1048576: training needs at least 160\.4 TiB of memory \(weights, "
+         r"gradients and AdamW state: 160\.3 TiB\) but this machine has 24\.0 GiB; make it "
+         r"smaller$"),
+        (["model.max_rel_pos=1000000000000"],
+         r"model\.max_rel_pos = 1000000000000: training needs at least 7\.5 PiB .*AdamW state"),
+        (["model.d_ff=100000000000"], r"model\.d_ff = 100000000000: training needs at least "),
+        (["model.n_layers=1000000000"], r"model\.n_layers = 1000000000: training needs "),
+        (["train.batch_size=1000000000000"],
+         r"train\.batch_size = 1000000000000: training needs at least 1\.4 EiB of memory "
+         r"\(activations of one micro-batch: 1\.4 EiB\)"),
+        # Every micro-batch of a step is drawn before the first forward.
+        (["train.grad_accum=1000000000"],
+         r"train\.grad_accum = 1000000000: training needs at least 15\.1 TiB of memory "
+         r"\(token windows of one step's 1,000,000,000 micro-batches: 15\.1 TiB\)"),
+        # With carried memory every one of batch_size x grad_accum streams keeps a window.
+        (["train.context=carry", "train.constant_tokens=false",
+          "train.grad_accum=1000000000"],
+         r"train\.grad_accum = 1000000000: .*\(carried memory of train\.batch_size x "
+         r"train\.grad_accum = 16,000,000,000 streams: 89\.4 PiB\)"),
+        (["model.d_model=16384", "model.n_layers=64"],
+         r"model\.d_model = 16384, model\.n_layers = 64: training needs at least 624\.5 GiB"
+         r".*; make them smaller$"),
+        (["curriculum=100000", "model.max_rel_pos=100000"],
+         r"curriculum\[0\]\.seq_len = 100000, model\.max_rel_pos = 100000: training needs "),
+        # The transformer scores every position against every one: the window does not cap it.
+        (["model.kind=transformer", "curriculum=65536", "model.max_rel_pos=65536"],
+         r"curriculum\[0\]\.seq_len = 65536: training needs at least 4\.0 TiB of memory "
+         r"\(activations of one micro-batch: 4\.0 TiB\)"),
+    ],
+)
+def test_sizes_that_cannot_fit_in_memory_are_refused(machine: int, overrides: list[str],
+                                                     message: str):
+    found = problems(*overrides)
+    assert len(found) == 1, found
+    assert re.search(r"^<defaults> \(with --set\): " + message, found[0]), found
+
+
+def test_what_fits_is_not_refused(monkeypatch: pytest.MonkeyPatch, machine: int):
+    """The estimate is held against the memory there is, and nothing else: the config
+    refused on 24 GiB loads on a machine with more than it needs."""
+    from fbtrain import budget
+
+    sets = ["model.d_model=8192", "model.n_layers=8"]
+    assert "training needs" in problems(*sets)[0]
+    cfg = load_config(None)
+    need = budget.estimate(dataclasses.replace(
+        cfg, model=dataclasses.replace(cfg.model, d_model=8192, n_layers=8))).total
+    assert need > machine
+    monkeypatch.setattr(budget, "physical_memory", lambda: need)
+    assert load_config(None, sets).model.d_model == 8192
+
+
+@pytest.mark.parametrize("kind", ["feedback", "feedback_kv", "transformer"])
+@pytest.mark.parametrize("memory_norm", ["none", "layernorm"])
+def test_parameter_count_is_the_models_but_for_the_vocabulary(kind: str, memory_norm: str):
+    from fbtrain.budget import parameter_count
+    from fbtrain.models import build_model
+
+    cfg = load_config(None, [f"model.kind={kind}", f"model.memory_norm={memory_norm}",
+                             "model.d_model=24", "model.n_heads=3", "model.d_ff=40",
+                             "model.n_layers=3", "model.max_rel_pos=17",
+                             "curriculum=16"]).model
+    vocab = 11
+    model = build_model(cfg, vocab)
+    by_vocabulary = 2 * vocab * cfg.d_model + vocab  # embedding, head weight and bias
+    assert parameter_count(cfg) == sum(p.numel() for p in model.parameters()) - by_vocabulary
+
+
+def kept_bytes(model: torch.nn.Module, x: torch.Tensor) -> int:
+    """Bytes a forward keeps for its backward, parameters aside: what autograd saves, and
+    what the feedback core's autograd node holds itself (its buffers and tape)."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    storages: dict[int, int] = {}
+
+    def note(t: object) -> None:
+        if isinstance(t, torch.Tensor):
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in params:
+                storages[storage.data_ptr()] = storage.nbytes()
+        elif isinstance(t, (list, tuple)):
+            for item in t:
+                note(item)
+        elif dataclasses.is_dataclass(t):
+            for f in dataclasses.fields(t):
+                note(getattr(t, f.name))
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        note(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        logits, _ = model(x)
+    todo, seen = [logits.grad_fn], set()
+    while todo:
+        node = todo.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        for name in ("buffers", "tape"):  # FeedbackCoreFunction's own
+            note(getattr(node, name, None))
+        todo.extend(next_node for next_node, _ in node.next_functions)
+    return sum(storages.values())
+
+
+@pytest.mark.parametrize("kind", ["feedback", "feedback_kv", "transformer"])
+@pytest.mark.parametrize(("heads", "seq_len", "window"), [(2, 12, 8), (8, 24, 24)])
+def test_activation_estimate_is_a_lower_bound(monkeypatch: pytest.MonkeyPatch, kind: str,
+                                              heads: int, seq_len: int, window: int):
+    """Never refuse what fits: the estimate of one micro-batch's activations stays below what
+    a forward really keeps for its backward (the PyTorch core's tape: the C++ core keeps
+    the same tensors)."""
+    from fbtrain.budget import estimate
+    from fbtrain.models import build_model
+    from fbtrain.models.feedback_core import CORE_ENV
+
+    monkeypatch.setenv(CORE_ENV, "python")
+    cfg = load_config(None, [f"model.kind={kind}", "model.d_model=32", f"model.n_heads={heads}",
+                             "model.d_ff=48", "model.n_layers=2", f"model.max_rel_pos={seq_len}",
+                             f"model.mem_len={window}",
+                             "train.batch_size=3", f"curriculum={seq_len}",
+                             "run.precision=fp32"])
+    torch.manual_seed(0)
+    model = build_model(cfg.model, 5)
+    x = torch.randint(0, 5, (3, seq_len))
+    assert 0 < estimate(cfg).activations <= kept_bytes(model, x)
+
+
+# ----------------------------------------------------------------------------- YAML limits
+
+
+def alias_bomb(levels: int = 9) -> str:
+    """``a: &a [x, ... x]``, ``b: &b [*a, ... *a]``, ...: 9 ** levels strings in ~400 bytes."""
+    lines = [f"a: &a [{', '.join(['x'] * 9)}]"]
+    names = "abcdefghijklmnopqrstuvwxyz"
+    for previous, name in zip(names[:levels - 1], names[1:levels], strict=True):
+        lines.append(f"{name}: &{name} [{', '.join(['*' + previous] * 9)}]")
+    return "\n".join(lines) + "\n"
+
+
+def test_an_alias_bomb_is_refused_before_it_is_built(tmp_path: Path):
+    path = write(tmp_path, alias_bomb() + "curriculum: *i\n")
+    assert len(path.read_bytes()) < 500
+    assert problems(path=path) == [
+        f"{path}: the YAML expands to more than 100,000 values through its aliases (each "
+        "*name repeats everything &name anchors); a config holds a few dozen: write the "
+        "values out instead"]
+    # The same anchors in one --set value (a flow list of the lists).
+    flow = "[" + ", ".join(line.split(": ", 1)[1] for line in alias_bomb().splitlines()) + "]"
+    found = problems(f"curriculum={flow}")
+    assert len(found) == 1 and found[0].endswith(
+        ": the value expands to more than 100,000 values through its aliases (each *name "
+        "repeats everything &name anchors); a config holds a few dozen: write the values out "
+        "instead"), found
+    assert found[0].startswith("--set 'curriculum=[") and len(found[0]) < 300
+    # A self-referencing anchor expands without end.
+    assert "expands to more than" in problems(path=write(tmp_path, "run: &r {name: *r}\n",
+                                                         "loop.yaml"))[0]
+
+
+def test_messages_print_at_most_a_few_dozen_characters_of_a_value(tmp_path: Path):
+    path = write(tmp_path, alias_bomb(4) + "run:\n  name: *d\ntrain:\n  lr: [" +
+                 ", ".join(map(str, range(1000))) + "]\n")
+    found = problems(path=path)
+    name = next(line for line in found if "run.name" in line)
+    assert name.startswith(f"{path}: run.name = [[[") and name.endswith("...: must be str")
+    lr = next(line for line in found if "train.lr" in line)
+    assert lr == f"{path}: train.lr = [0, 1, 2, 3, 4, 5, ...]: must be float"
+    assert max(len(line) - len(str(path)) for line in found) < 200, found
+    long_key = "k" * 1000
+    assert all(len(line) < 300 for line in problems(f"model.{long_key}=1"))
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("run:\n  name: " + "[" * 600 + "]" * 600 + "\n",
+         r"malformed YAML: lists or mappings nested too deeply"),
+        ("run:\n  seed: 2024-13-45\n",  # a date YAML cannot build
+         r"malformed YAML: a value cannot be read: month must be in 1\.\.12"),
+        ("run:\n  seed: " + "9" * 5000 + "\n",
+         r"malformed YAML: a value cannot be read: Exceeds the limit \(4300 digits\)"),
+    ],
+)
+def test_yaml_the_loader_cannot_build_is_one_line(tmp_path: Path, text: str, message: str):
+    path = write(tmp_path, text)
+    found = problems(path=path)
+    assert len(found) == 1 and re.match(rf"{re.escape(str(path))}: {message}", found[0]), found
+    found = problems(f"run.seed={text.split(': ', 1)[1].strip()}")
+    assert len(found) == 1 and re.search(message, found[0]), found
+
+
+# ----------------------------------------------------------------------------- cross checks
+
+
+@pytest.mark.parametrize("key", ["path", "url"])
+def test_algorithmic_refuses_a_file_or_address(key: str):
+    found = problems("data.dataset=algorithmic", f"data.{key}=/tmp/corpus.txt")
+    assert found == [f"<defaults> (with --set): data.{key} = '/tmp/corpus.txt': does not apply "
+                     "to data.dataset = algorithmic (its programs are generated from "
+                     "data.seed); remove the key, or name another dataset"]
+
+
+@pytest.mark.parametrize("extra", [[], ["train.context=carry"], ["model.max_rel_pos=16"]])
+def test_a_curriculum_problem_is_the_only_one_reported_about_it(extra: list[str]):
+    """The default curriculum stands in for a broken one; nothing is checked against it."""
+    assert problems("curriculum=[{seq_len: 8.5}]", *extra) == [
+        "<defaults> (with --set): curriculum[0].seq_len = 8.5: must be an integer >= 1 (at "
+        f"most {2**63 - 1})"]
+
+
+def test_curriculum_keys_of_mixed_types_are_named():
+    found = problems("curriculum=[{seq_len: 8, 1: 2, b: 3}]")
+    assert found == ["<defaults> (with --set): unknown key curriculum[0].1; allowed: seq_len, "
+                     "until_step"]
+
+
+# ----------------------------------------------------------------------------- text fields
+
+
+@pytest.mark.parametrize("text", ["2024-06-01", "007", "yes", "1e3", "0x1F", "12:30",
+                                  "2024-06-01 10:00:00", "1_000"])
+def test_text_fields_keep_the_text_written(tmp_path: Path, text: str):
+    path = write(tmp_path, f"run:\n  name: {text}\n  out_dir: {text}\ndata:\n  path: {text}\n")
+    cfg = load_config(path)
+    assert (cfg.run.name, cfg.run.out_dir, cfg.data.path) == (text, text, text)
+    assert load_config(None, [f"run.name={text}"]).run.name == text
+
+
+def test_a_text_field_keeps_its_text_without_changing_an_alias_of_it(tmp_path: Path):
+    cfg = load_config(write(tmp_path, "train:\n  max_steps: &n 007\nrun:\n  name: *n\n"))
+    assert (cfg.run.name, cfg.train.max_steps) == ("007", 7)
+
+
+def test_text_fields_still_take_null_and_quotes(tmp_path: Path):
+    path = write(tmp_path, "run:\n  name: '2024'\ndata:\n  path: null\n  url: ~\n"
+                           "  cache_dir:\n  sha256: \"auto\"\n")
+    cfg = load_config(path)
+    assert (cfg.run.name, cfg.data.path, cfg.data.url, cfg.data.cache_dir, cfg.data.sha256) == (
+        "2024", None, None, None, "auto")
+    assert problems(path=write(tmp_path, "run:\n  name: null\n", "null.yaml")) == [
+        f"{tmp_path / 'null.yaml'}: run.name = None: must be str"]
+
+
+@pytest.mark.parametrize("name", ["''", ".", "..", "../x", "a/b", "/tmp/run", "a\\b",
+                                  '"a\\0b"', "x/"])
+def test_run_name_is_one_folder_name(name: str):
+    found = problems(f"run.name={name}")
+    assert len(found) == 1 and re.match(
+        r"<defaults> \(with --set\): run\.name = .*: must be a plain folder name \(one path "
+        r"component: not empty, '\.' or '\.\.', no / or \\ or NUL\); the run directory is "
+        r"<run\.out_dir>/<run\.name>, so put the path in run\.out_dir$", found[0]), found
+    assert load_config(None, ["run.name=a.b-c_d e"]).run.name == "a.b-c_d e"
+
+
+def test_stages_training_never_reaches_are_not_counted(machine: int):
+    """max_steps ends training in the first stage: the second's length needs no memory."""
+    sets = ["model.max_rel_pos=1000000", "model.mem_len=64", "train.constant_tokens=false",
+            "train.max_steps=10"]
+    stages = "curriculum=[{until_step: 10, seq_len: 64}, {seq_len: 1000000}]"
+    assert load_config(None, [*sets, stages]).max_seq_len == 1000000
+    assert "curriculum[1].seq_len = 1000000" in problems(*sets[:3], stages)[0]

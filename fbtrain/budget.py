@@ -1,0 +1,228 @@
+"""A lower bound on the memory one training step takes, to refuse sizes that cannot fit.
+
+``model.d_model=1048576`` or ``train.batch_size=1000000000000`` pass every range check, then
+fail minutes later with a MemoryError (or a traceback from the allocator). This module
+counts, from the config alone, what training must hold at once: the parameters with their
+gradients and AdamW state (fp32), the activations one micro-batch keeps for its backward,
+the carried memory of every stream (``train.context: carry``) and the token windows of one
+optimizer step. Every term is an *under*-estimate - the vocabulary is unknown here and
+counts as nothing, temporaries are left out, each kept tensor is counted once - so a
+config it refuses cannot fit, and one it lets through may still not: it only stops the
+absurd, before anything is created.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from fbtrain.config import Config, ModelConfig
+
+FLOAT32 = 4  # bytes
+TOKEN_ID = 8  # int64, as the batches hold inputs and targets
+# fp32 weights, their gradients and AdamW's two moment estimates (exp_avg, exp_avg_sq).
+PARAMETER_COPIES = 4
+# Python objects of one micro-batch (a tuple, two tensors, their storages): far more in
+# truth; this only keeps grad_accum = 10^9 from looking free when batches are tiny.
+MICRO_BATCH_OVERHEAD = 200  # bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+    """Bytes of each part of a training step's memory (a lower bound on each)."""
+
+    parameters: int  # weights, gradients and AdamW state
+    activations: int  # kept by one micro-batch for its backward (the largest stage's)
+    carried: int  # carried memory of every stream (train.context: carry)
+    batches: int  # token windows (inputs and targets) of one optimizer step
+    streams: int = 0  # carried streams (train.batch_size x train.grad_accum), 0: none
+    micro_batches: int = 1  # per optimizer step (train.grad_accum)
+
+    @property
+    def total(self) -> int:
+        return self.parameters + self.activations + self.carried + self.batches
+
+    def parts(self) -> list[tuple[str, int]]:
+        """(what, bytes) of the parts, largest first."""
+        micro = "micro-batch" if self.micro_batches == 1 else "micro-batches"
+        named = [("weights, gradients and AdamW state", self.parameters),
+                 ("activations of one micro-batch", self.activations),
+                 ("carried memory of train.batch_size x train.grad_accum = "
+                  f"{self.streams:,} streams", self.carried),
+                 (f"token windows of one step's {self.micro_batches:,} {micro}", self.batches)]
+        return sorted(named, key=lambda part: -part[1])
+
+
+def parameter_count(model: ModelConfig) -> int:
+    """Trainable parameters of the model, without the embedding and the output head (their
+    size depends on the vocabulary, unknown before the data is read)."""
+    d, h, f, layers, rows = (model.d_model, model.n_heads, model.d_ff, model.n_layers,
+                             model.max_rel_pos)
+    # layers.py: query D*D, u D, r rows*D, b rows*H, out D*D + D, two LayerNorms 4D,
+    # ff1 D*F + F, ff2 F*D + D.
+    layer = 2 * d * d + 7 * d + rows * (d + h) + 2 * d * f + f
+    if model.kind == "feedback_kv":
+        shared = 2 * d * d + (2 * d if model.memory_norm == "layernorm" else 0)
+        own = 0
+    else:  # each layer projects its own keys and values (key D*D, value D*D + D)
+        shared, own = 0, 2 * d * d + d
+    mix = 0 if model.kind == "transformer" else layers + 1  # the memory-mix logits w
+    return layers * (layer + own) + shared + 2 * d + mix  # 2 * d: the final LayerNorm
+
+
+def _activation_floats(model: ModelConfig, batch: int, seq_len: int, carried: int) -> int:
+    """Floats one micro-batch of ``batch`` rows and ``seq_len`` steps keeps for its backward,
+    on ``carried`` slots of memory from the previous segment.
+
+    Feedback kinds (feedback_core.py / python_core.py): every layer's output at every step,
+    the memory keys/values of all slots, and per layer and step the tape (a, q, o, y, LN2(y):
+    5 D; the FF hidden: F; the attention weights over the step's window: H * window). The
+    backward keeps about as much again in activation gradients: not counted.
+    Transformer (transformer.py): per layer and position the same D- and F-sized tensors,
+    keys and values, and the scores over all ``carried + seq_len`` slots (counted twice,
+    though the scores, their sum with the position term, the masked scores and the softmax
+    are each kept).
+    """
+    d, h, f, layers, window = (model.d_model, model.n_heads, model.d_ff, model.n_layers,
+                               model.memory_window)
+    slots = carried + seq_len
+    if model.kind == "transformer":
+        per_layer = seq_len * (6 * d + f + 2 * h * slots) + 2 * slots * d
+        return batch * layers * per_layer
+    # Sum over the steps of the window each step attends to: min(carried + t, window).
+    seen = sum_window(carried, seq_len, window)
+    key_sets = 1 if model.kind == "feedback_kv" else layers
+    per_row = (seq_len * (layers + 2) * d  # every layer's output and m_t, at every step
+               + 2 * key_sets * slots * d  # memory keys and values
+               + layers * (seq_len * (5 * d + f) + h * seen))  # the tape
+    return batch * per_row
+
+
+def sum_window(carried: int, steps: int, window: int) -> int:
+    """``sum(min(carried + t, window) for t in range(steps))``, in closed form (steps may be
+    far too many to loop over)."""
+    # Steps t < window - carried see carried + t slots; the rest see the full window.
+    growing = max(0, min(steps, window - carried))
+    full = steps - growing
+    return growing * carried + growing * (growing - 1) // 2 + full * window
+
+
+def estimate(cfg: Config) -> Estimate:
+    """A lower bound on the memory training ``cfg`` needs at once, part by part."""
+    model, train = cfg.model, cfg.train
+    parameters = parameter_count(model) * FLOAT32 * PARAMETER_COPIES
+    carry = train.context == "carry"
+    # The transformer's activations may be bf16 under autocast; the feedback core always
+    # runs in fp32 (feedback.py turns autocast off around it).
+    act_bytes = FLOAT32 if model.kind != "transformer" or cfg.run.precision == "fp32" else 2
+    streams = train.batch_size * train.grad_accum
+    window = model.memory_window
+    activations = batches = 0
+    start = 0
+    for stage in cfg.curriculum:
+        if start >= train.max_steps:  # a stage training stops before
+            break
+        batch = train.batch_size if carry else cfg.batch_size_at(start)
+        seq_len = stage.seq_len
+        # Carried memory fills up to the window as the steps go (never past what was seen).
+        carried = min(window, seq_len * (train.max_steps - 1)) if carry else 0
+        activations = max(activations,
+                          _activation_floats(model, batch, seq_len, carried) * act_bytes)
+        # Every micro-batch of a step is drawn before the first forward (batches.py).
+        batches = max(batches, train.grad_accum * (batch * seq_len * 2 * TOKEN_ID
+                                                   + MICRO_BATCH_OVERHEAD))
+        if stage.until_step is not None:
+            start = stage.until_step
+    carried_bytes = 0
+    if carry:
+        # Per stream: the window's keys and values (one set for feedback_kv, one per layer
+        # otherwise) and what they were projected from (m_t, or every layer's input), plus
+        # the stream's start offset (data.py StreamLayout).
+        key_sets = 1 if model.kind == "feedback_kv" else model.n_layers
+        sources = model.n_layers if model.kind == "transformer" else 1
+        kept = min(window, cfg.max_seq_len * train.max_steps)
+        carried_bytes = streams * (kept * model.d_model * (2 * key_sets + sources) * FLOAT32
+                                   + TOKEN_ID)
+    return Estimate(parameters, activations, carried_bytes, batches,
+                    streams if carry else 0, train.grad_accum)
+
+
+def physical_memory() -> int | None:
+    """Bytes of physical memory of this machine, or None where the system does not say."""
+    try:
+        pages, size = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return None
+    return pages * size if pages > 0 and size > 0 else None
+
+
+def format_bytes(n: int) -> str:
+    """``n`` bytes in binary units, one decimal: 1.5 GiB, 8.0 TiB."""
+    try:
+        value = float(n)
+    except OverflowError:  # past 10^308: only the exponent means anything
+        return f"about 10^{len(str(n)) - 1} bytes"
+    for unit in ("bytes", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB", "ZiB", "YiB"):
+        if value < 1024 or unit == "YiB":
+            break
+        value /= 1024
+    if unit == "bytes":
+        return f"{n} bytes"
+    if value >= 1024:  # beyond yobibytes: the exponent says more than the digits
+        return f"{float(n):.1e} bytes"
+    return f"{value:.1f} {unit}"
+
+
+# (section, key) whose size the estimate grows with, blamed by name when it does not fit.
+SIZE_KEYS = (("model", "d_model"), ("model", "n_heads"), ("model", "d_ff"),
+             ("model", "n_layers"), ("model", "max_rel_pos"), ("model", "mem_len"),
+             ("train", "batch_size"), ("train", "grad_accum"))
+SHOWN_SHARE = 0.1  # parts of the total named in the message: those of at least this share
+
+
+def memory_problem(cfg: Config, available: int | None = None) -> str | None:
+    """Why training ``cfg`` cannot fit in this machine's memory (``available`` bytes,
+    default :func:`physical_memory`), naming the keys to make smaller; None when it may."""
+    if available is None:
+        available = physical_memory()
+    if available is None:
+        return None
+    need = estimate(cfg)
+    if need.total <= available:
+        return None
+    parts = "; ".join(f"{what}: {format_bytes(size)}" for what, size in need.parts()
+                      if size >= SHOWN_SHARE * need.total)
+    blamed = _blame(cfg, need.total)
+    subject = ", ".join(blamed) if blamed else "this config"
+    which = "them" if len(blamed) > 1 else "it"
+    return (f"{subject}: training needs at least {format_bytes(need.total)} of memory "
+            f"({parts}) but this machine has {format_bytes(available)}; make {which} smaller")
+
+
+def _blame(cfg: Config, total: int) -> list[str]:
+    """``key = value`` of the sizes that make ``cfg`` too big, most to blame first: those
+    whose default alone would at least halve the estimate, else every one above its
+    default that adds to it."""
+    from fbtrain.config import Config, CurriculumStage
+
+    defaults = Config()
+    ratios: list[tuple[float, str]] = []
+    for section, key in SIZE_KEYS:
+        value = getattr(getattr(cfg, section), key)
+        default = getattr(getattr(defaults, section), key)
+        if value == default:
+            continue
+        smaller = dataclasses.replace(cfg, **{section: dataclasses.replace(
+            getattr(cfg, section), **{key: default})})
+        ratios.append((total / max(1, estimate(smaller).total), f"{section}.{key} = {value}"))
+    if [s.seq_len for s in cfg.curriculum] != [s.seq_len for s in defaults.curriculum]:
+        longest = max(range(len(cfg.curriculum)), key=lambda i: cfg.curriculum[i].seq_len)
+        smaller = dataclasses.replace(cfg, curriculum=[
+            CurriculumStage(s.seq_len, s.until_step) for s in defaults.curriculum])
+        ratios.append((total / max(1, estimate(smaller).total),
+                       f"curriculum[{longest}].seq_len = {cfg.curriculum[longest].seq_len}"))
+    ratios.sort(key=lambda r: -r[0])
+    strong = [name for ratio, name in ratios if ratio >= 2]
+    return strong or [name for ratio, name in ratios if ratio > 1]
