@@ -37,7 +37,7 @@ import urllib3
 
 from fbtrain.config import MAX_VAL_FRACTION, DataConfig
 from fbtrain.io import atomic_write, atomic_write_text
-from fbtrain.rundir import read_pid
+from fbtrain.filelock import read_pid
 from fbtrain.sources import AUTO_SHA256, SOURCES
 
 log = logging.getLogger(__name__)

@@ -10,13 +10,12 @@ found then are leftovers of a killed save and are removed.
 
 from __future__ import annotations
 
-import fcntl
-import os
 from pathlib import Path
 from types import TracebackType
 
 from fbtrain.checkpoint import CHECKPOINT_DIR
 from fbtrain.config import ConfigError
+from fbtrain.filelock import LockHeld, PidLock, describe_holder
 from fbtrain.io import FileWriteError, remove_stale_temps, write_error
 
 LOCK_NAME = ".lock"
@@ -37,7 +36,7 @@ class RunDirLock:
         self.enabled = enabled
         self.removed: list[Path] = []
         self.created: list[Path] = []  # folders create_and_acquire made, deepest first
-        self._fd: int | None = None
+        self._lock = PidLock(self.run_dir / LOCK_NAME)
 
     @property
     def path(self) -> Path:
@@ -45,7 +44,7 @@ class RunDirLock:
 
     @property
     def held(self) -> bool:
-        return self._fd is not None
+        return self._lock.held
 
     def create_and_acquire(self) -> None:
         """Create the run directory (and its parents) if need be, then :meth:`acquire`.
@@ -69,35 +68,21 @@ class RunDirLock:
 
     def acquire(self) -> None:
         """Take the lock (the directory must exist), then remove stale temp files."""
-        if not self.enabled or self._fd is not None:
+        if not self.enabled or self._lock.held:
             return
         existed = self.path.exists()
         try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as e:
-            raise _file_error(self.path, e) from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = read_pid(fd)
-            os.close(fd)
+            self._lock.acquire(wait=0)
+        except LockHeld as e:
             raise ConfigError([
                 f"run directory {self.run_dir} is in use by another fbtrain process "
-                f"({'pid ' + holder if holder else 'pid unknown'}); wait for it to finish or "
-                "stop it, or train under another run.name (--set run.name=NEW)"
+                f"({describe_holder(e.holder)}); wait for it to finish or stop it, or train "
+                "under another run.name (--set run.name=NEW)"
             ]) from None
-        except BaseException:
-            os.close(fd)
-            raise
-        try:
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         except OSError as e:  # a full disk: no pid to record, and no lock to leave behind
             if not existed:
                 self.path.unlink(missing_ok=True)
-            os.close(fd)
             raise _file_error(self.path, e) from None
-        self._fd = fd
         for folder in (self.run_dir, self.run_dir / CHECKPOINT_DIR):
             self.removed += remove_stale_temps(folder)
 
@@ -105,7 +90,7 @@ class RunDirLock:
         """Undo :meth:`create_and_acquire` for a fresh start that failed before it wrote
         anything: the lock file and the folders it created go, as long as they hold
         nothing else. Only while the lock is held."""
-        if self._fd is None or not self.created:
+        if not self._lock.held or not self.created:
             return
         if any(p.name != LOCK_NAME for p in self.run_dir.iterdir()):
             return
@@ -122,11 +107,8 @@ class RunDirLock:
         self.created = []
 
     def release(self) -> None:
-        """Let go (closing the descriptor drops the flock). The file stays: deleting it
-        could let a third process lock a new file while a second waits on the old one."""
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
+        """Let go. The file stays (see :mod:`fbtrain.filelock`)."""
+        self._lock.release()
 
     def __enter__(self) -> RunDirLock:
         if self.run_dir.is_dir():
@@ -142,9 +124,3 @@ def _file_error(path: Path, error: OSError) -> FileWriteError:
     """``error`` as one line naming ``path`` (a full disk says so in words)."""
     return write_error(path, error) or FileWriteError(error.errno, error.strerror or str(error),
                                                       str(path))
-
-
-def read_pid(fd: int) -> str:
-    """The process id the holder wrote ('' if it has not yet, or the file is odd)."""
-    text = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
-    return text if text.isdigit() else ""
