@@ -270,25 +270,210 @@ def capture_rng(sampler_state: dict[str, Any] | None = None) -> dict[str, Any]:
     return state
 
 
-def restore_rng(state: dict[str, Any]) -> None:
+def restore_rng(state: dict[str, Any], path: str | Path | None = None) -> None:
     """Put back the generators saved by :func:`capture_rng` (those present in ``state``).
 
     CUDA states are restored only when CUDA is available now; a checkpoint made on a GPU can
     be resumed on a CPU (and vice versa) with the CPU streams still exact. ``state["sampler"]``
-    is the caller's to restore.
+    is the caller's to restore (it is checked here, though).
+
+    A malformed state (a hand-edited or damaged checkpoint) is a :class:`CheckpointError`
+    naming ``path`` and what is wrong; it is checked whole before anything is restored, so
+    a refused state leaves every generator as it was.
     """
+    where = f"{path}: " if path is not None else ""
+    problem = rng_problem(state)
+    if problem:
+        raise CheckpointError(f"{where}malformed RNG state: {problem}")
     if "python" in state:
-        py = state["python"]
-        internal = py["internal"]
-        internal = tuple(internal.tolist() if torch.is_tensor(internal) else internal)
-        random.setstate((py["version"], internal, py["gauss_next"]))
+        random.setstate(_python_state(state["python"]))
     if "torch" in state:
         torch.set_rng_state(state["torch"].cpu())
     if "cuda" in state and torch.cuda.is_available():
         cuda_states = [s.cpu() for s in state["cuda"]]
         # Resuming on fewer GPUs than were saved: restore the devices that exist.
-        for device, s in enumerate(cuda_states[: torch.cuda.device_count()]):
-            torch.cuda.set_rng_state(s, device)
+        try:
+            for device, s in enumerate(cuda_states[: torch.cuda.device_count()]):
+                torch.cuda.set_rng_state(s, device)
+        except RuntimeError as e:  # a state of the wrong size for this CUDA generator
+            raise CheckpointError(f"{where}malformed RNG state: rng.cuda: "
+                                  f"{_first_line(e)}") from None
+
+
+def rng_problem(state: Any) -> str:
+    """What is wrong with an RNG state from :func:`capture_rng` ('' when nothing is).
+
+    Each part present is tried on a scratch generator (``random.Random``,
+    ``torch.Generator``), so what passes here is exactly what restoring accepts; the CUDA
+    states (no scratch CUDA generator without a GPU) are checked for type only.
+    """
+    if not isinstance(state, dict):
+        return f"rng is {_a(state)}, not a dict"
+    if "python" in state:
+        try:
+            random.Random().setstate(_python_state(state["python"]))
+        except (TypeError, ValueError, OverflowError, KeyError) as e:
+            return f"rng.python: {_first_line(e)}"
+    if "torch" in state:
+        problem = _generator_problem(state["torch"])
+        if problem:
+            return f"rng.torch: {problem}"
+    if "cuda" in state:
+        cuda = state["cuda"]
+        if not isinstance(cuda, (list, tuple)) or not all(
+            torch.is_tensor(s) and s.dtype == torch.uint8 for s in cuda
+        ):
+            return "rng.cuda: not a list of uint8 tensors (one per GPU)"
+    if "sampler" in state:
+        sampler = state["sampler"]
+        if not isinstance(sampler, dict) or "generator" not in sampler:
+            return "rng.sampler: not a dict holding the batch sampler's 'generator' state"
+        problem = _generator_problem(sampler["generator"])
+        if problem:
+            return f"rng.sampler.generator: {problem}"
+        for key in ("seed", "rank"):
+            if key in sampler and not _is_int(sampler[key]):
+                return f"rng.sampler.{key} is {sampler[key]!r}, not an integer"
+    return ""
+
+
+def _python_state(py: Any) -> tuple[Any, ...]:
+    """The ``random.setstate`` tuple from :func:`capture_rng`'s ``python`` dict.
+
+    TypeError/KeyError when ``py`` is not shaped like one (setstate checks the values)."""
+    if not isinstance(py, dict):
+        raise TypeError(f"is {_a(py)}, not a dict of version, internal, gauss_next")
+    missing = [k for k in ("version", "internal", "gauss_next") if k not in py]
+    if missing:
+        raise TypeError(f"missing {', '.join(missing)}")
+    internal = py["internal"]
+    if torch.is_tensor(internal):
+        if internal.dim() != 1 or internal.dtype.is_floating_point or internal.is_complex():
+            raise TypeError(f"internal is a {internal.dtype} tensor of shape "
+                            f"{tuple(internal.shape)}, not 625 integers")
+        internal = internal.tolist()
+    if not isinstance(internal, (list, tuple)):
+        raise TypeError(f"internal is {_a(internal)}, not 625 integers")
+    # setstate takes any gauss_next, and random.gauss() would fail on it later.
+    if py["gauss_next"] is not None and not isinstance(py["gauss_next"], float):
+        raise TypeError(f"gauss_next is {py['gauss_next']!r}, not a float or None")
+    return (py["version"], tuple(internal), py["gauss_next"])
+
+
+def _generator_problem(value: Any) -> str:
+    """Why ``value`` is not a CPU ``torch.Generator`` state ('' when it is one)."""
+    if not torch.is_tensor(value) or value.dtype != torch.uint8:
+        kind = f"a {value.dtype} tensor" if torch.is_tensor(value) else _a(value)
+        return f"is {kind}, not a generator state (a uint8 tensor)"
+    try:
+        torch.Generator().set_state(value.detach().cpu())
+    except RuntimeError as e:  # the wrong size, or bytes no generator would hold
+        return f"not a generator state ({_first_line(e)})"
+    return ""
+
+
+def _a(value: Any) -> str:
+    """``value``'s type with its article, for messages: 'an int', 'a list'."""
+    name = type(value).__name__
+    return f"{'an' if name[:1] in 'aeiou' else 'a'} {name}"
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0][:160] if text else type(error).__name__
+
+
+# ----------------------------------------------------------------------------- resume
+
+
+_RESUME_KEYS = ("model", "optimizer", "step", "rng", "model_config")
+
+
+def check_resume_payload(
+    path: str | Path, payload: dict[str, Any],
+    optimizer: torch.optim.Optimizer | None = None,
+) -> None:
+    """Refuse a checkpoint that cannot be resumed from, before anything is restored.
+
+    Checks what the trainer reads back: the keys it needs, ``step`` and ``tokens``
+    (integers >= 0), ``val_loss`` / ``best_val_loss`` (numbers or None), ``model`` (a state
+    dict of tensors, all finite), ``model_config`` (a dict), ``optimizer`` (a state dict:
+    ``state`` and ``param_groups``), ``scaler`` / ``streams`` (dicts, when present) and
+    ``rng`` (as :func:`rng_problem`, which also needs ``python`` and ``torch``). With
+    ``optimizer`` (the one about to load the state), the saved moments must also have its
+    parameters' shapes - ``load_state_dict`` does not check that, and the first step would
+    fail deep inside the update. Raises one :class:`CheckpointError` line naming ``path``
+    and what is wrong.
+    """
+
+    def refuse(problem: str) -> CheckpointError:
+        return CheckpointError(f"{path}: cannot resume from it: {problem}")
+
+    missing = [k for k in _RESUME_KEYS if k not in payload]
+    if missing:
+        raise refuse(f"missing {', '.join(missing)}")
+    for key in ("step", "tokens"):
+        if key in payload and not (_is_int(payload[key]) and payload[key] >= 0):
+            raise refuse(f"{key!r} is {payload[key]!r}, not an integer >= 0")
+    for key in ("val_loss", "best_val_loss"):
+        if payload.get(key) is not None and not _is_number(payload[key]):
+            raise refuse(f"{key!r} is {payload[key]!r}, not a number (or null)")
+    model = payload["model"]
+    if not isinstance(model, dict) or not all(
+        isinstance(k, str) and torch.is_tensor(v) for k, v in model.items()
+    ):
+        raise refuse("'model' is not a state dict (parameter names -> tensors)")
+    bad = nonfinite_tensors(model)
+    if bad:
+        raise refuse(f"the weights hold NaN or inf (in {_listed(bad)})")
+    if not isinstance(payload["model_config"], dict):
+        raise refuse("'model_config' is not a dict of ModelConfig fields")
+    problem = _optimizer_problem(payload["optimizer"], optimizer)
+    if problem:
+        raise refuse(problem)
+    for key in ("scaler", "streams"):
+        if key in payload and not isinstance(payload[key], dict):
+            raise refuse(f"{key!r} is {_a(payload[key])}, not a dict")
+    rng = payload["rng"]
+    needed = [k for k in ("python", "torch") if not isinstance(rng, dict) or k not in rng]
+    problem = rng_problem(rng) or (f"rng lacks {', '.join(needed)}" if needed else "")
+    if problem:
+        raise refuse(f"malformed RNG state: {problem}")
+
+
+def _optimizer_problem(state: Any, optimizer: torch.optim.Optimizer | None) -> str:
+    """What is wrong with a saved optimizer state dict ('' when nothing is)."""
+    if not isinstance(state, dict):
+        return f"'optimizer' is {_a(state)}, not an optimizer state dict"
+    groups, per_param = state.get("param_groups"), state.get("state")
+    if not isinstance(per_param, dict) or not isinstance(groups, list) or not all(
+        isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups
+    ):
+        return "'optimizer' is not an optimizer state dict ('state' and 'param_groups')"
+    if not all(isinstance(v, dict) for v in per_param.values()):
+        return "'optimizer' state holds entries that are not dicts of tensors"
+    if optimizer is None:
+        return ""
+    # Saved parameter ids map onto the live parameters in group order, as load_state_dict
+    # maps them; a count mismatch is load_state_dict's to report.
+    saved_ids = [i for g in groups for i in g["params"]]
+    live = [p for g in optimizer.param_groups for p in g["params"]]
+    if len(saved_ids) != len(live):
+        return ""
+    for index, param in zip(saved_ids, live, strict=True):
+        for name, value in per_param.get(index, {}).items():
+            if torch.is_tensor(value) and value.dim() > 0 and value.shape != param.shape:
+                return (f"'optimizer' state {name} of parameter {index} has shape "
+                        f"{tuple(value.shape)}, but the parameter has {tuple(param.shape)}")
+    return ""
 
 
 # ----------------------------------------------------------------------------- model
@@ -343,6 +528,11 @@ def load_model(
     problem = _state_dict_mismatch(model.state_dict(), state)
     if problem:
         raise CheckpointError(f"{file}: weights do not fit model_config ({cfg.kind}): {problem}")
+    bad = nonfinite_tensors(state)
+    if bad:
+        # Every prediction would be NaN: sampling would crash and scores would be NaN.
+        raise CheckpointError(f"{file}: the weights hold NaN or inf (in {_listed(bad)}); the "
+                              "checkpoint is damaged or its training diverged")
     model.load_state_dict(state)
     model.eval()
     return model.to(device), tokenizer, payload
@@ -356,15 +546,23 @@ def strip_wrapper_prefixes(state: dict[str, Any]) -> dict[str, Any]:
     return state
 
 
+def nonfinite_tensors(state: dict[str, Any]) -> list[str]:
+    """Names of the floating-point tensors in ``state`` that hold a NaN or an infinity."""
+    return [name for name, value in state.items()
+            if torch.is_tensor(value) and (value.is_floating_point() or value.is_complex())
+            and not bool(torch.isfinite(value).all())]
+
+
+def _listed(keys: list[str]) -> str:
+    """The first three of ``keys`` and how many more: a list that stays on one line."""
+    return ", ".join(keys[:3]) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
+
+
 def _state_dict_mismatch(expected: dict[str, torch.Tensor], got: dict[str, Any]) -> str:
     """One line naming missing/unexpected keys and wrong shapes ('' when all fit).
 
     Checked here rather than left to ``load_state_dict``, whose error runs to many lines.
     """
-
-    def names(keys: list[str]) -> str:
-        return ", ".join(keys[:3]) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
-
     missing = [k for k in expected if k not in got]
     unexpected = [k for k in got if k not in expected]
     wrong = [
@@ -375,9 +573,9 @@ def _state_dict_mismatch(expected: dict[str, torch.Tensor], got: dict[str, Any])
     ]
     parts = []
     if missing:
-        parts.append(f"missing {names(missing)}")
+        parts.append(f"missing {_listed(missing)}")
     if unexpected:
-        parts.append(f"unexpected {names(unexpected)}")
+        parts.append(f"unexpected {_listed(unexpected)}")
     if wrong:
-        parts.append(f"wrong shape {names(wrong)}")
+        parts.append(f"wrong shape {_listed(wrong)}")
     return "; ".join(parts)
