@@ -229,8 +229,6 @@ def test_eval_of_a_diverged_model_gives_valid_json(huge_run: Path) -> None:
     assert "loss" in format_result(result)  # the table still prints (as nan)
 
 
-@pytest.mark.xfail(strict=True, reason="cli.py does not call evaluate.json_safe yet; once it "
-                   "does, drop this marker")
 def test_cli_eval_json_is_strict_json(huge_run: Path) -> None:
     from typer.testing import CliRunner
 

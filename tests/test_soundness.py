@@ -332,3 +332,16 @@ with session("cpu") as ctx:
                 "expected": expected.generator.get_state()},
                f"{sys.argv[2]}/rank{ctx.rank}.pt")
 """
+
+
+@pytest.mark.parametrize("damage", [{"step": "abc"}, {"rng": {"python": 5}}])
+def test_resume_from_a_hand_damaged_checkpoint_is_one_line(tmp_path: Path,
+                                                          damage: dict[str, Any]) -> None:
+    raw = make_raw(tmp_path, train={"max_steps": 2})
+    last = run(config_from_dict(raw), quiet=True) / "checkpoints" / "last.pt"
+    save_checkpoint(last, {**load_checkpoint(last), **damage})
+    raw["train"]["max_steps"] = 3
+    from fbtrain.checkpoint import CheckpointError
+
+    with pytest.raises(CheckpointError, match=rf"^{last}: cannot resume from it: "):
+        run(config_from_dict(raw), resume="auto", quiet=True)

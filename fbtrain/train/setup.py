@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from fbtrain.checkpoint import (
     CheckpointError,
     CheckpointManager,
+    check_resume_payload,
     load_checkpoint,
     resolve_checkpoint,
     restore_rng,
@@ -250,15 +251,14 @@ def restore(payload: dict[str, Any], path: Path, cfg: Config, ctx: DistContext,
             model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
             sampler: BatchSampler, batches: CarriedStreams | RandomWindows,
             train_ids: Any) -> Progress:
-    """Put back model, optimizer, counters and every RNG stream from a checkpoint."""
-    missing = [k for k in ("model", "optimizer", "step", "rng", "model_config")
-               if k not in payload]
-    if missing:
-        raise CheckpointError(f"{path}: cannot resume from it: missing {', '.join(missing)}")
-    diff = architecture_diff(payload["model_config"], cfg.model, ARCHITECTURE)
+    """Put back model, optimizer, counters and every RNG stream from a checkpoint (checked
+    whole first: a damaged one is one CheckpointError line, and nothing is restored)."""
+    saved = payload.get("model_config")  # a different model is the clearer message
+    diff = architecture_diff(saved, cfg.model, ARCHITECTURE) if isinstance(saved, dict) else []
     if diff:
         raise CheckpointError(f"{path}: the checkpoint's model differs from model.* in the "
                               f"config ({'; '.join(diff)}); resume with its config")
+    check_resume_payload(path, payload, optimizer)
     try:
         model.load_state_dict(strip_wrapper_prefixes(payload["model"]))
         optimizer.load_state_dict(payload["optimizer"])
@@ -271,7 +271,7 @@ def restore(payload: dict[str, Any], path: Path, cfg: Config, ctx: DistContext,
                         val_loss=payload.get("val_loss"),
                         best_val_loss=payload.get("best_val_loss"))
     rng = payload["rng"]
-    restore_rng(rng)
+    restore_rng(rng, path)
     same_world = payload.get("world_size", 1) == ctx.world_size
     if isinstance(batches, CarriedStreams):
         if "streams" not in payload:
