@@ -15,12 +15,12 @@ from fbtrain.checkpoint import (
     FORMAT,
     CheckpointError,
     CheckpointManager,
-    capture_rng,
     load_checkpoint,
     resolve_checkpoint,
-    restore_rng,
     save_checkpoint,
 )
+from fbtrain.checkpoint import files as ck_files
+from fbtrain.rng import RngStateError, capture_rng, restore_rng
 
 
 def _training_state() -> dict:
@@ -170,7 +170,7 @@ def test_failed_save_keeps_previous_last(tmp_path: Path, monkeypatch: pytest.Mon
         f.write(buf.getvalue()[: buf.tell() // 2])  # some bytes reach the temp file...
         raise OSError("disk full")  # ...then the write dies
 
-    monkeypatch.setattr(ck.torch, "save", half_then_crash)
+    monkeypatch.setattr(ck_files.torch, "save", half_then_crash)
     with pytest.raises(OSError, match="disk full"):
         mgr.save(2, {"step": 2, "w": torch.arange(20)}, best=True)
     monkeypatch.undo()
@@ -190,7 +190,7 @@ def test_failed_copy_keeps_previous_best(tmp_path: Path, monkeypatch: pytest.Mon
         dst.write(src.read(10))
         raise OSError("copy interrupted")
 
-    monkeypatch.setattr(ck.shutil, "copyfileobj", crash)
+    monkeypatch.setattr(ck_files.shutil, "copyfileobj", crash)
     with pytest.raises(OSError, match="copy interrupted"):
         mgr.save(2, {"step": 2}, best=True)
     monkeypatch.undo()
@@ -379,14 +379,14 @@ def test_restore_rng_refuses_malformed_state_and_changes_nothing(damage, match: 
     expected = _draws()
     random.seed(5)
     torch.manual_seed(5)
-    with pytest.raises(CheckpointError, match=rf"^ck\.pt: malformed RNG state: {match}") as e:
+    with pytest.raises(RngStateError, match=rf"^ck\.pt: malformed RNG state: {match}") as e:
         restore_rng(rng, path="ck.pt")
     assert "\n" not in str(e.value)
     assert _draws() == expected  # checked whole first: no generator was half restored
 
 
 def test_restore_rng_without_path_still_one_line() -> None:
-    with pytest.raises(CheckpointError, match=r"^malformed RNG state: rng is a list"):
+    with pytest.raises(RngStateError, match=r"^malformed RNG state: rng is a list"):
         restore_rng([1, 2])  # type: ignore[arg-type]
 
 

@@ -25,6 +25,7 @@ import pytest
 import torch
 
 from fbtrain.checkpoint import load_checkpoint, load_model
+from fbtrain.checkpoint.contents import apply_warm_start, summarize_names
 from fbtrain.config import Config, ConfigError, ModelConfig, TrainConfig, config_from_dict
 from fbtrain.corpus import load_corpus
 from fbtrain.data import fixed_windows
@@ -32,8 +33,6 @@ from fbtrain.evaluate import mean_loss
 from fbtrain.models import build_model
 from fbtrain.schedule import LRSchedule, param_groups
 from fbtrain.train import TrainingError, run
-from fbtrain.train.report import summarize_names
-from fbtrain.train.setup import apply_warm_start
 
 REPO = Path(__file__).resolve().parents[1]
 WORDS = ["the", "king", "queen", "and", "to", "of", "my", "lord", "thou", "art", "good",

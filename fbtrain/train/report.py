@@ -6,7 +6,6 @@ decides *when* to say something. Also the throughput meter behind tokens/s.
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -124,43 +123,3 @@ def summary(run: Run, progress: Progress, rate: float | None, seconds: float) ->
         parts.append(f"{rate:,.0f} tokens/s on {device_text(run)}")
     parts.append(f"wall {format_duration(seconds)}")
     return " | ".join(parts)
-
-
-_LAYER = re.compile(r"^(.*?layers)\.(\d+)\.(.+)$")
-
-
-def summarize_names(names: list[str]) -> str:
-    """Parameter names, compactly: ``embed.weight, layers.0-3.{ln1.weight, attn.r}``.
-
-    Names that differ only in the layer index are merged; names present in the same layers
-    share one brace group. "none" for an empty list.
-    """
-    if not names:
-        return "none"
-    plain: list[str] = []
-    layers: dict[tuple[str, str], list[int]] = {}
-    for name in names:
-        m = _LAYER.match(name)
-        if m:
-            layers.setdefault((m.group(1), m.group(3)), []).append(int(m.group(2)))
-        else:
-            plain.append(name)
-    groups: dict[tuple[str, str], list[str]] = {}
-    for (prefix, rest), indices in layers.items():
-        groups.setdefault((prefix, _ranges(indices)), []).append(rest)
-    parts = list(plain)
-    for (prefix, span), rests in groups.items():
-        inner = rests[0] if len(rests) == 1 else "{" + ", ".join(rests) + "}"
-        parts.append(f"{prefix}.{span}.{inner}")
-    return ", ".join(parts)
-
-
-def _ranges(indices: list[int]) -> str:
-    """[0, 1, 2, 5] -> '0-2,5'."""
-    runs: list[list[int]] = []
-    for i in sorted(set(indices)):
-        if runs and i == runs[-1][1] + 1:
-            runs[-1][1] = i
-        else:
-            runs.append([i, i])
-    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)

@@ -10,7 +10,6 @@ numbers: that is what makes resume bitwise.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,30 +18,30 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from fbtrain.checkpoint import (
-    CheckpointError,
-    CheckpointManager,
+from fbtrain.checkpoint.contents import (
+    ARCHITECTURE,
+    WarmStart,
+    apply_warm_start,
+    architecture_diff,
     check_resume_payload,
-    load_checkpoint,
-    resolve_checkpoint,
-    restore_rng,
+    check_warm_start,
     strip_wrapper_prefixes,
 )
-from fbtrain.config import Config, ConfigError, ModelConfig
+from fbtrain.checkpoint.files import (
+    CheckpointError,
+    CheckpointManager,
+    load_checkpoint,
+    resolve_checkpoint,
+)
+from fbtrain.config import Config, ConfigError
 from fbtrain.corpus import Corpus, load_corpus
 from fbtrain.data import BatchSampler, DataError, StreamLayout, fixed_windows, require_tokens
 from fbtrain.device import autocast_dtype
 from fbtrain.distributed import DistContext, rank_seed
 from fbtrain.models import build_model
-from fbtrain.rng import seed_everything
+from fbtrain.rng import restore_rng, seed_everything
 from fbtrain.schedule import LRSchedule, build_optimizer
 from fbtrain.train.batches import CarriedStreams, RandomWindows
-from fbtrain.train.report import summarize_names
-
-# Model fields that fix the shapes of the weights; a checkpoint must agree on all of them.
-ARCHITECTURE = ("kind", "d_model", "n_heads", "d_ff", "n_layers", "max_rel_pos", "memory_norm")
-# What a warm start (transformer -> feedback, on purpose) must agree on: the weights' shapes.
-WARM_START_ARCHITECTURE = ("d_model", "n_heads", "d_ff", "n_layers", "max_rel_pos")
 
 
 @dataclass
@@ -165,22 +164,9 @@ def choose_resume(resume: str | None, manager: CheckpointManager) -> Path | None
 
 def warm_start_source(cfg: Config, payload: dict | None) -> tuple[Path | None, dict | None]:
     """The ``train.init_from`` checkpoint, loaded and checked (only when starting fresh)."""
-    source = cfg.train.init_from
-    if not source or payload is not None:
+    if not cfg.train.init_from or payload is not None:
         return None, None
-    path = resolve_checkpoint(source, prefer="best")
-    init = load_checkpoint(path)
-    if not (isinstance(init.get("model"), dict) and isinstance(init.get("vocab"), list)
-            and isinstance(init.get("model_config"), dict)):
-        raise CheckpointError(f"{path}: train.init_from needs a model checkpoint "
-                              "(with 'model', 'model_config' and 'vocab')")
-    diff = architecture_diff(init["model_config"], cfg.model, WARM_START_ARCHITECTURE)
-    if diff:
-        raise CheckpointError(
-            f"{path}: train.init_from's model differs from model.* in the config "
-            f"({'; '.join(diff)}); a warm start needs the same "
-            f"{', '.join(WARM_START_ARCHITECTURE)}")
-    return path, init
+    return check_warm_start(cfg.train.init_from, cfg.model)
 
 
 # ----------------------------------------------------------------------------- data
@@ -293,55 +279,3 @@ def restore(payload: dict[str, Any], path: Path, cfg: Config, ctx: DistContext,
         sampler.seed = seed
         torch.manual_seed(seed)
     return progress
-
-
-# ----------------------------------------------------------------------------- warm start
-
-
-@dataclass
-class WarmStart:
-    """What :func:`apply_warm_start` did, by parameter name."""
-
-    source: Path
-    loaded: list[str] = dataclasses.field(default_factory=list)
-    fresh: list[str] = dataclasses.field(default_factory=list)
-    unused: list[str] = dataclasses.field(default_factory=list)  # absent or reshaped here
-
-    def summary(self) -> str:
-        lines = [f"warm start from {self.source}: loaded {len(self.loaded)} tensors: "
-                 f"{summarize_names(self.loaded)}",
-                 f"  freshly initialised {len(self.fresh)}: {summarize_names(self.fresh)}"]
-        if self.unused:
-            lines.append(f"  not used from the checkpoint {len(self.unused)}: "
-                         f"{summarize_names(self.unused)}")
-        return "\n".join(lines)
-
-
-def apply_warm_start(model: nn.Module, state: dict[str, Any], source: Path) -> WarmStart:
-    """Copy every tensor of ``state`` whose name and shape match into ``model``."""
-    state = strip_wrapper_prefixes(state)
-    own = model.state_dict()
-    report = WarmStart(source=Path(source))
-    matched = {}
-    for name, tensor in state.items():
-        if name in own and torch.is_tensor(tensor) and tensor.shape == own[name].shape:
-            matched[name] = tensor
-        else:
-            report.unused.append(name)
-    model.load_state_dict(matched, strict=False)
-    report.loaded = [n for n in own if n in matched]
-    report.fresh = [n for n in own if n not in matched]
-    return report
-
-
-def architecture_diff(saved: dict[str, Any], model: ModelConfig, keys: tuple[str, ...]
-                      ) -> list[str]:
-    """``"key: checkpoint X, config Y"`` for each of ``keys`` where a checkpoint's
-    ``model_config`` (``saved``) and ``model`` disagree; empty when they agree. A key the
-    checkpoint lacks (saved before the key existed) counts as the key's default."""
-    out = []
-    for k in keys:
-        theirs, ours = saved.get(k, getattr(ModelConfig, k, None)), getattr(model, k)
-        if theirs != ours:
-            out.append(f"{k}: checkpoint {theirs!r}, config {ours!r}")
-    return out

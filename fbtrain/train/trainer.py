@@ -27,7 +27,6 @@ DeviceError and ConfigError come through unchanged (the CLI makes them exit code
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import signal
 import time
@@ -37,13 +36,14 @@ from typing import Any
 
 import torch
 
-from fbtrain.checkpoint import CheckpointManager, capture_rng
+from fbtrain.checkpoint.contents import make_payload, summarize_names
+from fbtrain.checkpoint.files import CheckpointManager
 from fbtrain.config import Config, save_config
 from fbtrain.device import autocast
 from fbtrain.distributed import DistContext, session
 from fbtrain.evaluate import LN2, loss_figures
 from fbtrain.metrics import EVENTS_GLOB, MetricsLogger, hparams_of
-from fbtrain.rng import preserve_rng
+from fbtrain.rng import capture_rng, preserve_rng
 from fbtrain.rundir import RunDirLock
 from fbtrain.scoring import window_scores
 from fbtrain.train import report
@@ -315,30 +315,20 @@ class Trainer:
     # ------------------------------------------------------------------ checkpoints
 
     def payload(self) -> dict[str, Any]:
-        """Everything a resume needs, plus what sample/eval need to rebuild the model."""
+        """This run's checkpoint (what it holds is :mod:`fbtrain.checkpoint.contents`')."""
         run, progress = self.run, self.progress
-        payload = {
-            "model": run.raw_model.state_dict(),
-            "model_config": dataclasses.asdict(self.cfg.model),
-            "vocab": list(run.data.tokenizer.tokens),
-            "tokenizer": run.data.tokenizer.kind,
-            "config": self.cfg.to_dict(),
-            "step": progress.step,
-            "tokens": progress.tokens,
-            "optimizer": run.optimizer.state_dict(),
-            "scheduler": run.schedule.state_dict(),
-            "rng": capture_rng(run.sampler.state_dict()),
-            "best_val_loss": progress.best_val_loss,
-            "val_loss": progress.val_loss,
+        return make_payload(
+            model=run.raw_model, model_cfg=self.cfg.model, config=self.cfg.to_dict(),
+            tokenizer=run.data.tokenizer, optimizer=run.optimizer,
+            scheduler=run.schedule.state_dict(), rng=capture_rng(run.sampler.state_dict()),
+            step=progress.step, tokens=progress.tokens, val_loss=progress.val_loss,
+            best_val_loss=progress.best_val_loss,
             # the stage of the last trained step (0 before any)
-            "curriculum_stage": self.cfg.stage_index_at(max(0, progress.step - 1)),
-            "world_size": self.ctx.world_size,
-        }
-        if run.scaler.is_enabled():
-            payload["scaler"] = run.scaler.state_dict()
-        if isinstance(run.batches, CarriedStreams):
-            payload["streams"] = run.batches.state_dict()
-        return payload
+            curriculum_stage=self.cfg.stage_index_at(max(0, progress.step - 1)),
+            world_size=self.ctx.world_size,
+            scaler=run.scaler.state_dict() if run.scaler.is_enabled() else None,
+            streams=(run.batches.state_dict() if isinstance(run.batches, CarriedStreams)
+                     else None))
 
     def _save(self, *, numbered: bool, best: bool) -> None:
         """Write last.pt (and step-N.pt / best.pt) on rank 0, never with non-finite weights.
@@ -350,7 +340,7 @@ class Trainer:
         if bad:
             raise TrainingError(
                 f"step {self.progress.step}: weights hold non-finite values "
-                f"({report.summarize_names(bad)}); no checkpoint written (last good: "
+                f"({summarize_names(bad)}); no checkpoint written (last good: "
                 f"{self.manager.last_path})", EXIT_NONFINITE)
         if self.ctx.is_main:
             self.manager.save(self.progress.step, self.payload(), numbered=numbered, best=best)
