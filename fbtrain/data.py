@@ -36,8 +36,9 @@ import torch
 import urllib3
 
 from fbtrain.config import MAX_VAL_FRACTION, DataConfig
-from fbtrain.io import atomic_write, atomic_write_text
 from fbtrain.filelock import read_pid
+from fbtrain.io import atomic_write, atomic_write_text
+from fbtrain.rng import derived_seed
 from fbtrain.sources import AUTO_SHA256, SOURCES
 
 log = logging.getLogger(__name__)
@@ -775,15 +776,6 @@ def require_tokens(n: int, seq_len: int, what: str) -> None:
             f"{what} too short for seq_len {seq_len}: {n} tokens, need at least {seq_len + 1};"
             " use a shorter curriculum seq_len or a longer text"
         )
-
-
-def derived_seed(*parts: object) -> int:
-    """A 63-bit seed from its parts whose stream is unrelated to other parts' streams.
-
-    Hashing, because seed + rank would make rank 1 of seed s replay rank 0 of seed s + 1.
-    """
-    digest = hashlib.sha256(":".join(map(str, parts)).encode()).digest()
-    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
 class BatchSampler:

@@ -18,8 +18,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from fbtrain.data import derived_seed
 from fbtrain.device import resolve_device
+from fbtrain.rng import derived_seed
 
 
 @dataclass
