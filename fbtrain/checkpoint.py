@@ -315,7 +315,8 @@ def load_model(
     # Imported here: models and data import config, and checkpoint.py stays free of both
     # for the code (trainer, tests) that only needs saving and RNG capture.
     from fbtrain.config import ModelConfig
-    from fbtrain.data import DataError, make_tokenizer
+    from fbtrain.data.errors import DataError
+    from fbtrain.data.tokenizers import make_tokenizer
     from fbtrain.models import build_model
 
     file = resolve_checkpoint(path, prefer=prefer)

@@ -54,14 +54,10 @@ from fbtrain.checkpoint import (
     strip_wrapper_prefixes,
 )
 from fbtrain.config import Config, ConfigError, ModelConfig, save_config
-from fbtrain.corpus import Corpus, load_corpus
-from fbtrain.data import (
-    BatchSampler,
-    DataError,
-    StreamLayout,
-    fixed_windows,
-    require_tokens,
-)
+from fbtrain.data.corpus import Corpus, load_corpus
+from fbtrain.data.errors import DataError
+from fbtrain.data.samplers import BatchSampler, SegmentReader, fixed_windows
+from fbtrain.data.streams import require_tokens
 from fbtrain.device import autocast, autocast_dtype
 from fbtrain.distributed import DistContext, rank_seed, session
 from fbtrain.evaluate import LN2, loss_figures
@@ -482,7 +478,7 @@ class Trainer:
         carry = train.context == "carry"
         self.batches: CarriedStreams | RandomWindows
         if carry:
-            layout = StreamLayout(self.train_ids, train.batch_size * train.grad_accum,
+            layout = SegmentReader(self.train_ids, train.batch_size * train.grad_accum,
                                   self.ctx.rank, self.ctx.world_size)
             self.batches = CarriedStreams(layout, train.grad_accum)
         else:

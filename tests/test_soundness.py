@@ -26,7 +26,7 @@ from test_train import CHILD_ENV, make_raw, records, wait_for
 
 from fbtrain.checkpoint import load_checkpoint, save_checkpoint
 from fbtrain.config import ConfigError, config_from_dict
-from fbtrain.data import BatchSampler
+from fbtrain.data.samplers import BatchSampler
 from fbtrain.distributed import DistContext, rank_seed
 from fbtrain.io import FileWriteError
 from fbtrain.train import Trainer, run
@@ -134,7 +134,7 @@ def test_a_fresh_start_that_fails_leaves_no_directory(tmp_path: Path) -> None:
     raw = make_raw(tmp_path, "nested")
     raw["run"]["out_dir"] = str(tmp_path / "a" / "b")
     raw["data"]["path"] = str(tmp_path / "missing.txt")
-    from fbtrain.data import DataError
+    from fbtrain.data.errors import DataError
 
     with pytest.raises(DataError):
         run(config_from_dict(raw), quiet=True)
@@ -309,7 +309,7 @@ import torch
 torch.set_num_threads(1)
 from fbtrain.checkpoint import load_checkpoint
 from fbtrain.config import config_from_dict
-from fbtrain.data import BatchSampler
+from fbtrain.data.samplers import BatchSampler
 from fbtrain.distributed import rank_seed, session
 from fbtrain.train import Trainer
 raw = json.loads(open(sys.argv[1]).read())
