@@ -139,7 +139,7 @@ def estimate(cfg: Config) -> Estimate:
     if carry:
         # Per stream: the window's keys and values (one set for feedback_kv, one per layer
         # otherwise) and what they were projected from (m_t, or every layer's input), plus
-        # the stream's start offset (data.py StreamLayout).
+        # the stream's start offset (data/samplers.py SegmentReader).
         key_sets = 1 if model.kind == "feedback_kv" else model.n_layers
         sources = model.n_layers if model.kind == "transformer" else 1
         kept = min(window, cfg.max_seq_len * train.max_steps)

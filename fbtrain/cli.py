@@ -144,7 +144,7 @@ def _user_errors(*, value_errors: bool = False) -> Iterator[None]:
     with it); train leaves it alone, so a bug there keeps its traceback.
     """
     from fbtrain.checkpoint import CheckpointError
-    from fbtrain.data import DataError
+    from fbtrain.data.errors import DataError
     from fbtrain.device import DeviceError
 
     # OSError: a folder that cannot be created, a full disk; its message names the file.

@@ -22,10 +22,10 @@ from typing import Any
 
 import yaml
 
-from fbtrain.algorithmic import MIN_PRINTING_LEN
+from fbtrain.data.algorithmic import MIN_PRINTING_LEN
 
 # Re-exported: the defaults of configs written before data.url could be null name them.
-from fbtrain.sources import (  # noqa: F401
+from fbtrain.data.sources import (  # noqa: F401
     ARCHIVED,
     AUTO_SHA256,
     SOURCES,

@@ -18,7 +18,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from fbtrain.data import derived_seed
 from fbtrain.device import resolve_device
 
 
@@ -60,11 +59,6 @@ class DistContext:
             return model
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         return DistributedDataParallel(model, device_ids=device_ids)
-
-
-def rank_seed(seed: int, rank: int, step: int = 0) -> int:
-    """A seed for rank ``rank`` unrelated to other ranks' (and to ``seed + 1``'s) streams."""
-    return derived_seed("fbtrain-rank", seed, rank, step)
 
 
 def _env_int(name: str, default: int) -> int:

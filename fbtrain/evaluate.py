@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from fbtrain.data import IGNORE_INDEX, Stream, as_stream, window
+from fbtrain.data.streams import IGNORE_INDEX, Stream, as_stream, window
 from fbtrain.scoring import Scores, window_scores
 
 LN2 = math.log(2.0)
@@ -60,7 +60,7 @@ def evaluate_split(
     context: str = "reset", history: int = 0
 ) -> dict[str, Any]:
     """Score every prediction of a split once: ``ids`` [n] (a text: n - 1 next-token
-    predictions) or a :class:`~fbtrain.data.Stream` (its scored targets only).
+    predictions) or a :class:`~fbtrain.data.streams.Stream` (its scored targets only).
 
     The predictions are cut into consecutive windows of ``seq_len`` (the last one shorter).
 
@@ -168,8 +168,8 @@ def run(
     """
     from fbtrain.checkpoint import CheckpointError, load_model, resolve_checkpoint
     from fbtrain.config import DataConfig
-    from fbtrain.corpus import load_corpus
-    from fbtrain.data import DataError
+    from fbtrain.data.corpus import load_corpus
+    from fbtrain.data.errors import DataError
     from fbtrain.device import resolve_device
 
     if split not in ("train", "val", "test"):

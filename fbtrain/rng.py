@@ -10,6 +10,7 @@ resumed run bitwise equal to an uninterrupted one.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import random
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +23,20 @@ from fbtrain.messages import a_type, first_line, is_int
 
 class RngStateError(ValueError):
     """A saved RNG state that cannot be restored (one line naming the file and the part)."""
+
+
+def derived_seed(*parts: object) -> int:
+    """A 63-bit seed from its parts whose stream is unrelated to other parts' streams.
+
+    Hashing, because seed + rank would make rank 1 of seed s replay rank 0 of seed s + 1.
+    """
+    digest = hashlib.sha256(":".join(map(str, parts)).encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def rank_seed(seed: int, rank: int, step: int = 0) -> int:
+    """A seed for rank ``rank`` unrelated to other ranks' (and to ``seed + 1``'s) streams."""
+    return derived_seed("fbtrain-rank", seed, rank, step)
 
 
 def seed_everything(seed: int) -> None:

@@ -19,7 +19,8 @@ from typing import TextIO
 import torch
 from torch import Tensor, nn
 
-from fbtrain.data import DataError, Tokenizer
+from fbtrain.data.errors import DataError
+from fbtrain.data.tokenizers import Tokenizer
 
 
 def check_sampling_args(
@@ -227,7 +228,7 @@ def generate(
     device = torch.device(device) if device is not None else _model_device(model)
     check_memory(model, tokenizer, len(ids), num_samples, length, device)
     # Per sample: a byte vocabulary prints a multi-byte character once it is whole.
-    streams = [tokenizer.text_stream() for _ in range(num_samples)]
+    decoders = [tokenizer.decoder() for _ in range(num_samples)]
     out = torch.empty(num_samples, length, dtype=torch.long)
     was_training = model.training
     model.eval()
@@ -243,14 +244,14 @@ def generate(
                 out[:, i] = token_cpu
                 if on_text is not None:
                     for s, t in enumerate(token_cpu.tolist()):
-                        on_text(s, streams[s].feed(t))  # continues the text
+                        on_text(s, decoders[s].feed(t))  # continues the text
                 if i + 1 < length:  # the last character needs no prediction after it
                     logits, state = model(token.unsqueeze(1), state)  # [N, 1] on the state
     finally:
         model.train(was_training)
     if on_text is not None:
-        for s, stream in enumerate(streams):
-            if tail := stream.end():  # an unfinished character at the very end
+        for s, decoder in enumerate(decoders):
+            if tail := decoder.end():  # an unfinished character at the very end
                 on_text(s, tail)
     return [tokenizer.decode(row) for row in out]
 

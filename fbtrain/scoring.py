@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from fbtrain.data import IGNORE_INDEX
+from fbtrain.data.streams import IGNORE_INDEX
 
 
 def score_sums(logits: Tensor, targets: Tensor) -> tuple[Tensor, Tensor, Tensor]:

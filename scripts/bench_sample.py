@@ -31,7 +31,7 @@ import torch
 from torch import Tensor, nn
 
 from fbtrain.config import MODEL_KINDS, ModelConfig
-from fbtrain.data import CharTokenizer
+from fbtrain.data.tokenizers import CharTokenizer
 from fbtrain.models import MemoryState, build_model, count_parameters
 from fbtrain.sample import generate, next_tokens
 

@@ -37,9 +37,9 @@ class QuietHandler(SimpleHTTPRequestHandler):
 def child(url: str, cache: str, size: int) -> None:
     """Load the corpus once and print one JSON line: seconds, peak RSS, split sizes."""
     start = time.perf_counter()
-    from fbtrain import archives
     from fbtrain.config import DataConfig
-    from fbtrain.corpus import load_corpus
+    from fbtrain.data import archives
+    from fbtrain.data.corpus import load_corpus
 
     imported = time.perf_counter()
     base_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Python + torch

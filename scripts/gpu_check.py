@@ -46,7 +46,7 @@ import bench_sample  # noqa: E402
 import benchmark  # noqa: E402
 
 from fbtrain.config import load_config  # noqa: E402
-from fbtrain.data import CharTokenizer  # noqa: E402
+from fbtrain.data.tokenizers import CharTokenizer  # noqa: E402
 from fbtrain.models import build_model  # noqa: E402
 from fbtrain.sample import generate  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""The state-tracking programs (fbtrain/algorithmic.py, fbtrain/corpus.py): the generator
+"""The state-tracking programs (fbtrain/data/algorithmic.py, fbtrain/data/corpus.py): the generator
 checked by an interpreter written here from the task's rules, labelled targets, masked
 loss and accuracy, and train / eval --split test / sample end to end."""
 
@@ -16,11 +16,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from typer.testing import CliRunner
 
-from fbtrain import algorithmic
 from fbtrain.cli import app
 from fbtrain.config import DataConfig
-from fbtrain.corpus import load_corpus
-from fbtrain.data import IGNORE_INDEX, BatchSampler, Stream, StreamLayout, fixed_windows
+from fbtrain.data import algorithmic
+from fbtrain.data.corpus import load_corpus
+from fbtrain.data.samplers import BatchSampler, SegmentReader, fixed_windows
+from fbtrain.data.streams import IGNORE_INDEX, Stream
 from fbtrain.evaluate import evaluate_split
 from fbtrain.scoring import score_sums, window_scores
 
@@ -250,7 +251,7 @@ def test_batches_and_windows_carry_targets_with_inputs() -> None:
     stream = Stream(torch.arange(100), torch.arange(100) * 2)
     x, y = BatchSampler(stream, seed=0).sample(4, 10)
     assert torch.equal(y, x * 2)
-    layout = StreamLayout(stream, n_streams=3)
+    layout = SegmentReader(stream, n_streams=3)
     x, y, fresh = layout.segment(7)
     assert fresh and torch.equal(y, x * 2) and x[1, 0] == 33
     x, y = fixed_windows(stream, 10, 4, context=5)

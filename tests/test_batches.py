@@ -6,7 +6,7 @@ import pytest
 import torch
 from test_models import ALL_KINDS, randomized, small
 
-from fbtrain.data import BatchSampler, StreamLayout
+from fbtrain.data.samplers import BatchSampler, SegmentReader
 from fbtrain.models import MemoryState
 from fbtrain.train.batches import CarriedStreams, RandomWindows
 
@@ -32,7 +32,7 @@ def test_carried_segments_equal_one_forward(kind: str, memory_norm: str) -> None
     """Segments 5 + 3 + 6 with carried memory give the logits of one call over all 14."""
     model = randomized(small(kind, memory_norm=memory_norm)).eval()
     data = torch.randint(0, VOCAB, (60,), generator=torch.Generator().manual_seed(0))
-    streams = CarriedStreams(StreamLayout(data, n_streams=3), grad_accum=1)
+    streams = CarriedStreams(SegmentReader(data, n_streams=3), grad_accum=1)
     with torch.no_grad():
         inputs, logits = run_segments(model, streams, [5, 3, 6])
         whole, _ = model(torch.cat(inputs, 1))
@@ -47,7 +47,7 @@ def test_memory_flows_forward_but_gradients_stop_at_the_boundary(kind: str) -> N
     # embedding rows of segment 1 appear in no later segment.
     data = torch.arange(41)
     model = randomized(small(kind), vocab=41)
-    streams = CarriedStreams(StreamLayout(data, n_streams=2), grad_accum=1)
+    streams = CarriedStreams(SegmentReader(data, n_streams=2), grad_accum=1)
     [first], _ = run_segments(model, streams, [5])
     (x2, _, carried), = streams.micro_batches(5, 0, torch.device("cpu"))
     logits, _ = model(x2, carried)
@@ -57,7 +57,7 @@ def test_memory_flows_forward_but_gradients_stop_at_the_boundary(kind: str) -> N
     assert torch.count_nonzero(model.embed.weight.grad[seen_first]) == 0
 
     with torch.no_grad():  # the same segment 2 after other tokens: other logits
-        other = CarriedStreams(StreamLayout((data + 1) % 41, n_streams=2), grad_accum=1)
+        other = CarriedStreams(SegmentReader((data + 1) % 41, n_streams=2), grad_accum=1)
         run_segments(model, other, [5])
         (_, _, other_memory), = other.micro_batches(5, 0, torch.device("cpu"))
         changed, _ = model(x2, other_memory)
@@ -65,7 +65,7 @@ def test_memory_flows_forward_but_gradients_stop_at_the_boundary(kind: str) -> N
 
 
 def test_streams_wrap_to_empty_memory_and_accumulation_splits_rows() -> None:
-    layout = StreamLayout(torch.arange(25), n_streams=4)  # 4 streams of 6 inputs
+    layout = SegmentReader(torch.arange(25), n_streams=4)  # 4 streams of 6 inputs
     streams = CarriedStreams(layout, grad_accum=2)
     model = randomized(small("feedback_kv"), vocab=25).eval()
     seen = []

@@ -22,7 +22,7 @@ from typer.testing import CliRunner
 from fbtrain import __version__, evaluate, sample, train
 from fbtrain.checkpoint import CheckpointError
 from fbtrain.cli import app
-from fbtrain.data import DataError
+from fbtrain.data.errors import DataError
 from fbtrain.device import DeviceError
 from fbtrain.models.feedback_core import CoreBuildError
 

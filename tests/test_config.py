@@ -404,7 +404,8 @@ def test_val_fraction_message_gives_the_real_limits():
     found = problems("data.val_fraction=.nan")
     assert found == ["<defaults> (with --set): data.val_fraction = nan: must be a finite "
                      "number (not NaN or infinity)"]
-    from fbtrain.data import DataError, split
+    from fbtrain.data.errors import DataError
+    from fbtrain.data.streams import split
 
     with pytest.raises(DataError, match=r"^data.val_fraction = 0.7: must be > 0 and <= 0.5$"):
         split(torch.arange(100), 0.7)

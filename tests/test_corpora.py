@@ -19,24 +19,16 @@ import yaml
 from conftest import Server
 from typer.testing import CliRunner
 
-from fbtrain import archives
 from fbtrain.cli import app
 from fbtrain.config import ConfigError, DataConfig, load_config
-from fbtrain.corpus import load_corpus
-from fbtrain.data import (
-    BatchSampler,
-    ByteTokenizer,
-    CharTokenizer,
-    DataError,
-    Stream,
-    StreamLayout,
-    Tokenizer,
-    address,
-    download,
-    fixed_windows,
-    make_tokenizer,
-)
-from fbtrain.sources import SOURCES, TINY_SHAKESPEARE_SHA256, TINY_SHAKESPEARE_URL
+from fbtrain.data import archives
+from fbtrain.data.corpus import load_corpus
+from fbtrain.data.errors import DataError
+from fbtrain.data.fetch import address, download
+from fbtrain.data.samplers import BatchSampler, SegmentReader, fixed_windows
+from fbtrain.data.sources import SOURCES, TINY_SHAKESPEARE_SHA256, TINY_SHAKESPEARE_URL
+from fbtrain.data.streams import Stream
+from fbtrain.data.tokenizers import ByteTokenizer, CharTokenizer, Tokenizer, make_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 SIZE, HELD_OUT = 4000, 400  # stand-ins for 100,000,000 and 5,000,000 bytes
@@ -393,11 +385,11 @@ def test_byte_tokenizer_round_trips_any_bytes() -> None:
     assert tok.decode(ids) == data.decode("utf-8", errors="replace")
     assert tok.decode_bytes(tok.encode("é€")) == "é€".encode()  # text goes in as UTF-8
     # Streamed one id at a time, a multi-byte character appears once it is whole.
-    stream = tok.text_stream()
-    pieces = [stream.feed(i) for i in tok.encode("é€").tolist()]
+    decoder = tok.decoder()
+    pieces = [decoder.feed(i) for i in tok.encode("é€").tolist()]
     assert pieces == ["", "é", "", "", "€"]
-    stream.feed(int(tok.encode(b"\xc3")[0]))
-    assert stream.end() == "\ufffd"
+    decoder.feed(int(tok.encode(b"\xc3")[0]))
+    assert decoder.end() == "\ufffd"
 
 
 def test_byte_vocabulary_survives_vocab_json_and_checkpoints(tmp_path: Path) -> None:
@@ -415,7 +407,7 @@ def test_compact_streams_draw_long_windows() -> None:
     wide = ids.long()
     compact, long_ = Stream(ids[:-1], ids[1:]), Stream(wide[:-1], wide[1:])
     drawn = [(BatchSampler(data, seed=1).sample(4, 16), fixed_windows(data, 16, 5, context=8),
-              StreamLayout(data, 4).segment(16)[:2]) for data in (compact, long_)]
+              SegmentReader(data, 4).segment(16)[:2]) for data in (compact, long_)]
     for (x, y), (x_long, y_long) in zip(*drawn, strict=True):
         assert x.dtype == y.dtype == torch.long  # widened: embeddings and losses take these
         assert torch.equal(x, x_long) and torch.equal(y, y_long)

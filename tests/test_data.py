@@ -1,5 +1,6 @@
-"""Tests for fbtrain.data: download/cache against a real local HTTP server, tokenizer,
-split and batches. Offline and fast: the server runs on 127.0.0.1 in a thread."""
+"""Tests for fbtrain.data (fetch, text, tokenizers, streams, samplers): download/cache
+against a real local HTTP server, tokenizer, split and batches. Offline and fast: the
+server runs on 127.0.0.1 in a thread."""
 
 from __future__ import annotations
 
@@ -16,21 +17,15 @@ import pytest
 import torch
 from conftest import Server
 
-from fbtrain import data
 from fbtrain.config import DataConfig
-from fbtrain.data import (
-    IGNORE_INDEX,
-    BatchSampler,
-    CharTokenizer,
-    DataError,
-    StreamLayout,
-    cache_dir,
-    download,
-    fixed_windows,
-    load_text,
-    split,
-)
-from fbtrain.sources import SOURCES, Source
+from fbtrain.data import fetch
+from fbtrain.data.errors import DataError
+from fbtrain.data.fetch import cache_dir, download
+from fbtrain.data.samplers import BatchSampler, SegmentReader, fixed_windows
+from fbtrain.data.sources import SOURCES, Source
+from fbtrain.data.streams import IGNORE_INDEX, split
+from fbtrain.data.text import load_text
+from fbtrain.data.tokenizers import CharTokenizer
 
 TEXT = "".join(f"Line {i}: To be, or not to be, that is the question.\n" for i in range(200))
 BODY = TEXT.encode("utf-8")
@@ -261,7 +256,7 @@ def test_stale_temp_files_of_the_entry_are_removed(tmp_path: Path, server: Serve
 def test_entry_being_downloaded_elsewhere_is_waited_for_and_left_alone(
     tmp_path: Path, server: Server, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(data, "LOCK_WAIT", 0.3)
+    monkeypatch.setattr(fetch, "LOCK_WAIT", 0.3)
     cache = tmp_path / "cache"
     cache.mkdir()
     entry = key("tiny", server.url("/text.txt")) + ".txt"
@@ -276,6 +271,25 @@ def test_entry_being_downloaded_elsewhere_is_waited_for_and_left_alone(
                            r"0.3 s of waiting; wait for it or stop it, or set data.cache_dir"):
             load_text(cfg(tmp_path, server.url("/text.txt")))
     assert temp.exists() and server.hits["/text.txt"] == 0
+
+
+def test_cache_on_a_file_system_without_flock_is_written_unlocked(
+    tmp_path: Path, server: Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Some network mounts refuse flock: the download goes ahead without the lock (as a run
+    directory's does), and as nothing proves the entry's writers gone, their temp files
+    stay (one may be a live download's)."""
+    def no_flock(fd: int, operation: int) -> None:
+        raise OSError(37, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_flock)
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    entry = key("tiny", server.url("/text.txt")) + ".txt"
+    temp = cache / f".{entry}.k9x_2ab7.tmp"
+    temp.write_bytes(BODY[:100])
+    assert load_text(cfg(tmp_path, server.url("/text.txt"))) == TEXT
+    assert temp.exists() and server.hits["/text.txt"] == 1
 
 
 def test_two_downloads_of_one_entry_at_once_fetch_it_once(
@@ -312,7 +326,7 @@ def test_two_downloads_of_one_entry_at_once_fetch_it_once(
 def test_trickling_server_meets_the_download_deadline(
     tmp_path: Path, server: Server, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(data, "DOWNLOAD_DEADLINE", 1.0)
+    monkeypatch.setattr(fetch, "DOWNLOAD_DEADLINE", 1.0)
     url = server.url("/trickle")
     start = time.monotonic()
     with pytest.raises(DataError, match=rf"^could not download {url}: not finished within the "
@@ -500,7 +514,7 @@ def test_stream_layout_reads_every_token_once_per_pass_across_ranks(seq_len: int
     data = torch.arange(100) * 10  # values != positions, so a shifted index would show
     seen: list[int] = []
     for rank in range(2):
-        layout = StreamLayout(data, n_streams=3, rank=rank, world_size=2)
+        layout = SegmentReader(data, n_streams=3, rank=rank, world_size=2)
         assert layout.length == 16
         rows: list[list[int]] = [[], [], []]
         fresh = []
@@ -523,12 +537,12 @@ def test_stream_layout_reads_every_token_once_per_pass_across_ranks(seq_len: int
 
 
 def test_stream_layout_state_and_problems() -> None:
-    layout = StreamLayout(torch.arange(50), n_streams=2)
+    layout = SegmentReader(torch.arange(50), n_streams=2)
     layout.segment(5)
-    other = StreamLayout(torch.arange(50), n_streams=2)
+    other = SegmentReader(torch.arange(50), n_streams=2)
     other.load_state_dict(layout.state_dict())
     assert torch.equal(other.segment(5)[0], layout.segment(5)[0])
     with pytest.raises(DataError, match="carried streams of length 24 do not fit"):
-        StreamLayout(torch.arange(80), n_streams=2).load_state_dict(layout.state_dict())
+        SegmentReader(torch.arange(80), n_streams=2).load_state_dict(layout.state_dict())
     with pytest.raises(DataError, match="too short for 8 streams: 8 tokens, need at least 9"):
-        StreamLayout(torch.arange(8), n_streams=4, rank=1, world_size=2)
+        SegmentReader(torch.arange(8), n_streams=4, rank=1, world_size=2)

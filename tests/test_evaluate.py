@@ -12,7 +12,9 @@ import torch
 from test_sample import KINDS, VOCAB, one_thread, tiny_model, write_run  # noqa: F401
 
 from fbtrain import evaluate
-from fbtrain.data import CharTokenizer, DataError, split
+from fbtrain.data.errors import DataError
+from fbtrain.data.streams import split
+from fbtrain.data.tokenizers import CharTokenizer
 from fbtrain.evaluate import evaluate_split, format_result, mean_loss
 
 

@@ -14,7 +14,7 @@ import torch
 from fbtrain import io as fio
 from fbtrain.checkpoint import CheckpointManager, save_checkpoint
 from fbtrain.config import Config, save_config
-from fbtrain.data import CharTokenizer
+from fbtrain.data.tokenizers import CharTokenizer
 from fbtrain.io import atomic_write, atomic_write_text, current_umask
 
 

@@ -13,7 +13,8 @@ from torch import Tensor, nn
 from fbtrain import sample
 from fbtrain.checkpoint import CheckpointError, load_model, save_checkpoint
 from fbtrain.config import DataConfig, ModelConfig
-from fbtrain.data import CharTokenizer, DataError
+from fbtrain.data.errors import DataError
+from fbtrain.data.tokenizers import CharTokenizer
 from fbtrain.models import build_model
 from fbtrain.sample import filter_logits, generate
 

@@ -26,9 +26,10 @@ from test_train import CHILD_ENV, make_raw, records, wait_for
 
 from fbtrain.checkpoint import load_checkpoint, save_checkpoint
 from fbtrain.config import ConfigError, config_from_dict
-from fbtrain.data import BatchSampler
-from fbtrain.distributed import DistContext, rank_seed
+from fbtrain.data.samplers import BatchSampler
+from fbtrain.distributed import DistContext
 from fbtrain.io import FileWriteError
+from fbtrain.rng import rank_seed
 from fbtrain.train import Trainer, run
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -134,7 +135,7 @@ def test_a_fresh_start_that_fails_leaves_no_directory(tmp_path: Path) -> None:
     raw = make_raw(tmp_path, "nested")
     raw["run"]["out_dir"] = str(tmp_path / "a" / "b")
     raw["data"]["path"] = str(tmp_path / "missing.txt")
-    from fbtrain.data import DataError
+    from fbtrain.data.errors import DataError
 
     with pytest.raises(DataError):
         run(config_from_dict(raw), quiet=True)
@@ -309,8 +310,9 @@ import torch
 torch.set_num_threads(1)
 from fbtrain.checkpoint import load_checkpoint
 from fbtrain.config import config_from_dict
-from fbtrain.data import BatchSampler
-from fbtrain.distributed import rank_seed, session
+from fbtrain.data.samplers import BatchSampler
+from fbtrain.distributed import session
+from fbtrain.rng import rank_seed
 from fbtrain.train import Trainer
 raw = json.loads(open(sys.argv[1]).read())
 with session("cpu") as ctx:

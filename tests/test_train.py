@@ -27,8 +27,8 @@ import torch
 from fbtrain.checkpoint import load_checkpoint, load_model
 from fbtrain.checkpoint.contents import apply_warm_start, summarize_names
 from fbtrain.config import Config, ConfigError, ModelConfig, TrainConfig, config_from_dict
-from fbtrain.corpus import load_corpus
-from fbtrain.data import fixed_windows
+from fbtrain.data.corpus import load_corpus
+from fbtrain.data.samplers import fixed_windows
 from fbtrain.evaluate import mean_loss
 from fbtrain.models import build_model
 from fbtrain.schedule import LRSchedule, param_groups
@@ -618,7 +618,7 @@ def test_train_split_too_short_is_refused_before_anything_is_made(tmp_path: Path
     text.write_text("abcdefghij" * 3 + "abc", encoding="utf-8")
     cfg = make_cfg(tmp_path, data={"path": str(text), "val_fraction": 0.5},
                    curriculum=[{"seq_len": 16}])
-    from fbtrain.data import DataError
+    from fbtrain.data.errors import DataError
 
     with pytest.raises(DataError, match=r"^training text too short for seq_len 16: 16 tokens"):
         run(cfg, quiet=True)

@@ -28,7 +28,8 @@ from torch import nn
 
 from fbtrain.checkpoint.files import CheckpointError, load_checkpoint, resolve_checkpoint
 from fbtrain.config import ModelConfig
-from fbtrain.data import DataError, make_tokenizer
+from fbtrain.data.errors import DataError
+from fbtrain.data.tokenizers import make_tokenizer
 from fbtrain.messages import a_type, is_int, is_number
 from fbtrain.models import build_model
 from fbtrain.rng import rng_problem

@@ -5,7 +5,7 @@ Two sources behind one interface, so the training loop never asks which context 
 - :class:`RandomWindows` (``train.context: reset``): independent random windows, each
   from empty memory.
 - :class:`CarriedStreams` (``train.context: carry``): the next segment of every stream of a
-  :class:`~fbtrain.data.StreamLayout`, run on the memory the previous segment left,
+  :class:`~fbtrain.data.samplers.SegmentReader`, run on the memory the previous segment left,
   detached (truncated back-propagation through time: memory flows forward across the
   segment boundary, gradients stop there).
 
@@ -20,14 +20,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from fbtrain.data import BatchSampler, StreamLayout
+from fbtrain.data.samplers import BatchSampler, SegmentReader
 from fbtrain.models import MemoryState
 
 MicroBatch = tuple[Tensor, Tensor, MemoryState | None]  # inputs, targets, memory to start on
 
 
 class RandomWindows:
-    """Random windows from a :class:`~fbtrain.data.BatchSampler`; no memory is carried."""
+    """Random windows from a :class:`~fbtrain.data.samplers.BatchSampler`; no memory is carried."""
 
     def __init__(self, sampler: BatchSampler, grad_accum: int):
         self.sampler = sampler
@@ -45,7 +45,7 @@ class CarriedStreams:
     """``batch * grad_accum`` streams; micro-batch m owns rows ``[m * batch, (m+1) * batch)``
     and its own carried memory."""
 
-    def __init__(self, layout: StreamLayout, grad_accum: int):
+    def __init__(self, layout: SegmentReader, grad_accum: int):
         self.layout = layout
         self.grad_accum = grad_accum
         self.states: list[MemoryState | None] = [None] * grad_accum

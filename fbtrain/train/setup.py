@@ -34,12 +34,14 @@ from fbtrain.checkpoint.files import (
     resolve_checkpoint,
 )
 from fbtrain.config import Config, ConfigError
-from fbtrain.corpus import Corpus, load_corpus
-from fbtrain.data import BatchSampler, DataError, StreamLayout, fixed_windows, require_tokens
+from fbtrain.data.corpus import Corpus, load_corpus
+from fbtrain.data.errors import DataError
+from fbtrain.data.samplers import BatchSampler, SegmentReader, fixed_windows
+from fbtrain.data.streams import require_tokens
 from fbtrain.device import autocast_dtype
-from fbtrain.distributed import DistContext, rank_seed
+from fbtrain.distributed import DistContext
 from fbtrain.models import build_model
-from fbtrain.rng import restore_rng, seed_everything
+from fbtrain.rng import rank_seed, restore_rng, seed_everything
 from fbtrain.schedule import LRSchedule, build_optimizer
 from fbtrain.train.batches import CarriedStreams, RandomWindows
 
@@ -224,7 +226,7 @@ def make_batches(cfg: Config, ctx: DistContext, train_ids: Any
     train = cfg.train
     sampler = BatchSampler(train_ids, cfg.run.seed, rank=ctx.rank)
     if train.context == "carry":
-        layout = StreamLayout(train_ids, train.batch_size * train.grad_accum, ctx.rank,
+        layout = SegmentReader(train_ids, train.batch_size * train.grad_accum, ctx.rank,
                               ctx.world_size)
         return sampler, CarriedStreams(layout, train.grad_accum)
     return sampler, RandomWindows(sampler, train.grad_accum)

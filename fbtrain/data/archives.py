@@ -2,14 +2,14 @@
 
 Each is a zip archive holding one file of exactly :data:`SIZE` bytes (the first 10^8 bytes
 of an English Wikipedia dump; text8 is its lowercase-letters-and-spaces cleaning). The
-archive is downloaded with :func:`fbtrain.data.download` (timeout, deadline, retries,
+archive is downloaded with :func:`fbtrain.data.fetch.download` (timeout, deadline, retries,
 sha256 when one is given), its file is unzipped with the standard library, size-checked
 and (text8) checked to hold only its alphabet before it is moved into the cache, and the
 archive removed: the cache holds the prepared file or nothing, never refused content.
 
-The entry is :func:`fbtrain.data.cache_entry` (``<cache>/enwik8`` for the usual address,
+The entry is :func:`fbtrain.data.fetch.cache_entry` (``<cache>/enwik8`` for the usual address,
 ``<cache>/enwik8@<url digest>`` for another ``data.url``), written under its
-:class:`~fbtrain.data.CacheLock`, with a record beside it, ``<entry>.json``: the URL, the
+:class:`~fbtrain.data.fetch.CacheLock`, with a record beside it, ``<entry>.json``: the URL, the
 sha256 of the archive it was unzipped from and that of the file itself. Later runs read
 the entry straight from the cache (size and alphabet checked; a wrong one is rebuilt); only
 when ``data.sha256`` is given is the file hashed and checked against its record.
@@ -36,19 +36,18 @@ from typing import IO, Any
 import torch
 
 from fbtrain.config import DataConfig
-from fbtrain.data import (
+from fbtrain.data.errors import DataError, one_line
+from fbtrain.data.fetch import (
     OFFLINE_HINT,
     CacheLock,
-    DataError,
     address,
     cache_entry,
     cache_name,
     download,
     file_sha256,
-    one_line,
 )
+from fbtrain.data.sources import SOURCES, Source
 from fbtrain.io import atomic_write, atomic_write_text
-from fbtrain.sources import SOURCES, Source
 
 log = logging.getLogger(__name__)
 

@@ -1,18 +1,18 @@
 """A dataset as the trainer and ``fbtrain eval`` see it: a tokenizer and named splits.
 
-Each split is a :class:`~fbtrain.data.Stream` of inputs and per-token targets, so the
+Each split is a :class:`~fbtrain.data.streams.Stream` of inputs and per-token targets, so the
 code that trains and scores never asks what the data is:
 
 - a text corpus (``data.dataset`` tinyshakespeare, a local ``data.path`` or a name with a
   ``data.url``): characters, next-character targets, split into ``train`` and ``val`` by
   ``data.val_fraction``;
-- ``data.dataset: enwik8`` or ``text8`` (:mod:`fbtrain.archives`): bytes (enwik8) or
+- ``data.dataset: enwik8`` or ``text8`` (:mod:`fbtrain.data.archives`): bytes (enwik8) or
   characters (text8), next-token targets, the standard ``train`` / ``val`` / ``test``
   split; the splits are uint8 views of one buffer, not copies;
-- ``data.dataset: algorithmic``: the programs of :mod:`fbtrain.algorithmic` as words,
+- ``data.dataset: algorithmic``: the programs of :mod:`fbtrain.data.algorithmic` as words,
   ``train`` / ``val`` / ``test`` program sets concatenated into one stream each; only a
   ``print``'s ``;`` has a target (the printed value), every other target is
-  :data:`~fbtrain.data.IGNORE_INDEX`. ``labelled`` is then true: loss and accuracy count
+  :data:`~fbtrain.data.streams.IGNORE_INDEX`. ``labelled`` is then true: loss and accuracy count
   labelled positions only.
 """
 
@@ -23,21 +23,13 @@ from dataclasses import dataclass
 
 import torch
 
-from fbtrain import algorithmic, archives
 from fbtrain.config import DataConfig
-from fbtrain.data import (
-    IGNORE_INDEX,
-    ByteTokenizer,
-    CharTokenizer,
-    DataError,
-    Stream,
-    Tokenizer,
-    WordTokenizer,
-    load_text,
-    next_token_stream,
-    split,
-)
-from fbtrain.sources import SOURCES
+from fbtrain.data import algorithmic, archives
+from fbtrain.data.errors import DataError
+from fbtrain.data.sources import SOURCES
+from fbtrain.data.streams import IGNORE_INDEX, Stream, next_token_stream, split
+from fbtrain.data.text import load_text
+from fbtrain.data.tokenizers import ByteTokenizer, CharTokenizer, Tokenizer, WordTokenizer
 
 ALGORITHMIC = "algorithmic"
 
@@ -83,7 +75,7 @@ def load_corpus(data_cfg: DataConfig, vocab: Sequence[str] | None = None) -> Cor
 
 def benchmark_corpus(data_cfg: DataConfig, vocab: Sequence[str] | None = None) -> Corpus:
     """enwik8 (one token per byte) or text8 (per character: its alphabet, checked by
-    :func:`fbtrain.archives.load_bytes`, is ASCII, so a character is a byte), split the
+    :func:`fbtrain.data.archives.load_bytes`, is ASCII, so a character is a byte), split the
     standard way; ids are uint8 ``[SIZE]``, each split a view of them."""
     name = data_cfg.dataset
     where = f"data.path {data_cfg.path}" if data_cfg.path else f"data.dataset {name}"

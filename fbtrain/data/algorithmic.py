@@ -29,6 +29,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+from fbtrain.rng import derived_seed
+
 VARIABLES = ("x", "y", "z", "p", "r")
 MIN_VALUE, MAX_VALUE = 1, 10
 END = "END"
@@ -132,8 +134,6 @@ SPLIT_SALT = {"train": "train", "val": "valid", "test": "test"}
 
 def split_rng(seed: int, split: str) -> random.Random:
     """The generator of one split's programs: independent of the other splits'."""
-    from fbtrain.data import derived_seed
-
     return random.Random(derived_seed("algorithmic", seed, SPLIT_SALT[split]))
 
 
