@@ -6,8 +6,8 @@ layer its own key/value projection of memory (computed for all layers in one mat
 slot is created); ``kind: feedback_kv`` shares one pair, so each step adds one key/value.
 With ``memory_norm: layernorm`` keys and values project ``LayerNorm(m_t)`` (as the paper's
 code does): each layer's own pre-attention LayerNorm for ``feedback``, one shared
-``mem_norm`` for ``feedback_kv``. The step loop itself is in ``feedback_core.py``
-(C++) or ``python_core.py`` (the fallback).
+``mem_norm`` for ``feedback_kv``. The step loop itself is in ``core/`` (C++, or the
+PyTorch fallback).
 """
 
 from __future__ import annotations
@@ -21,13 +21,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fbtrain.config import EMBEDDING_SHARE, ModelConfig
-from fbtrain.models.feedback_core import (
-    CoreSpec,
-    FeedbackCoreFunction,
-    core,
-    core_forward,
-    flatten_layers,
-)
+from fbtrain.models.core.autograd import FeedbackCoreFunction, flatten_layers
+from fbtrain.models.core.select import core, core_forward
+from fbtrain.models.core.spec import CoreSpec
 from fbtrain.models.layers import Layer, init_weights
 from fbtrain.models.state import MemoryState, kept_sources
 

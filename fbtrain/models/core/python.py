@@ -1,15 +1,15 @@
 """The feedback core's step loops in plain PyTorch: the fallback when the C++ core cannot be
 built or loaded (no compiler, a failed build, no OpenMP), or when ``FBTRAIN_CORE=python``.
 
-Same algorithm as ``csrc/feedback_core.cpp`` (described in ``feedback_core.py``), same
-interface as its ops, and the same numbers to float64 rounding; only the per-op overhead
-of the interpreter makes it slower. What the two cores share lives in ``feedback_core.py``
-(the spec, the parameter order, the autograd wrapper); this module holds only the two
-sweeps. Dropout masks are drawn before the sweep exactly as the C++ core draws them (same
+Same algorithm as ``csrc/feedback_core.cpp`` (described in ``spec.py``), same interface
+as its ops, and the same numbers to float64 rounding; only the per-op overhead of the
+interpreter makes it slower. What the two cores share lives beside this module (the
+contract in ``spec.py``, the autograd wrapper in ``autograd.py``); this module holds only
+the two sweeps. Dropout masks are drawn before the sweep exactly as the C++ core draws them (same
 shapes, same order, from the global generator), so from one seed both cores drop the same
 units. The tests hold both cores to ``tests/reference.py``.
 
-Shapes as in ``feedback_core.py``: B batch, T steps, D width, H heads, d_k = D / H, L
+Shapes as in ``spec.py``: B batch, T steps, D width, H heads, d_k = D / H, L
 layers, F feed-forward width, S = n0 + T memory slots, n_kv key/value sets.
 """
 
@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from fbtrain.models.feedback_core import LAYER_PARAMS, CoreSpec
+from fbtrain.models.core.spec import LAYER_PARAMS, CoreSpec
 
 _layer_norm = torch.native_layer_norm
 _layer_norm_backward = torch.ops.aten.native_layer_norm_backward.default
@@ -102,7 +102,7 @@ def core_forward(
     spec: CoreSpec, x0: Tensor, mem_k: Tensor, mem_v: Tensor, layers: Sequence[Tensor],
     mix: Tensor, wkv: Tensor, bkv: Tensor | None, keep_tape: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tape | None]:
-    """:meth:`fbtrain.models.feedback_core.Core.core_forward` in PyTorch calls (inference
+    """:meth:`fbtrain.models.core.spec.Core.core_forward` in PyTorch calls (inference
     mode). The tape is a :class:`Tape`, or None unless ``keep_tape``."""
     with torch.inference_mode():
         return _forward(spec, x0, mem_k, mem_v, _per_layer(layers), mix, wkv, bkv, keep_tape)
@@ -199,7 +199,7 @@ def core_backward(
     spec: CoreSpec, d_top: Tensor, hidden: Tensor, memory: Tensor, keys: Tensor,
     values: Tensor, n0: int, layers: Sequence[Tensor], mix: Tensor, wkv: Tensor, tape: Tape,
 ) -> tuple[Tensor, list[Tensor], Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """:meth:`fbtrain.models.feedback_core.Core.core_backward` in PyTorch calls (inference
+    """:meth:`fbtrain.models.core.spec.Core.core_backward` in PyTorch calls (inference
     mode), given this module's :class:`Tape`."""
     with torch.inference_mode():
         return _backward(spec, d_top, hidden, memory, keys, values, n0, _per_layer(layers),
@@ -335,7 +335,7 @@ def _layer_norm_affine_grads(d_out: Tensor, x: Tensor, mu: Tensor, rs: Tensor
 def _layer_weight_grads(att: list[tuple], ff: list[tuple], g_att: list[tuple],
                         g_ff: list[tuple], x_att: Tensor, p: tuple[Tensor, ...]
                         ) -> dict[str, Tensor]:
-    """One large matmul per weight, over all steps at once (see feedback_core.py).
+    """One large matmul per weight, over all steps at once (see spec.py).
 
     ``att``/``ff`` are the forward's records (step order), ``g_att``/``g_ff`` the
     backward's (reverse step order); x_att [n_att, B, D] the attention steps' inputs.
