@@ -22,8 +22,8 @@ from torch import Tensor, nn
 
 from fbtrain.config import EMBEDDING_SHARE, ModelConfig
 from fbtrain.models.core.autograd import FeedbackCoreFunction, flatten_layers
-from fbtrain.models.core.select import core, core_forward
-from fbtrain.models.core.spec import CoreSpec
+from fbtrain.models.core.select import core
+from fbtrain.models.core.spec import CoreInputs, CoreSpec
 from fbtrain.models.layers import Layer, init_weights
 from fbtrain.models.state import MemoryState, kept_sources
 
@@ -194,11 +194,11 @@ class FeedbackTransformer(nn.Module):
               ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """Last layer's output [B, T, D], the newest ``window`` memory keys/values and this
         call's memory vectors [B, T, D]."""
+        inputs = CoreInputs(x0, mem_k, mem_v, self.memory_weights(), wkv, bkv,
+                            flatten_layers(layers))
         if torch.is_grad_enabled():
-            return FeedbackCoreFunction.apply(
-                spec, x0, mem_k, mem_v, self.memory_weights(), wkv, bkv, *flatten_layers(layers))
-        hidden, memory, keys, values, _ = core_forward(
-            spec, x0, mem_k, mem_v, flatten_layers(layers), self.memory_weights(), wkv, bkv)
+            return FeedbackCoreFunction.apply(spec, *inputs.flat())
+        hidden, memory, keys, values, _ = core().core_forward(spec, inputs)
         window = spec.window
         return (hidden[:, -1].transpose(0, 1), keys[:, :, -window:], values[:, :, -window:],
                 memory.transpose(0, 1))

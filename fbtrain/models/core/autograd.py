@@ -1,5 +1,5 @@
 """The autograd Function around the core (:class:`FeedbackCoreFunction`) and the flat
-per-layer tensor list it takes (:func:`flatten_layers`)."""
+per-layer tensor list the core takes (:func:`flatten_layers`)."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ import torch
 from torch import Tensor
 
 from fbtrain.models.core.select import core
-from fbtrain.models.core.spec import LAYER_PARAMS, CoreSpec
+from fbtrain.models.core.spec import LAYER_PARAMS, CoreInputs, CoreOutputs, CoreSpec
 
 
 class FeedbackCoreFunction(torch.autograd.Function):
-    """Autograd wrapper: inputs (spec, x0, mem_k, mem_v, mix, wkv, bkv, *layer tensors).
+    """Autograd wrapper: inputs ``(spec, *CoreInputs.flat())``.
 
     Outputs the last layer's hidden states [B, T, D], the new memory keys/values (the last
     ``window`` slots) and the memory vectors [B, T, D] of this call. The latter three are
@@ -22,35 +22,39 @@ class FeedbackCoreFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, spec: CoreSpec, x0: Tensor, mem_k: Tensor, mem_v: Tensor, mix: Tensor,
-                wkv: Tensor, bkv: Tensor | None, *flat: Tensor):
+    def forward(ctx, spec: CoreSpec, *flat: Tensor | None):
+        """Run the core with a tape; keep what the backward needs on ``ctx``."""
+        inputs = CoreInputs.from_flat(flat)
         ctx.core = core()
-        hidden, memory, keys, values, tape = ctx.core.core_forward(
-            spec, x0, mem_k, mem_v, flat, mix, wkv, bkv, keep_tape=True)
+        hidden, memory, keys, values, tape = ctx.core.core_forward(spec, inputs, keep_tape=True)
         # Outputs are fresh tensors, never views of saved buffers (that would make a cycle)
-        # nor inference tensors (the cores run in inference mode; see Core.core_forward).
+        # nor inference tensors (the cores run in inference mode; see CoreOutputs).
         top = hidden[:, -1].transpose(0, 1).clone(memory_format=torch.contiguous_format)
         new_k = keys[:, :, -spec.window:].clone()
         new_v = values[:, :, -spec.window:].clone()
         new_memory = memory.transpose(0, 1).clone(memory_format=torch.contiguous_format)
         ctx.mark_non_differentiable(new_k, new_v, new_memory)
-        ctx.spec, ctx.n0, ctx.tape, ctx.has_bkv = spec, mem_k.shape[2], tape, bkv is not None
-        ctx.buffers = (hidden, memory, keys, values)
-        ctx.save_for_backward(mix, wkv, *flat)
+        ctx.spec, ctx.tape, ctx.has_bkv = spec, tape, inputs.bkv is not None
+        ctx.buffers = (hidden, memory, keys, values)  # tests/test_config.py reads these two
+        ctx.save_for_backward(inputs.mix, inputs.wkv, *inputs.layers)
         return top, new_k, new_v, new_memory
 
     @staticmethod
     def backward(ctx, d_top: Tensor, _dk: Tensor, _dv: Tensor, _dm: Tensor):
-        mix, wkv, *flat = ctx.saved_tensors
-        d_x0, flat_grads, d_mix, d_wkv, d_bkv, d_mem_k, d_mem_v = ctx.core.core_backward(
-            ctx.spec, d_top.contiguous(), *ctx.buffers, ctx.n0, flat, mix, wkv, ctx.tape)
+        """Every input's gradient, in the order the inputs came (None for spec, and for bkv
+        where there was none)."""
+        mix, wkv, *layers = ctx.saved_tensors
+        outputs = CoreOutputs(*ctx.buffers, ctx.tape)
         ctx.buffers = ctx.tape = None
-        d_x0, d_mem_k, d_mem_v, d_mix, d_wkv, d_bkv, *flat_grads = (  # out of inference mode
-            g.clone() for g in (d_x0, d_mem_k, d_mem_v, d_mix, d_wkv, d_bkv, *flat_grads))
-        return (None, d_x0, d_mem_k, d_mem_v, d_mix, d_wkv, d_bkv if ctx.has_bkv else None,
-                *flat_grads)
+        grads = ctx.core.core_backward(ctx.spec, d_top.contiguous(), outputs, mix, wkv, layers)
+        del outputs
+        grads = CoreInputs.from_flat([g.clone() for g in grads.flat()])  # out of inference mode
+        if not ctx.has_bkv:
+            grads = grads._replace(bkv=None)
+        return (None, *grads.flat())
 
 
 def flatten_layers(layers: list[dict[str, Tensor]]) -> list[Tensor]:
-    """Per-layer tensors as one flat list, layer by layer in LAYER_PARAMS order."""
+    """Per-layer tensors as one flat list (``CoreInputs.layers``), layer by layer in
+    LAYER_PARAMS order."""
     return [p[name] for p in layers for name in LAYER_PARAMS]

@@ -22,12 +22,11 @@ import sysconfig
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import Tensor
 
-from fbtrain.models.core.spec import CoreError, CoreSpec
+from fbtrain.models.core.spec import CoreError, CoreInputs, CoreOutputs, CoreSpec
 
 try:
     import fcntl  # POSIX; elsewhere builds rely on torch's own lock alone
@@ -288,20 +287,18 @@ def native_ops():
 
 
 class NativeCore:
-    """The C++ core's ops (compiled on first use) behind :class:`Core`'s calls."""
+    """The C++ core's ops (compiled on first use) behind ``spec.Core``'s calls. The ops take
+    the tensors in :class:`CoreInputs` order, then the :class:`CoreSpec` fields."""
 
     @staticmethod
-    def core_forward(spec: CoreSpec, x0: Tensor, mem_k: Tensor, mem_v: Tensor,
-                     layers: Sequence[Tensor], mix: Tensor, wkv: Tensor, bkv: Tensor | None,
-                     keep_tape: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor, Any]:
-        return native_ops().core_forward(x0, mem_k, mem_v, layers, mix, wkv, bkv, *spec.args(),
-                                         keep_tape)
+    def core_forward(spec: CoreSpec, inputs: CoreInputs, keep_tape: bool = False
+                     ) -> CoreOutputs:
+        """``spec.Core.core_forward`` on the C++ op."""
+        return CoreOutputs(*native_ops().core_forward(*inputs, *spec.args(), keep_tape))
 
     @staticmethod
-    def core_backward(spec: CoreSpec, d_top: Tensor, hidden: Tensor, memory: Tensor,
-                      keys: Tensor, values: Tensor, n0: int, layers: Sequence[Tensor],
-                      mix: Tensor, wkv: Tensor, tape: Any
-                      ) -> tuple[Tensor, Sequence[Tensor], Tensor, Tensor, Tensor, Tensor,
-                                 Tensor]:
-        return native_ops().core_backward(d_top, hidden, memory, keys, values, tape, layers,
-                                          mix, wkv, n0, *spec.args())
+    def core_backward(spec: CoreSpec, d_top: Tensor, outputs: CoreOutputs, mix: Tensor,
+                      wkv: Tensor, layers: Sequence[Tensor]) -> CoreInputs:
+        """``spec.Core.core_backward`` on the C++ op."""
+        return CoreInputs(*native_ops().core_backward(d_top, *outputs, mix, wkv, layers,
+                                                      *spec.args()))

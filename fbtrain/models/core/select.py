@@ -6,13 +6,9 @@ from __future__ import annotations
 import functools
 import os
 import sys
-from collections.abc import Sequence
-from typing import Any
-
-from torch import Tensor
 
 from fbtrain.models.core import native, python
-from fbtrain.models.core.spec import Core, CoreError, CoreSpec
+from fbtrain.models.core.spec import Core, CoreError
 
 CORE_ENV = "FBTRAIN_CORE"
 CORE_CHOICES = ("auto", "native", "python")
@@ -57,12 +53,3 @@ def _resolve(choice: str) -> Core:
                   f"(or set {CORE_ENV}=python to skip this attempt)",
                   file=sys.stderr, flush=True)
     return python
-
-
-def core_forward(
-    spec: CoreSpec, x0: Tensor, mem_k: Tensor, mem_v: Tensor, layers: Sequence[Tensor],
-    mix: Tensor, wkv: Tensor, bkv: Tensor | None, keep_tape: bool = False,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Any]:
-    """:meth:`Core.core_forward` of the :func:`core` in use."""
-    return core().core_forward(spec, x0, mem_k, mem_v, layers, mix, wkv, bkv, keep_tape)
-

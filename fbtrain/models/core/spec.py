@@ -1,5 +1,6 @@
-"""The feedback core's contract: its static facts (:class:`CoreSpec`), the order of its
-per-layer tensors (:data:`LAYER_PARAMS`) and the calls both cores answer (:class:`Core`).
+"""The feedback core's contract: its static facts (:class:`CoreSpec`), its tensors in the one
+order every part of the core uses (:class:`CoreInputs`, :class:`CoreOutputs`,
+:class:`LayerTensors`) and the calls both cores answer (:class:`Core`).
 
 Why a core with a hand-written backward: a feedback model must run one token at a time, so
 a training step is ``seq_len * n_layers`` tiny steps. Under plain autograd every tiny op
@@ -28,7 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from torch import Tensor
 
@@ -52,49 +53,96 @@ class CoreSpec:
     memory_norm: bool = False
 
     def args(self) -> tuple[int, int, bool, int, float, float, bool]:
+        """The fields in order, as the C++ ops take them after the tensors."""
         return (self.n_layers, self.n_heads, self.shared_kv, self.window, self.dropout,
                 self.eps, self.memory_norm)
 
 
-# Per-layer tensors in the order the core takes them (see FeedbackTransformer.core_params).
-LAYER_PARAMS = ("ln1_w", "ln1_b", "wq", "uq", "rt", "c", "wo_t", "bo",
-                "ln2_w", "ln2_b", "w1_t", "b1", "w2_t", "b2")
+class LayerTensors(NamedTuple):
+    """One layer's tensors as the core takes them; the field order is the core's (the C++
+    ``enum Param`` follows it, and a test holds the two together). Built from the model's
+    parameters with constants folded in (``FeedbackTransformer.core_params``)."""
+
+    ln1_w: Tensor  # [D] pre-attention LayerNorm
+    ln1_b: Tensor  # [D]
+    wq: Tensor  # [D, D] query projection, 1/sqrt(d_k) folded in
+    uq: Tensor  # [D] query bias u, scaled alike
+    rt: Tensor  # [H, d_k, P] position offsets r, largest offset first
+    c: Tensor  # [H, 1, P] position biases (b - u.r) / sqrt(d_k), ordered alike
+    wo_t: Tensor  # [D, D] attention output projection (transposed)
+    bo: Tensor  # [D]
+    ln2_w: Tensor  # [D] pre-feed-forward LayerNorm
+    ln2_b: Tensor  # [D]
+    w1_t: Tensor  # [D, F]
+    b1: Tensor  # [F]
+    w2_t: Tensor  # [F, D]
+    b2: Tensor  # [D]
+
+
+LAYER_PARAMS: tuple[str, ...] = LayerTensors._fields  # the names, in the core's order
+
+
+class CoreInputs(NamedTuple):
+    """The tensors of one core call, in the one order all of the core uses: the
+    :class:`Core` calls, the C++ ops' schema, the autograd Function's arguments, and the
+    gradients :meth:`Core.core_backward` returns (each input's gradient in its own field).
+    A test holds the C++ schema to these fields."""
+
+    x0: Tensor  # [B, T, D] token embeddings
+    mem_k: Tensor  # [n_kv, B*H, n0, d_k] keys of the carried memory
+    mem_v: Tensor  # [n_kv, B*H, n0, d_k] its values
+    mix: Tensor  # [L+1] softmax memory weights
+    wkv: Tensor  # [D, 2*n_kv*D] memory key/value projection: all keys, then all values
+    bkv: Tensor | None  # [2*n_kv*D] its bias, or None
+    layers: Sequence[Tensor]  # L * len(LAYER_PARAMS), layer by layer as LayerTensors
+
+    def flat(self) -> tuple[Tensor | None, ...]:
+        """The fields with ``layers`` spread out, last: the autograd Function's arguments."""
+        return (*self[:-1], *self.layers)
+
+    @classmethod
+    def from_flat(cls, flat: Sequence[Tensor | None]) -> CoreInputs:
+        """The inverse of :meth:`flat`."""
+        n = len(cls._fields) - 1
+        return cls(*flat[:n], tuple(flat[n:]))
+
+
+class CoreOutputs(NamedTuple):
+    """What :meth:`Core.core_forward` returns, in the C++ op's order; the backward takes it
+    back whole. All are inference tensors: to reach autograd they must be cloned."""
+
+    hidden: Tensor  # [T, L+1, B, D] every layer's output (and the embedding) at every step
+    memory: Tensor  # [T, B, D] the memory vectors m_t (before any norm)
+    keys: Tensor  # [n_kv, B*H, S, d_k] the key buffers, carried slots first
+    values: Tensor  # [n_kv, B*H, S, d_k] the value buffers
+    tape: Any  # what the backward needs, its own kind per core (empty unless keep_tape)
 
 
 class Core(Protocol):
     """One implementation of the step loops: the C++ ops (``native.NativeCore``) or the
     ``python`` module. Same calls, same results to float64 rounding."""
 
-    def core_forward(self, spec: CoreSpec, x0: Tensor, mem_k: Tensor, mem_v: Tensor,
-                     layers: Sequence[Tensor], mix: Tensor, wkv: Tensor, bkv: Tensor | None,
-                     keep_tape: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor, Any]:
+    def core_forward(self, spec: CoreSpec, inputs: CoreInputs,
+                     keep_tape: bool = False) -> CoreOutputs:
         """Run T steps (without autograd recording).
 
-        x0: [B, T, D] token embeddings. mem_k, mem_v: [n_kv, B*H, n0, d_k] carried memory.
-        layers: L * 14 tensors, as ``autograd.flatten_layers`` (``rt`` [H, d_k, P], ``c``
-        [H, 1, P] hold the P = min(S, window) position rows a window can use, largest
-        offset first). mix: [L+1] softmax memory weights. wkv: [D, 2*n_kv*D] (all keys,
-        then all values); bkv: [2*n_kv*D] or None; the keys/values of step t are
-        ``m_t @ wkv + bkv``, or with ``spec.memory_norm`` ``norm(m_t) @ wkv + bkv`` (norm:
-        LayerNorm without affine). Returns hidden [T, L+1, B, D] (every layer's output at
-        every step), the memory vectors [T, B, D] (before any norm), the key/value buffers
-        [n_kv, B*H, S, d_k], and the tape the backward needs (its own kind per core; empty
-        unless ``keep_tape``). Dropout masks are drawn from the global generator before the
-        sweep, in the same order by both cores. Results are inference tensors: to reach
-        autograd they must be cloned.
+        ``layers`` hold P = min(S, window) position rows in ``rt`` and ``c``: those a window
+        can use. The keys/values of step t are ``m_t @ wkv + bkv``, or with
+        ``spec.memory_norm`` ``norm(m_t) @ wkv + bkv`` (norm: LayerNorm without affine).
+        Dropout masks are drawn from the global generator before the sweep, in the same
+        order by both cores.
         """
         ...
 
-    def core_backward(self, spec: CoreSpec, d_top: Tensor, hidden: Tensor, memory: Tensor,
-                      keys: Tensor, values: Tensor, n0: int, layers: Sequence[Tensor],
-                      mix: Tensor, wkv: Tensor, tape: Any
-                      ) -> tuple[Tensor, Sequence[Tensor], Tensor, Tensor, Tensor, Tensor,
-                                 Tensor]:
-        """Gradients given ``d_top`` [B, T, D], the gradient of the last layer's output, and
-        what the same core's :meth:`core_forward` returned.
+    def core_backward(self, spec: CoreSpec, d_top: Tensor, outputs: CoreOutputs,
+                      mix: Tensor, wkv: Tensor, layers: Sequence[Tensor]) -> CoreInputs:
+        """Gradients given ``d_top`` [B, T, D], the gradient of the last layer's output,
+        what the same core's :meth:`core_forward` returned (with its tape), and the inputs
+        the backward reads (in :class:`CoreInputs` order). The carried slot count n0 is
+        ``S - T``.
 
-        Returns d_x0 [B, T, D], the layer gradients (flat, as ``autograd.flatten_layers``),
-        d_mix [L+1], d_wkv [D, 2*n_kv*D], d_bkv [2*n_kv*D], and d_mem_k, d_mem_v
-        [n_kv, B*H, n0, d_k] for the carried memory's keys and values.
+        Returns every input's gradient in its field of a :class:`CoreInputs`: d_mem_k and
+        d_mem_v are the carried keys' and values' (for callers that projected them
+        differentiably), ``bkv``'s is a tensor even where there was no bias.
         """
         ...
