@@ -296,3 +296,17 @@ def test_the_core_loads_past_the_lock_a_killed_build_left(tmp_path):
     assert result.stdout.strip() == "NativeCore"
     assert result.stderr.splitlines() == [
         f"fbtrain: removed the lock file a killed build left in {root / name}"]
+
+
+def test_the_waiting_line_names_each_new_holder_once(tmp_path, capsys):
+    """PidLock reports every change of holder, even to one that has not written its pid
+    yet; the build lock's line names the first holder (or nobody) and then each new pid,
+    as its own flock loop did before PidLock."""
+    on_wait = native._waiting_line(tmp_path)
+    for holder in ["", "123", "", "123", "456"]:
+        on_wait(holder)
+    where = f"building the C++ core in {tmp_path}"
+    assert capsys.readouterr().err.splitlines() == [
+        f"fbtrain: waiting for another process {where}",
+        f"fbtrain: waiting for another process (pid 123) {where}",
+        f"fbtrain: waiting for another process (pid 456) {where}"]

@@ -20,18 +20,14 @@ import subprocess
 import sys
 import sysconfig
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
+from fbtrain.filelock import POLL_S, PidLock
 from fbtrain.models.core.spec import CoreError, CoreInputs, CoreOutputs, CoreSpec
-
-try:
-    import fcntl  # POSIX; elsewhere builds rely on torch's own lock alone
-except ImportError:  # pragma: no cover - Windows
-    fcntl = None  # type: ignore[assignment]
 
 CSRC = Path(__file__).parent / "csrc" / "feedback_core.cpp"
 
@@ -64,11 +60,12 @@ def _put_ninja_on_path() -> None:
 # it creates ``lock`` there (O_EXCL) and deletes it when done, and anyone else polls until
 # the file is gone. A build killed part-way (kill -9, SIGTERM, the OOM killer) never deletes
 # it, so every later run would wait forever. fbtrain therefore takes a lock of its own
-# around torch's, an flock, which the kernel releases when its holder dies: whoever holds
-# it is the only fbtrain building in the folder, so a ``lock`` file found then is stale.
+# around torch's, a PidLock (an flock, which the kernel releases when its holder dies):
+# whoever holds it is the only fbtrain building in the folder, so a ``lock`` file found
+# then is stale.
 BUILD_LOCK = "fbtrain-build.lock"  # fbtrain's flock, in the build folder; holds its pid
 TORCH_LOCK = "lock"  # torch's FileBaton (cpp_extension._jit_compile), same folder
-LOCK_POLL_S = 0.2  # how often a waiter looks again (sleeps, so Ctrl-C interrupts it)
+LOCK_POLL_S = POLL_S  # how often a waiter looks again (sleeps, so Ctrl-C interrupts it)
 
 
 def _core_recipe() -> tuple[str, Path, list[str], list[str]]:
@@ -115,10 +112,21 @@ def build_directory(name: str) -> Path:
     return path
 
 
-def _lock_holder(fd: int) -> int | None:
-    """The pid the holder of fbtrain's build lock wrote into it (None: not written yet)."""
-    text = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
-    return int(text) if text.isdigit() else None
+def _waiting_line(build_dir: Path) -> Callable[[str], None]:
+    """PidLock's ``on_wait`` for the build lock: a line on stderr naming the holder when
+    the wait starts, and again whenever a new holder's pid shows (a holder that has not
+    written its pid yet is not news once someone was named)."""
+    shown: list[str] = []  # the holders named so far
+
+    def on_wait(holder: str) -> None:
+        if shown and (not holder or holder == shown[-1]):
+            return
+        who = f"another process (pid {holder})" if holder else "another process"
+        print(f"fbtrain: waiting for {who} building the C++ core in {build_dir}",
+              file=sys.stderr, flush=True)
+        shown.append(holder)
+
+    return on_wait
 
 
 @contextlib.contextmanager
@@ -126,44 +134,18 @@ def build_lock(build_dir: Path) -> Iterator[bool]:
     """Hold fbtrain's build lock on ``build_dir``, waiting (interruptibly) while another
     process holds it, with a line on stderr naming it. Yields whether the lock is held:
     False only where the platform or file system has no flock, and then nothing is known
-    about other builders.
+    about other builders (the build relies on torch's own lock alone).
 
-    An flock belongs to the open file, so the kernel drops it when the holder dies, however
-    it dies; the file itself stays and only carries the holder's pid for waiters.
+    The lock is a :class:`~fbtrain.filelock.PidLock`: the kernel drops it when the holder
+    dies, however it dies; the file itself stays and only carries the holder's pid for
+    waiters, emptied on release so that no one names a finished build.
     """
-    if fcntl is None:  # Windows: torch's own lock only
-        yield False
-        return
-    fd = os.open(build_dir / BUILD_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    lock = PidLock(build_dir / BUILD_LOCK)
+    lock.acquire(wait=None, on_wait=_waiting_line(build_dir))
     try:
-        shown: int | None = None
-        waited = False
-        while True:
-            try:
-                # Non-blocking, with sleeps between tries: a sleep always ends in
-                # KeyboardInterrupt on Ctrl-C, and the line can follow a change of holder.
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                pass
-            except OSError:  # no flock on this file system: build under torch's lock only
-                yield False
-                return
-            holder = _lock_holder(fd)
-            if not waited or (holder is not None and holder != shown):
-                who = f"another process (pid {holder})" if holder else "another process"
-                print(f"fbtrain: waiting for {who} building the C++ core in {build_dir}",
-                      file=sys.stderr, flush=True)
-                waited, shown = True, holder
-            time.sleep(LOCK_POLL_S)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        try:
-            yield True
-        finally:
-            os.ftruncate(fd, 0)  # no pid of a finished build for the next waiter to name
+        yield lock.held
     finally:
-        os.close(fd)  # releases the flock
+        lock.release(forget_pid=True)
 
 
 # A shell sitting in a build folder (someone looking around) is no build: one run with no
