@@ -20,12 +20,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from fbtrain.config import EMBEDDING_SHARE, ModelConfig
+from fbtrain.config import ModelConfig
 from fbtrain.models.core.autograd import FeedbackCoreFunction, flatten_layers
 from fbtrain.models.core.select import core
 from fbtrain.models.core.spec import CoreInputs, CoreSpec
 from fbtrain.models.layers import Layer, init_weights
 from fbtrain.models.state import MemoryState, kept_sources
+
+# memory_init: embedding: the embedding's share of m_t at step 0 (the layers share the rest).
+EMBEDDING_SHARE = 0.95
 
 
 def initial_memory_logits(n_layers: int, memory_init: str) -> Tensor:
