@@ -28,7 +28,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) '$(TORCH)'
 	$(BIN)/python -m pip install -e '.[dev]'
 	@# Compile the C++ core now (once); without a compiler say so and go on (FBTRAIN_CORE).
-	$(BIN)/python -c 'from fbtrain.models.feedback_core import core; core()'
+	$(BIN)/python -c 'from fbtrain.models.core.select import core; core()'
 	touch $@
 
 train: install

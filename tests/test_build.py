@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from fbtrain.models import feedback_core
+from fbtrain.models.core import native
 
 CXX = shutil.which("c++") or shutil.which("g++")
 needs_compiler = pytest.mark.skipif(CXX is None, reason="needs a C++ compiler")
@@ -36,8 +36,8 @@ import ctypes, signal, sys
 from pathlib import Path
 signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal, whatever
 # the parent did with SIGINT
-from fbtrain.models import feedback_core
-library = feedback_core.load_extension(sys.argv[2], Path(sys.argv[1]), [], [])
+from fbtrain.models.core import native
+library = native.load_extension(sys.argv[2], Path(sys.argv[1]), [], [])
 print(ctypes.CDLL(str(library)).fbtrain_test_answer())
 """
 
@@ -121,7 +121,7 @@ def _wait_until(condition: Callable[[], bool], timeout: float = 60) -> None:
 
 
 def _build_dir(source: Path) -> Path:
-    return feedback_core.build_directory(feedback_core.extension_name(BASE, source, [], []))
+    return native.build_directory(native.extension_name(BASE, source, [], []))
 
 
 # --- one build folder per source -----------------------------------------------------------
@@ -131,24 +131,24 @@ def test_each_source_and_flag_set_gets_its_own_build_folder(tmp_path, extensions
     flags and torch version, so two checkouts sharing a cache never rebuild over each
     other."""
     a, b = _tiny_source(tmp_path, 1), _tiny_source(tmp_path, 2)
-    name = feedback_core.extension_name
+    name = native.extension_name
     assert re.fullmatch(rf"{BASE}_[0-9a-f]{{8}}", name(BASE, a, [], []))
     assert name(BASE, a, ["-O3"], []) == name(BASE, a, ["-O3"], [])  # stable
     names = {name(BASE, a, [], []), name(BASE, b, [], []), name(BASE, a, ["-O3"], []),
              name(BASE, a, [], ["-O3"]), name(BASE, a, ["-O3", "-mavx2"], [])}
     assert len(names) == 5
-    folders = {feedback_core.build_directory(n) for n in names}
+    folders = {native.build_directory(n) for n in names}
     assert len(folders) == 5 and all(f.parent == extensions and f.is_dir() for f in folders)
 
 
 def test_the_core_is_built_in_a_folder_named_for_its_source(tmp_path):
-    base, source, cflags, ldflags = feedback_core._core_recipe()
-    assert source == feedback_core.CSRC and base in ("fbtrain_core", "fbtrain_core_avx2")
-    name = feedback_core.extension_name(base, source, cflags, ldflags)
+    base, source, cflags, ldflags = native._core_recipe()
+    assert source == native.CSRC and base in ("fbtrain_core", "fbtrain_core_avx2")
+    name = native.extension_name(base, source, cflags, ldflags)
     assert re.fullmatch(rf"{base}_[0-9a-f]{{8}}", name)
     edited = tmp_path / "feedback_core.cpp"
     edited.write_text(source.read_text() + "\n// another version\n")
-    assert feedback_core.extension_name(base, edited, cflags, ldflags) != name
+    assert native.extension_name(base, edited, cflags, ldflags) != name
 
 
 # --- the build lock ----------------------------------------------------------------------
@@ -157,7 +157,7 @@ def test_the_core_is_built_in_a_folder_named_for_its_source(tmp_path):
 def test_a_waiter_names_the_holder_then_builds_when_it_lets_go(tmp_path, extensions, reap):
     source = _tiny_source(tmp_path)
     build_dir = _build_dir(source)
-    with feedback_core.build_lock(build_dir) as locked:
+    with native.build_lock(build_dir) as locked:
         assert locked
         waiter = reap(_builder(source))
         err = _lines(waiter.stderr)
@@ -172,7 +172,7 @@ def test_a_waiter_names_the_holder_then_builds_when_it_lets_go(tmp_path, extensi
 @needs_compiler
 def test_ctrl_c_interrupts_a_waiter(tmp_path, extensions, reap):
     source = _tiny_source(tmp_path)
-    with feedback_core.build_lock(_build_dir(source)):
+    with native.build_lock(_build_dir(source)):
         waiter = reap(_builder(source))
         err = _lines(waiter.stderr)
         _wait_for_line(err, "waiting for another process")
@@ -213,19 +213,19 @@ def test_a_build_killed_part_way_does_not_hang_the_next(tmp_path, extensions, re
     env, hold, started = _slow_compiler(tmp_path)
     first = reap(_builder(source, env, new_session=True))
     _wait_until(started.exists)  # compiling: inside torch's lock and fbtrain's
-    assert (build_dir / feedback_core.TORCH_LOCK).exists()
+    assert (build_dir / native.TORCH_LOCK).exists()
     os.killpg(first.pid, signal.SIGKILL)  # python and ninja
     first.wait(timeout=20)
-    for pid, _ in feedback_core._builders_in(build_dir):  # the compile: its own group
+    for pid, _ in native._builders_in(build_dir):  # the compile: its own group
         os.kill(pid, signal.SIGKILL)
-    _wait_until(lambda: not feedback_core._builders_in(build_dir), timeout=20)
-    assert (build_dir / feedback_core.TORCH_LOCK).exists()  # the stale state: no one left
+    _wait_until(lambda: not native._builders_in(build_dir), timeout=20)
+    assert (build_dir / native.TORCH_LOCK).exists()  # the stale state: no one left
 
     second = reap(_builder(source))
     out, err = second.communicate(timeout=120)
     assert second.returncode == 0 and out.strip() == "42", err
     assert f"fbtrain: removed the lock file a killed build left in {build_dir}" in err
-    assert not (build_dir / feedback_core.TORCH_LOCK).exists()
+    assert not (build_dir / native.TORCH_LOCK).exists()
 
 
 @needs_compiler
@@ -240,7 +240,7 @@ def test_the_next_build_waits_for_what_a_killed_build_left_running(
     _wait_until(started.exists)
     first.kill()  # the python process only
     first.wait(timeout=20)
-    builders = feedback_core._builders_in(build_dir)
+    builders = native._builders_in(build_dir)
     assert "ninja" in {command for _, command in builders}
 
     try:
@@ -257,7 +257,7 @@ def test_the_next_build_waits_for_what_a_killed_build_left_running(
         assert second.returncode == 0 and out.strip() == "42"
     finally:
         hold.unlink(missing_ok=True)
-        for pid, _ in feedback_core._builders_in(build_dir):  # what is left of the first
+        for pid, _ in native._builders_in(build_dir):  # what is left of the first
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
 
@@ -269,11 +269,11 @@ def test_a_compiler_that_fails_its_check_is_a_core_build_error(tmp_path, extensi
     """CXX=false exists, but fails the ``$CXX --version`` torch runs to check it: one line,
     not the CalledProcessError's traceback."""
     monkeypatch.setenv("CXX", "false")
-    with pytest.raises(feedback_core.CoreBuildError,
+    with pytest.raises(native.CoreBuildError,
                        match=r"^could not build fbtrain's C\+\+ core .*: 'false' does not work "
                              r"as a C\+\+ compiler \(false --version exited with status 1; "
                              r"set CXX to name another compiler\)$"):
-        feedback_core.load_extension(BASE, _tiny_source(tmp_path), [], [])
+        native.load_extension(BASE, _tiny_source(tmp_path), [], [])
 
 
 @needs_compiler
@@ -281,18 +281,32 @@ def test_the_core_loads_past_the_lock_a_killed_build_left(tmp_path):
     """The reported hang: after a killed first build every run printed "compiling the C++
     core" and waited forever. The core's build (copied from this session's cache, so
     nothing compiles) with the ``lock`` file a killed build leaves loads within seconds."""
-    feedback_core.native_ops()  # this session's build, made here if not yet
-    recipe = feedback_core._core_recipe()
-    name = feedback_core.extension_name(*recipe)
+    native.native_ops()  # this session's build, made here if not yet
+    recipe = native._core_recipe()
+    name = native.extension_name(*recipe)
     root = tmp_path / "extensions"
-    shutil.copytree(feedback_core.build_directory(name), root / name)  # keeps the mtimes
-    (root / name / feedback_core.TORCH_LOCK).touch()
+    shutil.copytree(native.build_directory(name), root / name)  # keeps the mtimes
+    (root / name / native.TORCH_LOCK).touch()
     env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(root), "FBTRAIN_CORE": "native",
            "OMP_NUM_THREADS": "1"}
     result = subprocess.run(
-        [sys.executable, "-c", "from fbtrain.models.feedback_core import core; "
+        [sys.executable, "-c", "from fbtrain.models.core.select import core; "
          "print(core().__name__)"], env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "NativeCore"
     assert result.stderr.splitlines() == [
         f"fbtrain: removed the lock file a killed build left in {root / name}"]
+
+
+def test_the_waiting_line_names_each_new_holder_once(tmp_path, capsys):
+    """PidLock reports every change of holder, even to one that has not written its pid
+    yet; the build lock's line names the first holder (or nobody) and then each new pid,
+    as its own flock loop did before PidLock."""
+    on_wait = native._waiting_line(tmp_path)
+    for holder in ["", "123", "", "123", "456"]:
+        on_wait(holder)
+    where = f"building the C++ core in {tmp_path}"
+    assert capsys.readouterr().err.splitlines() == [
+        f"fbtrain: waiting for another process {where}",
+        f"fbtrain: waiting for another process (pid 123) {where}",
+        f"fbtrain: waiting for another process (pid 456) {where}"]

@@ -24,7 +24,7 @@ from fbtrain.checkpoint import CheckpointError
 from fbtrain.cli import app
 from fbtrain.data.errors import DataError
 from fbtrain.device import DeviceError
-from fbtrain.models.feedback_core import CoreBuildError
+from fbtrain.models.core.native import CoreBuildError
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "configs" / "tiny.yaml")

@@ -553,7 +553,7 @@ def test_activation_estimate_is_a_lower_bound(monkeypatch: pytest.MonkeyPatch, k
     the same tensors)."""
     from fbtrain.budget import estimate
     from fbtrain.models import build_model
-    from fbtrain.models.feedback_core import CORE_ENV
+    from fbtrain.models.core.select import CORE_ENV
 
     monkeypatch.setenv(CORE_ENV, "python")
     cfg = load_config(None, [f"model.kind={kind}", "model.d_model=32", f"model.n_heads={heads}",

@@ -14,7 +14,8 @@ import pytest
 from torch.utils import cpp_extension
 
 from fbtrain.config import ModelConfig
-from fbtrain.models import build_model, feedback_core, python_core
+from fbtrain.models import build_model
+from fbtrain.models.core import native, python, select
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTICE = "Running on the PyTorch core instead"
@@ -23,36 +24,36 @@ NOTICE = "Running on the PyTorch core instead"
 @pytest.fixture
 def fresh_resolution() -> Iterator[None]:
     """Forget which core each FBTRAIN_CORE value resolved to, before and after the test."""
-    feedback_core._resolve.cache_clear()
+    select._resolve.cache_clear()
     yield
-    feedback_core._resolve.cache_clear()
+    select._resolve.cache_clear()
 
 
 @pytest.fixture
-def broken_build(monkeypatch, fresh_resolution) -> feedback_core.CoreBuildError:
+def broken_build(monkeypatch, fresh_resolution) -> native.CoreBuildError:
     """native_ops fails as it does without a compiler."""
-    error = feedback_core.CoreBuildError(
+    error = native.CoreBuildError(
         "could not build fbtrain's C++ core (x.cpp); it needs a C++ compiler (g++) on PATH: "
         "'c++' not found (set CXX to name another compiler)")
 
     def fail():
         raise error
 
-    monkeypatch.setattr(feedback_core, "native_ops", fail)
+    monkeypatch.setattr(native, "native_ops", fail)
     return error
 
 
 @pytest.mark.parametrize("value", ["", "auto", "native", "python", " Python "])
 def test_core_choice_accepts(value, monkeypatch):
     monkeypatch.setenv("FBTRAIN_CORE", value)
-    assert feedback_core.core_choice() == (value.strip().lower() or "auto")
+    assert select.core_choice() == (value.strip().lower() or "auto")
 
 
 def test_invalid_core_choice_is_one_clear_line(monkeypatch):
     """Checked when a feedback model is built, not at its first step; a CoreError is an
     OSError, which the CLI prints as one ``error:`` line (exit 2)."""
     monkeypatch.setenv("FBTRAIN_CORE", "fast")
-    with pytest.raises(feedback_core.CoreError) as info:
+    with pytest.raises(select.CoreError) as info:
         build_model(ModelConfig(kind="feedback_kv", d_model=16, n_heads=2, d_ff=24,
                                 n_layers=1), 11)
     assert str(info.value) == "FBTRAIN_CORE='fast' is not a core; use one of auto, native, python"
@@ -61,31 +62,31 @@ def test_invalid_core_choice_is_one_clear_line(monkeypatch):
 
 def test_python_choice_never_builds(monkeypatch, broken_build, capsys):
     monkeypatch.setenv("FBTRAIN_CORE", "python")
-    assert feedback_core.core() is python_core
+    assert select.core() is python
     assert capsys.readouterr().err == ""
 
 
 def test_auto_falls_back_with_one_notice_line_per_process(monkeypatch, broken_build, capsys):
     monkeypatch.setenv("FBTRAIN_CORE", "auto")
-    assert feedback_core.core() is python_core
-    assert feedback_core.core() is python_core
+    assert select.core() is python
+    assert select.core() is python
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.count(NOTICE) == 1
     assert str(broken_build) in err  # why
-    assert f"about {feedback_core.PYTHON_CORE_SLOWDOWN} slower" in err  # at what cost
+    assert f"about {select.PYTHON_CORE_SLOWDOWN} slower" in err  # at what cost
     assert "install g++" in err and "FBTRAIN_CORE=python" in err  # what to do
 
 
 def test_native_choice_fails_loudly(monkeypatch, broken_build, capsys):
     monkeypatch.setenv("FBTRAIN_CORE", "native")
-    with pytest.raises(feedback_core.CoreBuildError, match="could not build fbtrain's C"):
-        feedback_core.core()
+    with pytest.raises(native.CoreBuildError, match="could not build fbtrain's C"):
+        select.core()
     assert capsys.readouterr().err == ""
 
 
 def test_auto_takes_the_native_core_where_it_builds(monkeypatch, fresh_resolution):
     monkeypatch.setenv("FBTRAIN_CORE", "auto")
-    assert feedback_core.core() is feedback_core.NativeCore
+    assert select.core() is native.NativeCore
 
 
 def test_ninja_from_pypi_is_found_without_an_activated_environment(monkeypatch, tmp_path):
@@ -94,10 +95,10 @@ def test_ninja_from_pypi_is_found_without_an_activated_environment(monkeypatch, 
     ninja = pytest.importorskip("ninja")
     monkeypatch.setenv("PATH", str(tmp_path))  # nothing here, not even a system ninja
     assert not cpp_extension.is_ninja_available()
-    feedback_core._put_ninja_on_path()
+    native._put_ninja_on_path()
     assert os.environ["PATH"].split(os.pathsep) == [str(tmp_path), ninja.BIN_DIR]
     assert cpp_extension.is_ninja_available()
-    feedback_core._put_ninja_on_path()  # found now: PATH stays as it is
+    native._put_ninja_on_path()  # found now: PATH stays as it is
     assert os.environ["PATH"].split(os.pathsep) == [str(tmp_path), ninja.BIN_DIR]
 
 
@@ -142,7 +143,7 @@ def test_native_choice_without_a_compiler_exits_2(tmp_path):
     result = _train(tmp_path, _no_compiler_env(tmp_path, "native"))
     assert result.returncode == 2, result.stderr
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert errors == [f"error: could not build fbtrain's C++ core ({feedback_core.CSRC}); it "
+    assert errors == [f"error: could not build fbtrain's C++ core ({native.CSRC}); it "
                       "needs a C++ compiler (g++) on PATH: 'c++' not found (set CXX to name "
                       "another compiler)"]
     assert NOTICE not in result.stderr and "Traceback" not in result.stderr
@@ -158,11 +159,11 @@ def _broken_compiler_env(tmp_path: Path, core: str) -> dict[str, str]:
 
 def test_a_compiler_that_fails_its_check_falls_back_with_the_notice(tmp_path):
     result = subprocess.run(
-        [sys.executable, "-c", "from fbtrain.models.feedback_core import core; "
+        [sys.executable, "-c", "from fbtrain.models.core.select import core; "
          "print(core().__name__)"], env=_broken_compiler_env(tmp_path, "auto"),
         capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "fbtrain.models.python_core"
+    assert result.stdout.strip() == "fbtrain.models.core.python"
     assert "Traceback" not in result.stderr
     notices = [line for line in result.stderr.splitlines() if NOTICE in line]
     assert len(notices) == 1
@@ -175,7 +176,7 @@ def test_native_choice_with_a_compiler_that_fails_its_check_exits_2(tmp_path):
     result = _train(tmp_path, _broken_compiler_env(tmp_path, "native"))
     assert result.returncode == 2, result.stderr
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert errors == [f"error: could not build fbtrain's C++ core ({feedback_core.CSRC}); it "
+    assert errors == [f"error: could not build fbtrain's C++ core ({native.CSRC}); it "
                       "needs a C++ compiler (g++) on PATH: 'false' does not work as a C++ "
                       "compiler (false --version exited with status 1; set CXX to name "
                       "another compiler)"]

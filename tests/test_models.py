@@ -10,7 +10,8 @@ import torch
 from reference import reference_forward
 
 from fbtrain.config import ModelConfig
-from fbtrain.models import build_model, count_parameters, feedback_core
+from fbtrain.models import build_model, count_parameters
+from fbtrain.models.core import native
 
 FEEDBACK_KINDS = ["feedback_kv", "feedback"]
 ALL_KINDS = [*FEEDBACK_KINDS, "transformer"]
@@ -303,15 +304,15 @@ def test_failed_core_build_is_one_clear_line(monkeypatch):
                            "x.cpp:1:10: fatal error: ATen/ATen.h: No such file\nninja: stopped")
 
     monkeypatch.setattr(cpp_extension, "load", broken_build)
-    feedback_core.native_ops.cache_clear()
+    native.native_ops.cache_clear()
     try:
-        with pytest.raises(feedback_core.CoreBuildError) as info:
-            feedback_core.native_ops()
+        with pytest.raises(native.CoreBuildError) as info:
+            native.native_ops()
     finally:
-        feedback_core.native_ops.cache_clear()  # the next caller loads the real build
+        native.native_ops.cache_clear()  # the next caller loads the real build
     message = str(info.value)
     assert "\n" not in message
-    assert str(feedback_core.CSRC) in message and "C++ compiler" in message
+    assert str(native.CSRC) in message and "C++ compiler" in message
     assert message.endswith("x.cpp:1:10: fatal error: ATen/ATen.h: No such file")
 
 

@@ -6,8 +6,8 @@ layer its own key/value projection of memory (computed for all layers in one mat
 slot is created); ``kind: feedback_kv`` shares one pair, so each step adds one key/value.
 With ``memory_norm: layernorm`` keys and values project ``LayerNorm(m_t)`` (as the paper's
 code does): each layer's own pre-attention LayerNorm for ``feedback``, one shared
-``mem_norm`` for ``feedback_kv``. The step loop itself is in ``feedback_core.py``
-(C++) or ``python_core.py`` (the fallback).
+``mem_norm`` for ``feedback_kv``. The step loop itself is in ``core/`` (C++, or the
+PyTorch fallback).
 """
 
 from __future__ import annotations
@@ -20,16 +20,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from fbtrain.config import EMBEDDING_SHARE, ModelConfig
-from fbtrain.models.feedback_core import (
-    CoreSpec,
-    FeedbackCoreFunction,
-    core,
-    core_forward,
-    flatten_layers,
-)
+from fbtrain.config import ModelConfig
+from fbtrain.models.core.autograd import FeedbackCoreFunction, flatten_layers
+from fbtrain.models.core.select import core
+from fbtrain.models.core.spec import CoreInputs, CoreSpec
 from fbtrain.models.layers import Layer, init_weights
 from fbtrain.models.state import MemoryState, kept_sources
+
+# memory_init: embedding: the embedding's share of m_t at step 0 (the layers share the rest).
+EMBEDDING_SHARE = 0.95
 
 
 def initial_memory_logits(n_layers: int, memory_init: str) -> Tensor:
@@ -198,11 +197,11 @@ class FeedbackTransformer(nn.Module):
               ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """Last layer's output [B, T, D], the newest ``window`` memory keys/values and this
         call's memory vectors [B, T, D]."""
+        inputs = CoreInputs(x0, mem_k, mem_v, self.memory_weights(), wkv, bkv,
+                            flatten_layers(layers))
         if torch.is_grad_enabled():
-            return FeedbackCoreFunction.apply(
-                spec, x0, mem_k, mem_v, self.memory_weights(), wkv, bkv, *flatten_layers(layers))
-        hidden, memory, keys, values, _ = core_forward(
-            spec, x0, mem_k, mem_v, flatten_layers(layers), self.memory_weights(), wkv, bkv)
+            return FeedbackCoreFunction.apply(spec, *inputs.flat())
+        hidden, memory, keys, values, _ = core().core_forward(spec, inputs)
         window = spec.window
         return (hidden[:, -1].transpose(0, 1), keys[:, :, -window:], values[:, :, -window:],
                 memory.transpose(0, 1))

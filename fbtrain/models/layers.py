@@ -2,7 +2,7 @@
 
 The modules here only *hold* parameters (and give them stable names, so a ``transformer``
 checkpoint can warm-start a feedback model tensor by tensor); the arithmetic lives in
-``feedback_core.py`` (sequential) and ``transformer.py`` (parallel).
+``core/`` (sequential) and ``transformer.py`` (parallel).
 """
 
 from __future__ import annotations

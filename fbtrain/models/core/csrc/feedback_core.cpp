@@ -6,7 +6,9 @@
 // thread (rows of a batch never interact in the sweep, and one shard's small ops leave the
 // other cores idle), and attention over a step's window is one loop per (row, head)
 // (WindowAttention) instead of a dozen tiny ATen calls. The algorithm is described in the
-// docstring of feedback_core.py; tests/reference.py checks it against a slow autograd
+// docstring of fbtrain/models/core/spec.py, which also fixes the order of the ops'
+// arguments (CoreInputs, CoreOutputs, CoreSpec, LayerTensors; tests check this file
+// against it); tests/reference.py checks the numbers against a slow autograd
 // implementation written straight from the equations.
 //
 // Shapes: B batch, T steps in this call, D model width, H heads, dk = D / H, L layers,
@@ -29,7 +31,7 @@ namespace {
 
 using at::Tensor;
 
-// Per-layer tensors, in the order of LAYER_PARAMS in feedback_core.py.
+// Per-layer tensors, in the order of LayerTensors (LAYER_PARAMS) in spec.py.
 enum Param { LN1_W, LN1_B, WQ, UQ, RT, CPOS, WO_T, BO, LN2_W, LN2_B, W1_T, B1, W2_T, B2, N_PARAMS };
 
 // What the forward keeps for the backward, one buffer each (order = the list the op returns).
@@ -455,13 +457,14 @@ std::vector<std::vector<Tensor>> split_layers(at::TensorList flat, int64_t L) {
   return p;
 }
 
-// Runs T steps. x0: [B, T, D]; mem_k, mem_v: [n_kv, B*H, n0, dk] carried memory; layers:
-// L * 14 tensors as LAYER_PARAMS; mix: [L+1]; wkv: [D, 2*n_kv*D]; bkv: [2*n_kv*D] or None.
+// Runs T steps. x0: [B, T, D]; mem_k, mem_v: [n_kv, B*H, n0, dk] carried memory; mix:
+// [L+1]; wkv: [D, 2*n_kv*D]; bkv: [2*n_kv*D] or None; layers: L * 14 tensors as
+// LAYER_PARAMS (the tensors in CoreInputs order).
 // Returns hidden [T, L+1, B, D], memory [T, B, D], keys and values [n_kv, B*H, S, dk], and
 // the tape (the records in Record order; empty unless keep_tape).
 std::tuple<Tensor, Tensor, Tensor, Tensor, std::vector<Tensor>> core_forward(
-    const Tensor& x0, const Tensor& mem_k, const Tensor& mem_v, at::TensorList layers,
-    const Tensor& mix, const Tensor& wkv, const std::optional<Tensor>& bkv, int64_t n_layers,
+    const Tensor& x0, const Tensor& mem_k, const Tensor& mem_v, const Tensor& mix,
+    const Tensor& wkv, const std::optional<Tensor>& bkv, at::TensorList layers, int64_t n_layers,
     int64_t n_heads, bool shared_kv, int64_t window, double dropout, double eps,
     bool memory_norm, bool keep_tape) {
   at::InferenceMode guard;
@@ -643,20 +646,21 @@ std::pair<Tensor, Tensor> layer_norm_affine_grads(const Tensor& d, const Tensor&
   return {(d * ((x - mu) * rs)).sum(0), d.sum(0)};
 }
 
-// Gradients given d_top [B, T, D], the gradient of the last layer's output. Returns
-// d_x0 [B, T, D], the layer gradients (L * 14, as LAYER_PARAMS), d_mix [L+1],
-// d_wkv [D, 2*n_kv*D], d_bkv [2*n_kv*D] and the carried memory's d_mem_k, d_mem_v
-// [n_kv, B*H, n0, dk].
-std::tuple<Tensor, std::vector<Tensor>, Tensor, Tensor, Tensor, Tensor, Tensor> core_backward(
+// Gradients given d_top [B, T, D], the gradient of the last layer's output, and what
+// core_forward returned. Returns the gradient of each input in CoreInputs order: d_x0
+// [B, T, D], the carried memory's d_mem_k, d_mem_v [n_kv, B*H, n0, dk], d_mix [L+1],
+// d_wkv [D, 2*n_kv*D], d_bkv [2*n_kv*D] and the layer gradients (L * 14, as LAYER_PARAMS).
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, std::vector<Tensor>> core_backward(
     const Tensor& d_top, const Tensor& hidden, const Tensor& memory, const Tensor& keys,
-    const Tensor& values, at::TensorList tape_records, at::TensorList layers,
-    const Tensor& mix, const Tensor& wkv, int64_t n0, int64_t n_layers, int64_t n_heads,
-    bool shared_kv, int64_t window, double dropout, double eps, bool memory_norm) {
+    const Tensor& values, at::TensorList tape_records, const Tensor& mix, const Tensor& wkv,
+    at::TensorList layers, int64_t n_layers, int64_t n_heads, bool shared_kv, int64_t window,
+    double dropout, double eps, bool memory_norm) {
   at::InferenceMode guard;
   const Spec s = make_spec(n_layers, n_heads, shared_kv, window, dropout, eps, memory_norm);
   const auto p = split_layers(layers, s.L);
   const int64_t T = hidden.size(0), L = s.L, B = hidden.size(2), D = hidden.size(3);
   const int64_t n_kv = keys.size(0), F = p[0][W1_T].size(1);
+  const int64_t n0 = keys.size(2) - T;  // the carried slots come first
   TORCH_CHECK(static_cast<int64_t>(tape_records.size()) == N_RECORDS, "fbtrain core: bad tape");
   const Layout lay(s, B, T, D, F, n0, n_kv, true);
   const Tape tape{std::vector<Tensor>(tape_records.begin(), tape_records.end()), &lay};
@@ -728,22 +732,22 @@ std::tuple<Tensor, std::vector<Tensor>, Tensor, Tensor, Tensor, Tensor, Tensor> 
   const Tensor& kv_in = s.memory_norm ? tape.rec[MEM_HAT] : memory;  // what was projected
   const Tensor d_wkv = at::mm(kv_in.reshape({T * B, D}).t(), d_kv_flat);
   // The carried slots' key/value gradients, for callers that projected them differentiably.
-  return {bw.d_x0, grads, d_mix, d_wkv, d_kv_flat.sum(0), bw.d_keys.narrow(2, 0, n0),
-          bw.d_values.narrow(2, 0, n0)};
+  return {bw.d_x0, bw.d_keys.narrow(2, 0, n0), bw.d_values.narrow(2, 0, n0), d_mix, d_wkv,
+          d_kv_flat.sum(0), grads};
 }
 
 }  // namespace
 
 TORCH_LIBRARY(fbtrain, m) {
-  m.def("core_forward(Tensor x0, Tensor mem_k, Tensor mem_v, Tensor[] layers, Tensor mix, "
-        "Tensor wkv, Tensor? bkv, int n_layers, int n_heads, bool shared_kv, int window, "
+  m.def("core_forward(Tensor x0, Tensor mem_k, Tensor mem_v, Tensor mix, Tensor wkv, "
+        "Tensor? bkv, Tensor[] layers, int n_layers, int n_heads, bool shared_kv, int window, "
         "float dropout, float eps, bool memory_norm, bool keep_tape) -> "
         "(Tensor, Tensor, Tensor, Tensor, Tensor[])",
         &core_forward);
   m.def("core_backward(Tensor d_top, Tensor hidden, Tensor memory, Tensor keys, "
-        "Tensor values, Tensor[] tape, Tensor[] layers, Tensor mix, Tensor wkv, int n0, "
+        "Tensor values, Tensor[] tape, Tensor mix, Tensor wkv, Tensor[] layers, "
         "int n_layers, int n_heads, bool shared_kv, int window, float dropout, float eps, "
         "bool memory_norm) -> "
-        "(Tensor, Tensor[], Tensor, Tensor, Tensor, Tensor, Tensor)",
+        "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor[])",
         &core_backward);
 }

@@ -1,15 +1,15 @@
 """The feedback core's step loops in plain PyTorch: the fallback when the C++ core cannot be
 built or loaded (no compiler, a failed build, no OpenMP), or when ``FBTRAIN_CORE=python``.
 
-Same algorithm as ``csrc/feedback_core.cpp`` (described in ``feedback_core.py``), same
-interface as its ops, and the same numbers to float64 rounding; only the per-op overhead
-of the interpreter makes it slower. What the two cores share lives in ``feedback_core.py``
-(the spec, the parameter order, the autograd wrapper); this module holds only the two
-sweeps. Dropout masks are drawn before the sweep exactly as the C++ core draws them (same
+Same algorithm as ``csrc/feedback_core.cpp`` (described in ``spec.py``), same interface
+as its ops, and the same numbers to float64 rounding; only the per-op overhead of the
+interpreter makes it slower. What the two cores share lives beside this module (the
+contract in ``spec.py``, the autograd wrapper in ``autograd.py``); this module holds only
+the two sweeps. Dropout masks are drawn before the sweep exactly as the C++ core draws them (same
 shapes, same order, from the global generator), so from one seed both cores drop the same
 units. The tests hold both cores to ``tests/reference.py``.
 
-Shapes as in ``feedback_core.py``: B batch, T steps, D width, H heads, d_k = D / H, L
+Shapes as in ``spec.py``: B batch, T steps, D width, H heads, d_k = D / H, L
 layers, F feed-forward width, S = n0 + T memory slots, n_kv key/value sets.
 """
 
@@ -21,15 +21,13 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from fbtrain.models.feedback_core import LAYER_PARAMS, CoreSpec
+from fbtrain.models.core.spec import LAYER_PARAMS, CoreInputs, CoreOutputs, CoreSpec, LayerTensors
 
 _layer_norm = torch.native_layer_norm
 _layer_norm_backward = torch.ops.aten.native_layer_norm_backward.default
 _softmax_backward = torch.ops.aten._softmax_backward_data.default
 _relu_backward = torch.ops.aten.threshold_backward.default
 
-# Positions of the per-layer tensors in LAYER_PARAMS order.
-_RT, _W1_T = LAYER_PARAMS.index("rt"), LAYER_PARAMS.index("w1_t")
 _ATT_PARAMS = ("ln1_w", "ln1_b", "wq", "uq", "wo_t", "bo")
 
 
@@ -74,9 +72,10 @@ def _window(slot: int, window: int) -> tuple[int, int]:
     return lo, slot - lo
 
 
-def _per_layer(flat: Sequence[Tensor]) -> list[tuple[Tensor, ...]]:
+def _per_layer(flat: Sequence[Tensor]) -> list[LayerTensors]:
+    """The flat per-layer list (``CoreInputs.layers``) cut into one LayerTensors a layer."""
     n = len(LAYER_PARAMS)
-    return [tuple(flat[i:i + n]) for i in range(0, len(flat), n)]
+    return [LayerTensors(*flat[i:i + n]) for i in range(0, len(flat), n)]
 
 
 def _draw_masks(spec: CoreSpec, like: Tensor, n0: int, F: int) -> Masks | None:
@@ -98,18 +97,18 @@ def _draw_masks(spec: CoreSpec, like: Tensor, n0: int, F: int) -> Masks | None:
     return Masks(att, prob, mask(L, T, B, F), mask(L, T, B, D), offsets)
 
 
-def core_forward(
-    spec: CoreSpec, x0: Tensor, mem_k: Tensor, mem_v: Tensor, layers: Sequence[Tensor],
-    mix: Tensor, wkv: Tensor, bkv: Tensor | None, keep_tape: bool = False,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tape | None]:
-    """:meth:`fbtrain.models.feedback_core.Core.core_forward` in PyTorch calls (inference
+def core_forward(spec: CoreSpec, inputs: CoreInputs, keep_tape: bool = False
+                 ) -> CoreOutputs:
+    """:meth:`fbtrain.models.core.spec.Core.core_forward` in PyTorch calls (inference
     mode). The tape is a :class:`Tape`, or None unless ``keep_tape``."""
+    x0, mem_k, mem_v, mix, wkv, bkv, layers = inputs
     with torch.inference_mode():
-        return _forward(spec, x0, mem_k, mem_v, _per_layer(layers), mix, wkv, bkv, keep_tape)
+        return CoreOutputs(*_forward(spec, x0, mem_k, mem_v, _per_layer(layers), mix, wkv,
+                                     bkv, keep_tape))
 
 
 def _forward(spec: CoreSpec, x0: Tensor, mem_k: Tensor, mem_v: Tensor,
-             params: list[tuple[Tensor, ...]], mix: Tensor, wkv: Tensor, bkv: Tensor | None,
+             params: list[LayerTensors], mix: Tensor, wkv: Tensor, bkv: Tensor | None,
              keep_tape: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tape | None]:
     B, T, D = x0.shape
     L, H = spec.n_layers, spec.n_heads
@@ -127,8 +126,8 @@ def _forward(spec: CoreSpec, x0: Tensor, mem_k: Tensor, mem_v: Tensor,
     hidden[:, 0] = x0.transpose(0, 1)
     memory = x0.new_empty(T, B, D)
     set_of = [0 if spec.shared_kv else li for li in range(L)]
-    n_pos = params[0][_RT].shape[-1]
-    masks = _draw_masks(spec, x0, n0, params[0][_W1_T].shape[1])
+    n_pos = params[0].rt.shape[-1]
+    masks = _draw_masks(spec, x0, n0, params[0].w1_t.shape[1])
     eps, shape = spec.eps, (D,)
     first_att = 0 if n0 > 0 else 1
     tape = Tape([[] for _ in range(L)], [[] for _ in range(L)]) if keep_tape else None
@@ -141,18 +140,18 @@ def _forward(spec: CoreSpec, x0: Tensor, mem_k: Tensor, mem_v: Tensor,
             v_w = [v.narrow(1, lo, ell) for v in value_sets]  # [BH, ell, dk]
         x = hidden[t, 0]
         for li in range(L):
-            ln1_w, ln1_b, wq, uq, rt, c_pos, wo_t, bo, ln2_w, ln2_b, w1_t, b1, w2_t, b2 = params[li]
+            p = params[li]
             if masks is not None:
                 mask_h, mask_ff = masks.h[li, t], masks.ff[li, t]
             if ell:  # attention is skipped while memory is empty
-                a, mu1, rs1 = _layer_norm(x, shape, ln1_w, ln1_b, eps)
-                qu = torch.addmm(uq, a, wq)  # (q + u) / sqrt(d_k): [B, D]
+                a, mu1, rs1 = _layer_norm(x, shape, p.ln1_w, p.ln1_b, eps)
+                qu = torch.addmm(p.uq, a, p.wq)  # (q + u) / sqrt(d_k): [B, D]
                 scores = torch.bmm(qu.view(BH, 1, dk), k_t[set_of[li]]).view(B, H, ell)
                 # Position scores per head ([H, B, d_k] @ [H, d_k, ell]): H gemms on the
                 # [H, d_k, n_pos] table itself, not B*H matvecs on a copy per batch row.
-                scores += torch.baddbmm(c_pos.narrow(2, n_pos - ell, ell),
+                scores += torch.baddbmm(p.c.narrow(2, n_pos - ell, ell),
                                         qu.view(B, H, dk).transpose(0, 1),
-                                        rt.narrow(2, n_pos - ell, ell)).transpose(0, 1)
+                                        p.rt.narrow(2, n_pos - ell, ell)).transpose(0, 1)
                 prob = torch.softmax(scores, dim=-1)
                 prob_used = prob
                 if masks is not None:
@@ -160,7 +159,7 @@ def _forward(spec: CoreSpec, x0: Tensor, mem_k: Tensor, mem_v: Tensor,
                     mask_att = masks.att[li, t - first_att]
                     prob_used = prob * mask_prob
                 o = torch.bmm(prob_used.view(BH, 1, ell), v_w[set_of[li]]).view(B, D)
-                z = torch.addmm(bo, o, wo_t)
+                z = torch.addmm(p.bo, o, p.wo_t)
                 if masks is not None:
                     z = z.mul_(mask_att)
                 y = z.add_(x)
@@ -169,10 +168,10 @@ def _forward(spec: CoreSpec, x0: Tensor, mem_k: Tensor, mem_v: Tensor,
                                          mask_att))
             else:
                 y = x
-            c, mu2, rs2 = _layer_norm(y, shape, ln2_w, ln2_b, eps)
-            h = torch.addmm(b1, c, w1_t).relu_()  # [B, F]
+            c, mu2, rs2 = _layer_norm(y, shape, p.ln2_w, p.ln2_b, eps)
+            h = torch.addmm(p.b1, c, p.w1_t).relu_()  # [B, F]
             h_used = h if masks is None else h * mask_h
-            f = torch.addmm(b2, h_used, w2_t)
+            f = torch.addmm(p.b2, h_used, p.w2_t)
             if masks is not None:
                 f = f.mul_(mask_ff)
             x = torch.add(y, f, out=hidden[t, li + 1])
@@ -195,31 +194,31 @@ def _forward(spec: CoreSpec, x0: Tensor, mem_k: Tensor, mem_v: Tensor,
     return hidden, memory, keys, values, tape
 
 
-def core_backward(
-    spec: CoreSpec, d_top: Tensor, hidden: Tensor, memory: Tensor, keys: Tensor,
-    values: Tensor, n0: int, layers: Sequence[Tensor], mix: Tensor, wkv: Tensor, tape: Tape,
-) -> tuple[Tensor, list[Tensor], Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """:meth:`fbtrain.models.feedback_core.Core.core_backward` in PyTorch calls (inference
-    mode), given this module's :class:`Tape`."""
+def core_backward(spec: CoreSpec, d_top: Tensor, outputs: CoreOutputs, mix: Tensor,
+                  wkv: Tensor, layers: Sequence[Tensor]) -> CoreInputs:
+    """:meth:`fbtrain.models.core.spec.Core.core_backward` in PyTorch calls (inference
+    mode), given this module's :class:`Tape` in ``outputs``."""
+    hidden, memory, keys, values, tape = outputs
+    n0 = keys.shape[2] - hidden.shape[0]  # the carried slots come first
     with torch.inference_mode():
-        return _backward(spec, d_top, hidden, memory, keys, values, n0, _per_layer(layers),
-                         mix, wkv, tape)
+        return CoreInputs(*_backward(spec, d_top, hidden, memory, keys, values, n0,
+                                     _per_layer(layers), mix, wkv, tape))
 
 
 def _backward(spec: CoreSpec, d_top: Tensor, hidden: Tensor, memory: Tensor, keys: Tensor,
-              values: Tensor, n0: int, params: list[tuple[Tensor, ...]], mix: Tensor,
+              values: Tensor, n0: int, params: list[LayerTensors], mix: Tensor,
               wkv: Tensor, tape: Tape
-              ) -> tuple[Tensor, list[Tensor], Tensor, Tensor, Tensor, Tensor, Tensor]:
+              ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, list[Tensor]]:
     T, _, B, D = hidden.shape
     L, H = spec.n_layers, spec.n_heads
     dk, BH = D // H, B * H
     n_kv, S = keys.shape[0], keys.shape[2]
     drop, shape = spec.dropout, (D,)
     mix_f = mix.tolist()
-    n_pos = params[0][_RT].shape[-1]
+    n_pos = params[0].rt.shape[-1]
     # Transposed weights (views) and position tables, once per call rather than per step.
-    back = [(wq.t(), rt.transpose(1, 2), wo_t.t(), w1_t.t(), w2_t.t())
-            for (_, _, wq, _, rt, _, wo_t, _, _, _, w1_t, _, w2_t, _) in params]
+    back = [(p.wq.t(), p.rt.transpose(1, 2), p.wo_t.t(), p.w1_t.t(), p.w2_t.t())
+            for p in params]
     set_of = [0 if spec.shared_kv else li for li in range(L)]
     key_sets, value_sets = list(keys.unbind(0)), list(values.unbind(0))
     d_keys, d_values = torch.zeros_like(keys), torch.zeros_like(values)
@@ -232,7 +231,7 @@ def _backward(spec: CoreSpec, d_top: Tensor, hidden: Tensor, memory: Tensor, key
     first_att = 0 if n0 > 0 else 1  # steps from here on attend
     # Position-table gradients are summed per step (an [T, T]-sized record would grow
     # quadratically with the sequence); rows are ordered like rt/c, largest offset first.
-    d_rt = [torch.zeros_like(p[_RT]) for p in params]  # [H, dk, n_pos]
+    d_rt = [torch.zeros_like(p.rt) for p in params]  # [H, dk, n_pos]
     d_c = [hidden.new_zeros(H, n_pos) for _ in params]  # [H, n_pos]
     # Per layer, per step (in reverse step order): activation gradients the weight
     # gradients are built from at the end.
@@ -258,7 +257,7 @@ def _backward(spec: CoreSpec, d_top: Tensor, hidden: Tensor, memory: Tensor, key
             dv_w = [v.narrow(1, lo, ell) for v in d_value_sets]
         dx = d_top[:, t] if dm is None else torch.add(d_top[:, t], dm, alpha=mix_f[L])
         for li in reversed(range(L)):
-            ln1_w, ln1_b, _, _, _, _, _, _, ln2_w, ln2_b, _, _, _, _ = params[li]
+            p = params[li]
             wq_b, rt_b, wo_b, w1_b, w2_b = back[li]
             y, mu2, rs2, _, h, _, mask_h, mask_ff = tape.ff[li][t]
             # Feed-forward block: x_out = y + Drop(W2 Drop(relu(W1 LN2(y) + b1)) + b2).
@@ -268,7 +267,7 @@ def _backward(spec: CoreSpec, d_top: Tensor, hidden: Tensor, memory: Tensor, key
                 dh = dh.mul_(mask_h)
             dh = _relu_backward(dh, h, 0)
             dc = torch.mm(dh, w1_b)
-            dy = _layer_norm_backward(dc, y, shape, mu2, rs2, ln2_w, ln2_b,
+            dy = _layer_norm_backward(dc, y, shape, mu2, rs2, p.ln2_w, p.ln2_b,
                                       (True, False, False))[0]
             dy += dx
             g_ff[li].append((df, dh, dc))
@@ -294,7 +293,7 @@ def _backward(spec: CoreSpec, d_top: Tensor, hidden: Tensor, memory: Tensor, key
                 d_c[li].narrow(1, n_pos - ell, ell).add_(d_scores.sum(0))
                 dqu = dqu.view(B, D)
                 da = torch.mm(dqu, wq_b)
-                dx = _layer_norm_backward(da, hidden[t, li], shape, mu1, rs1, ln1_w, ln1_b,
+                dx = _layer_norm_backward(da, hidden[t, li], shape, mu1, rs1, p.ln1_w, p.ln1_b,
                                           (True, False, False))[0]
                 dx += dy
                 g_att[li].append((dz, dqu, da))
@@ -314,8 +313,8 @@ def _backward(spec: CoreSpec, d_top: Tensor, hidden: Tensor, memory: Tensor, key
     kv_in = _stacked(tape.mem, 0) if spec.memory_norm else memory.view(T * B, D)  # projected
     d_wkv = torch.mm(kv_in.t(), d_kv_flat)
     # The carried slots' key/value gradients, for callers that projected them differentiably.
-    return (d_x0, layer_grads, d_mix, d_wkv, d_kv_flat.sum(0), d_keys[:, :, :n0],
-            d_values[:, :, :n0])
+    return (d_x0, d_keys[:, :, :n0], d_values[:, :, :n0], d_mix, d_wkv, d_kv_flat.sum(0),
+            layer_grads)
 
 
 def _stacked(records: list[tuple], index: int, reverse: bool = False) -> Tensor:
@@ -333,9 +332,9 @@ def _layer_norm_affine_grads(d_out: Tensor, x: Tensor, mu: Tensor, rs: Tensor
 
 
 def _layer_weight_grads(att: list[tuple], ff: list[tuple], g_att: list[tuple],
-                        g_ff: list[tuple], x_att: Tensor, p: tuple[Tensor, ...]
+                        g_ff: list[tuple], x_att: Tensor, p: LayerTensors
                         ) -> dict[str, Tensor]:
-    """One large matmul per weight, over all steps at once (see feedback_core.py).
+    """One large matmul per weight, over all steps at once (see spec.py).
 
     ``att``/``ff`` are the forward's records (step order), ``g_att``/``g_ff`` the
     backward's (reverse step order); x_att [n_att, B, D] the attention steps' inputs.
@@ -349,7 +348,7 @@ def _layer_weight_grads(att: list[tuple], ff: list[tuple], g_att: list[tuple],
         dc, _stacked(ff, 0), _stacked(ff, 1), _stacked(ff, 2))
     if not att:  # no step attended: attention parameters get zero gradient
         for name in _ATT_PARAMS:
-            grads[name] = torch.zeros_like(p[LAYER_PARAMS.index(name)])
+            grads[name] = torch.zeros_like(getattr(p, name))
         return grads
     dz, dqu, da = (_stacked(g_att, i, reverse=True) for i in range(3))
     grads["wo_t"], grads["bo"] = torch.mm(_stacked(att, 6).t(), dz), dz.sum(0)

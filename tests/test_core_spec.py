@@ -1,0 +1,69 @@
+"""The core's argument order is written once, in ``fbtrain/models/core/spec.py``; the C++
+source follows it (its per-layer ``enum Param`` and its ops' schemas), and these tests hold
+the two together, so a reordering on one side fails here rather than as wrong numbers."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import torch
+
+from fbtrain.models.core import native
+from fbtrain.models.core.spec import LAYER_PARAMS, CoreInputs, CoreOutputs, CoreSpec
+
+# The C++ source calls the position bias ``c`` CPOS (``c`` is a LayerNorm's output there).
+CPP_NAMES = {"c": "CPOS"}
+
+
+def cpp_enum(name: str, source: str) -> list[str]:
+    """The members of ``enum name { ... }`` in C++ ``source``, in order."""
+    match = re.search(rf"\benum {name} \{{([^}}]*)\}}", source)
+    assert match, f"no enum {name} in the C++ source"
+    return [member.strip() for member in match.group(1).split(",") if member.strip()]
+
+
+def test_cpp_param_enum_follows_layer_params():
+    members = cpp_enum("Param", native.CSRC.read_text())
+    assert members[-1] == "N_PARAMS"
+    assert members[:-1] == [CPP_NAMES.get(name, name.upper()) for name in LAYER_PARAMS]
+
+
+def test_the_enum_check_sees_a_reordering():
+    """The parse is not vacuous: two members swapped in the source text fail the check."""
+    source = native.CSRC.read_text().replace("WQ, UQ,", "UQ, WQ,", 1)
+    members = cpp_enum("Param", source)
+    assert members[:-1] != [CPP_NAMES.get(name, name.upper()) for name in LAYER_PARAMS]
+
+
+def test_cpp_ops_take_the_tensors_in_core_inputs_order():
+    """The ops' schemas: CoreInputs, then the CoreSpec fields (CoreSpec.args' order); the
+    backward takes what the forward returned (CoreOutputs) and returns CoreInputs' fields."""
+    ops = native.native_ops()
+    spec_fields = [f.name for f in dataclasses.fields(CoreSpec)]
+    forward = ops.core_forward.default._schema
+    backward = ops.core_backward.default._schema
+    assert [a.name for a in forward.arguments] == [*CoreInputs._fields, *spec_fields,
+                                                   "keep_tape"]
+    assert [a.name for a in backward.arguments] == ["d_top", *CoreOutputs._fields, "mix",
+                                                    "wkv", "layers", *spec_fields]
+    lists = ["List[Tensor]" if name in ("layers", "tape") else "Tensor"
+             for name in (*CoreInputs._fields, *CoreOutputs._fields)]
+    n_in = len(CoreInputs._fields)
+    assert [str(r.type) for r in forward.returns] == lists[n_in:]
+    assert [str(r.type) for r in backward.returns] == lists[:n_in]
+
+
+def test_spec_args_are_its_fields_in_order():
+    spec = CoreSpec(n_layers=2, n_heads=4, shared_kv=True, window=8, dropout=0.1, eps=1e-6,
+                    memory_norm=True)
+    assert spec.args() == tuple(getattr(spec, f.name) for f in dataclasses.fields(CoreSpec))
+
+
+def test_core_inputs_flat_round_trip():
+    """``flat`` is the autograd Function's argument list; ``from_flat`` undoes it."""
+    t = [torch.full((1,), float(i)) for i in range(9)]
+    inputs = CoreInputs(*t[:5], None, tuple(t[5:]))
+    flat = inputs.flat()
+    assert len(flat) == 6 + 4 and flat[5] is None and flat[6] is t[5]
+    assert CoreInputs.from_flat(flat) == inputs
