@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from fbtrain.config import EMBEDDING_SHARE, ModelConfig
+from fbtrain.config import ModelConfig
 from fbtrain.models.feedback_core import (
     CoreSpec,
     FeedbackCoreFunction,
@@ -30,6 +30,8 @@ from fbtrain.models.feedback_core import (
 )
 from fbtrain.models.layers import Layer, init_weights
 from fbtrain.models.state import MemoryState, kept_sources
+
+EMBEDDING_SHARE = 0.95  # memory_init: embedding: the embedding's share of m_t at step 0
 
 
 def initial_memory_logits(n_layers: int, memory_init: str) -> Tensor:
