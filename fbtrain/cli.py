@@ -366,7 +366,10 @@ def evaluate(
             checkpoint, split=split.value, seq_len=seq_len, batch_size=batch_size,
             data_path=data_path, context=context.value, device=device or "auto",
         )
-    typer.echo(json.dumps(result, default=str) if as_json else evaluator.format_result(result))
+    if as_json:  # strict JSON: a non-finite figure is null, never NaN or Infinity
+        typer.echo(json.dumps(evaluator.json_safe(result), default=str, allow_nan=False))
+    else:
+        typer.echo(evaluator.format_result(result))
 
 
 def _quit_on_closed_stdout() -> None:

@@ -36,8 +36,8 @@ import torch
 import urllib3
 
 from fbtrain.config import MAX_VAL_FRACTION, DataConfig
-from fbtrain.io import atomic_write, atomic_write_text
 from fbtrain.filelock import read_pid
+from fbtrain.io import atomic_write, atomic_write_text
 from fbtrain.sources import AUTO_SHA256, SOURCES
 
 log = logging.getLogger(__name__)

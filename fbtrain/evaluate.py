@@ -17,10 +17,27 @@ LN2 = math.log(2.0)
 def loss_figures(loss: float) -> dict[str, float]:
     """Cross-entropy in nats -> loss, bits per character and perplexity.
 
-    exp() overflows past ~709 nats; a diverged model's perplexity is reported as inf.
+    exp() overflows past ~709 nats; a diverged model's perplexity is reported as inf (and
+    a NaN loss's as NaN, not as inf).
     """
     return {"loss": loss, "bpc": loss / LN2,
-            "perplexity": math.exp(loss) if loss < 700 else math.inf}
+            "perplexity": math.inf if loss > 700 else math.exp(loss)}
+
+
+def json_safe(obj: Any) -> Any:
+    """``obj`` with every NaN or infinite float (in nested dicts, lists, tuples) as None.
+
+    ``json.dumps`` writes those as ``NaN`` / ``Infinity``, which are not JSON: a strict
+    parser (``jq``, JavaScript's ``JSON.parse``) rejects the whole object. ``null`` says
+    "no figure" in a form every parser reads; a diverged model's loss is one such case.
+    """
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    return obj
 
 
 def mean_loss(model: nn.Module, x: Tensor, y: Tensor, batch_size: int) -> float:
@@ -31,6 +48,10 @@ def mean_loss(model: nn.Module, x: Tensor, y: Tensor, batch_size: int) -> float:
 
 
 CONTEXTS = ("reset", "carry")
+# What the DataErrors that mean "the data does not fit this vocabulary" say: tokens the
+# vocabulary lacks (fbtrain/data.py Tokenizer.encode, fbtrain/archives.py encode_bytes) or
+# a vocabulary too large for byte ids (encode_bytes).
+_VOCAB_MISMATCH = ("not in the vocabulary", "does not fit uint8 ids")
 
 
 @torch.no_grad()
@@ -186,6 +207,10 @@ def run(
     try:
         corpus = load_corpus(data_cfg, tokenizer.tokens)
     except DataError as e:
+        # Only a vocabulary mismatch is about the checkpoint; a file that is missing, empty
+        # or unreadable is reported as it is.
+        if not any(words in str(e) for words in _VOCAB_MISMATCH):
+            raise
         raise DataError(f"{where} does not fit the vocabulary of checkpoint {file}: {e}") from None
     try:
         stream = corpus.stream(split)

@@ -1,10 +1,13 @@
 """Atomic file writes: write a temp file beside the target, fsync, then ``os.replace``.
 
 A process killed at any point leaves either the old file or the new one, never half.
+The file gets the mode a plain ``open(path, "w")`` would give it (0666 less the umask), not
+the 0600 of the temp file it starts as.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import re
@@ -19,6 +22,8 @@ _DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 # Errors of the file system itself; others (a network error while streaming a download into
 # the file, say) say what they are about and pass through unchanged.
 _FILE_SYSTEM = (*_DISK_FULL, errno.EIO, errno.EROFS)
+# Linux (4.7+) reports the umask here, so it can be read without changing it.
+_PROC_STATUS = "/proc/self/status"
 
 
 class FileWriteError(OSError):
@@ -63,6 +68,7 @@ def atomic_write(path: str | Path, write: Callable[[IO[bytes]], None]) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
+            _set_default_mode(f.fileno())
             write(f)
             f.flush()
             os.fsync(f.fileno())
@@ -74,6 +80,39 @@ def atomic_write(path: str | Path, write: Callable[[IO[bytes]], None]) -> None:
             raise failed from None
         raise
     _fsync_dir(path.parent)
+
+
+def _set_default_mode(fd: int) -> None:
+    """Give the open temp file ``fd`` the mode ``open()`` would have: 0666 less the umask.
+
+    mkstemp makes it 0600 whatever the umask, but a run's config, vocabulary and
+    checkpoints should be as readable as any file the user creates (a colleague sampling
+    from a shared run). Best effort: a file system that keeps no modes may refuse, and the
+    file then stays private, which is safe.
+    """
+    if not hasattr(os, "fchmod"):  # not on every platform (Windows before 3.13)
+        return
+    with contextlib.suppress(OSError):
+        os.fchmod(fd, 0o666 & ~current_umask())
+
+
+def current_umask() -> int:
+    """The process's umask (e.g. 0o022), read without changing it where the OS allows.
+
+    ``os.umask`` can only be read by setting it, and while it is set to something else a
+    file created by another thread would get the wrong mode; so Linux's
+    ``/proc/self/status`` comes first, and setting it back at once is the fallback.
+    """
+    try:
+        with open(_PROC_STATUS, encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8) & 0o777
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o077)  # the most private value, for the instant it is set
+    os.umask(mask)
+    return mask
 
 
 def remove_stale_temps(folder: str | Path) -> list[Path]:
@@ -92,6 +131,7 @@ def remove_stale_temps(folder: str | Path) -> list[Path]:
 
 
 def atomic_write_text(path: str | Path, text: str) -> None:
+    """:func:`atomic_write` of ``text`` as UTF-8."""
     atomic_write(path, lambda f: f.write(text.encode("utf-8")))
 
 

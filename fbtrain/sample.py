@@ -11,6 +11,7 @@ past ``max_rel_pos`` (the state keeps a sliding window of memory).
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 from collections.abc import Callable
 from typing import TextIO
@@ -63,6 +64,10 @@ def filter_logits(logits: Tensor, top_k: int | None = None, top_p: float | None 
     return logits
 
 
+class NonFiniteLogits(ValueError):
+    """The model predicted NaN or inf (weights so large that the logits overflow)."""
+
+
 def next_tokens(
     logits: Tensor,
     temperature: float,
@@ -75,15 +80,109 @@ def next_tokens(
     ``temperature == 0`` is greedy (argmax; top-k/top-p cannot change the argmax). Otherwise
     tokens are drawn with ``torch.multinomial`` from ``generator``, on the generator's device
     (so a CPU generator gives the same draws whether the model runs on CPU or CUDA).
+
+    Raises :class:`NonFiniteLogits` when a logit is NaN or inf: no distribution to draw
+    from (a diverged or damaged model), where multinomial would fail with a traceback.
     """
     logits = logits.float()
+    if not bool(torch.isfinite(logits).all()):
+        raise NonFiniteLogits("the model's predictions are NaN or inf (its weights are so "
+                              "large that the logits overflow)")
     if temperature == 0:
         return logits.argmax(dim=-1)
-    probs = torch.softmax(filter_logits(logits / temperature, top_k, top_p), dim=-1)
+    scaled = logits / temperature
+    probs = torch.softmax(filter_logits(scaled, top_k, top_p), dim=-1)
+    # The tiny-temperature rule: softmax(logits / T) tends to a one-hot on the argmax as T
+    # goes to 0, so a row whose scaled logits overflow float32 (its largest is +inf, or NaN
+    # when T itself rounds to 0 in float32; e.g. T = 1e-45) is drawn greedily - the argmax
+    # of its unscaled logits - instead of from a softmax of inf - inf = NaN. Rows that stay
+    # finite are drawn as usual, and every row still takes its draw from the generator, so
+    # the other rows' text does not depend on whether one row overflowed.
+    greedy = ~torch.isfinite(scaled.amax(dim=-1))  # [N]
+    if bool(greedy.any()):
+        one_hot = torch.nn.functional.one_hot(logits.argmax(dim=-1), logits.shape[-1])
+        probs = torch.where(greedy[:, None], one_hot.to(probs.dtype), probs)
     if generator is not None and generator.device != probs.device:
         probs = probs.to(generator.device)
     picked = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
     return picked.to(logits.device)
+
+
+# Bytes the sampling loop keeps per generated token outside the model: the int64 output
+# tensor, plus the decoded text (a Python str stores up to 4 bytes per character).
+_OUT_BYTES = 8
+_CHAR_BYTES = 4
+_FLOAT_BYTES = 4  # the model runs in float32 when sampling
+
+
+def sampling_bytes(model: nn.Module, tokenizer: Tokenizer, prompt_tokens: int,
+                   num_samples: int, length: int) -> tuple[int, int]:
+    """About how much memory :func:`generate` needs: ``(host bytes, model bytes)``.
+
+    Host: the output ids and their decoded text (``num_samples x length`` tokens). Model
+    (on the model's device): per sample, the carried memory window (keys and values, twice
+    while a step builds the next window) and the prompt pass's activations (logits, layer
+    inputs, one feed-forward layer and the attention scores of every prompt position). An
+    estimate meant to refuse what cannot work, erring on the high side; a model without a
+    ``cfg`` (not built by fbtrain) counts as needing no model memory.
+    """
+    widest = max((len(t) for t in tokenizer.tokens), default=1) + len(tokenizer.joiner)
+    host = num_samples * length * (_OUT_BYTES + _CHAR_BYTES * widest)
+    cfg = getattr(model, "cfg", None)
+    if cfg is None:
+        return host, 0
+    d, window = cfg.d_model, cfg.memory_window
+    n_sets = 1 if cfg.kind == "feedback_kv" else cfg.n_layers
+    state = 2 * 2 * n_sets * window * d
+    per_position = (tokenizer.vocab_size + 2 * cfg.n_layers * d + cfg.d_ff
+                    + 3 * cfg.n_heads * (prompt_tokens + window))
+    per_sample = state + max(prompt_tokens, 1) * per_position
+    return host, num_samples * per_sample * _FLOAT_BYTES
+
+
+def memory_bytes(device: torch.device | str = "cpu") -> int | None:
+    """The memory of ``device``: this machine's physical memory for the CPU, the card's for
+    CUDA; None when the platform does not say."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):  # no sysconf, or no such name here
+        return None
+
+
+def check_memory(model: nn.Module, tokenizer: Tokenizer, prompt_tokens: int,
+                 num_samples: int, length: int, device: torch.device | str) -> None:
+    """Raise ValueError (one line) when ``num_samples x length`` tokens cannot fit in memory.
+
+    The bound is physical memory (of the machine for the output, of the model's device for
+    its state; both the machine's on a CPU), not what happens to be free: a request over it
+    can never finish, one under it may still have to wait for other programs to give way.
+    """
+    host, on_model = sampling_bytes(model, tokenizer, prompt_tokens, num_samples, length)
+    device = torch.device(device)
+    needs = [(host + on_model, memory_bytes("cpu"), "this machine")]
+    if device.type == "cuda":
+        needs = [(host, memory_bytes("cpu"), "this machine"),
+                 (on_model, memory_bytes(device), str(device))]
+    for need, have, where in needs:
+        if have is not None and need > have:
+            raise ValueError(
+                f"num_samples = {num_samples} x length = {length}: sampling needs about "
+                f"{_size(need)} of memory, more than the {_size(have)} of {where}; lower "
+                "num_samples or length"
+            )
+
+
+def _size(n: int) -> str:
+    """Bytes for people: ``1.5 GiB``; past EiB, in EiB with an exponent."""
+    value = float(n)
+    for unit in ("bytes", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if value < 1024:
+            return f"{value:.0f} {unit}" if unit == "bytes" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.3g} EiB"
 
 
 def _model_device(model: nn.Module) -> torch.device:
@@ -116,14 +215,17 @@ def generate(
     ``generator`` seed, same text. Runs without autograd and in eval mode (no dropout); the
     model's previous train/eval mode is restored afterwards.
 
-    Raises ValueError for bad arguments or an empty prompt (the CLI's default prompt is a
-    newline) and DataError when the prompt holds characters outside the vocabulary.
+    Raises ValueError for bad arguments, an empty prompt (the CLI's default prompt is a
+    newline) or more samples than memory holds (:func:`check_memory`), DataError when the
+    prompt holds characters outside the vocabulary and :class:`NonFiniteLogits` when the
+    model predicts NaN or inf.
     """
     check_sampling_args(length, temperature, top_k, top_p, num_samples)
     if not prompt:
         raise ValueError("prompt is empty: give at least one character (e.g. a newline)")
     ids = encode_prompt(tokenizer, prompt)  # [P]
     device = torch.device(device) if device is not None else _model_device(model)
+    check_memory(model, tokenizer, len(ids), num_samples, length, device)
     # Per sample: a byte vocabulary prints a multi-byte character once it is whole.
     streams = [tokenizer.text_stream() for _ in range(num_samples)]
     out = torch.empty(num_samples, length, dtype=torch.long)
@@ -187,10 +289,11 @@ def run(
     for characters; ``END`` for the algorithmic programs' words). ``stream`` defaults to
     ``sys.stdout`` as it is at call time (so test runners that swap it see the text).
     Returns the continuations.
-    Raises ValueError, DataError, CheckpointError or DeviceError with one line (the CLI turns
-    them into exit code 2).
+    Raises ValueError (bad arguments; more samples than memory holds), DataError,
+    CheckpointError (also for a model whose predictions overflow to NaN/inf) or DeviceError
+    with one line (the CLI turns them into exit code 2).
     """
-    from fbtrain.checkpoint import load_model
+    from fbtrain.checkpoint import CheckpointError, load_model, resolve_checkpoint
     from fbtrain.device import resolve_device
 
     check_sampling_args(length, temperature, top_k, top_p, num_samples)
@@ -200,13 +303,16 @@ def run(
         raise ValueError("prompt is empty: give at least one character (e.g. a newline)")
     out = stream if stream is not None else sys.stdout
     target = resolve_device(device)
-    model, tokenizer, _ = load_model(checkpoint, target, prefer="best")
+    file = resolve_checkpoint(checkpoint, prefer="best")
+    model, tokenizer, _ = load_model(file, target)
     if prompt is None:
         prompt = tokenizer.start
     # A CPU generator: the same seed gives the same text on CPU and GPU (up to float noise).
     generator = torch.Generator(device="cpu").manual_seed(seed)
-    # Check the prompt before printing anything, so an error is the only output.
-    encode_prompt(tokenizer, prompt)
+    # Check the prompt and the memory before printing anything, so an error is the only
+    # output.
+    check_memory(model, tokenizer, len(encode_prompt(tokenizer, prompt)), num_samples, length,
+                 target)
 
     on_text = None
     if num_samples == 1:
@@ -217,9 +323,15 @@ def run(
             out.write(chunk)
             out.flush()  # a terminal shows each character as it comes
 
-    texts = generate(model, tokenizer, prompt, length, temperature=temperature, top_k=top_k,
-                     top_p=top_p, num_samples=num_samples, generator=generator, device=target,
-                     on_text=on_text)
+    try:
+        texts = generate(model, tokenizer, prompt, length, temperature=temperature,
+                         top_k=top_k, top_p=top_p, num_samples=num_samples,
+                         generator=generator, device=target, on_text=on_text)
+    except NonFiniteLogits as e:
+        if num_samples == 1:
+            out.write("\n")  # end the streamed text, so the error starts on its own line
+            out.flush()
+        raise CheckpointError(f"{file}: cannot sample from it: {e}") from None
     if num_samples == 1:
         out.write("\n")
     else:

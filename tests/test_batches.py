@@ -6,9 +6,9 @@ import pytest
 import torch
 from test_models import ALL_KINDS, randomized, small
 
-from fbtrain.batches import CarriedStreams, RandomWindows
 from fbtrain.data import BatchSampler, StreamLayout
 from fbtrain.models import MemoryState
+from fbtrain.train.batches import CarriedStreams, RandomWindows
 
 VOCAB = 11
 

@@ -15,12 +15,12 @@ from fbtrain.checkpoint import (
     FORMAT,
     CheckpointError,
     CheckpointManager,
-    capture_rng,
     load_checkpoint,
     resolve_checkpoint,
-    restore_rng,
     save_checkpoint,
 )
+from fbtrain.checkpoint import files as ck_files
+from fbtrain.rng import RngStateError, capture_rng, restore_rng
 
 
 def _training_state() -> dict:
@@ -170,7 +170,7 @@ def test_failed_save_keeps_previous_last(tmp_path: Path, monkeypatch: pytest.Mon
         f.write(buf.getvalue()[: buf.tell() // 2])  # some bytes reach the temp file...
         raise OSError("disk full")  # ...then the write dies
 
-    monkeypatch.setattr(ck.torch, "save", half_then_crash)
+    monkeypatch.setattr(ck_files.torch, "save", half_then_crash)
     with pytest.raises(OSError, match="disk full"):
         mgr.save(2, {"step": 2, "w": torch.arange(20)}, best=True)
     monkeypatch.undo()
@@ -190,7 +190,7 @@ def test_failed_copy_keeps_previous_best(tmp_path: Path, monkeypatch: pytest.Mon
         dst.write(src.read(10))
         raise OSError("copy interrupted")
 
-    monkeypatch.setattr(ck.shutil, "copyfileobj", crash)
+    monkeypatch.setattr(ck_files.shutil, "copyfileobj", crash)
     with pytest.raises(OSError, match="copy interrupted"):
         mgr.save(2, {"step": 2}, best=True)
     monkeypatch.undo()
@@ -339,3 +339,156 @@ def test_refuses_reduce_payloads_in_the_same_words(tmp_path: Path) -> None:
                        r"posix\.system object, and unpickling anything but tensors and plain "
                        r"containers could run code$"):
         load_checkpoint(path)
+
+
+# ----------------------------------------------------------------------------- damaged RNG
+
+
+def _valid_rng() -> dict:
+    return capture_rng({"generator": torch.Generator().manual_seed(7).get_state(),
+                        "seed": 7, "rank": 0})
+
+
+@pytest.mark.parametrize(
+    ("damage", "match"),
+    [
+        (lambda r: r.update(python=5), r"rng\.python: is an int, not a dict"),
+        (lambda r: r["python"].pop("internal"), r"rng\.python: missing internal"),
+        (lambda r: r["python"].update(internal=r["python"]["internal"][:10]),
+         r"rng\.python: state vector is the wrong size"),
+        (lambda r: r["python"].update(gauss_next="g"),
+         r"rng\.python: gauss_next is 'g', not a float or None"),
+        (lambda r: r["python"].update(internal=torch.zeros(625)),
+         r"rng\.python: internal is a torch\.float32 tensor"),
+        (lambda r: r.update(torch=[1, 2, 3]), r"rng\.torch: is a list, not a generator state"),
+        (lambda r: r.update(torch=r["torch"][:100]), r"rng\.torch: not a generator state"),
+        (lambda r: r.update(cuda="no"), r"rng\.cuda: not a list of uint8 tensors"),
+        (lambda r: r.update(sampler=[1]), r"rng\.sampler: not a dict"),
+        (lambda r: r["sampler"].update(generator=r["sampler"]["generator"][:-8]),
+         r"rng\.sampler\.generator: not a generator state"),
+        (lambda r: r["sampler"].update(generator=torch.zeros(5056)),
+         r"rng\.sampler\.generator: is a torch\.float32 tensor"),
+        (lambda r: r["sampler"].update(seed="7"), r"rng\.sampler\.seed is '7', not an integer"),
+    ],
+)
+def test_restore_rng_refuses_malformed_state_and_changes_nothing(damage, match: str) -> None:
+    rng = _valid_rng()
+    damage(rng)
+    random.seed(5)
+    torch.manual_seed(5)
+    expected = _draws()
+    random.seed(5)
+    torch.manual_seed(5)
+    with pytest.raises(RngStateError, match=rf"^ck\.pt: malformed RNG state: {match}") as e:
+        restore_rng(rng, path="ck.pt")
+    assert "\n" not in str(e.value)
+    assert _draws() == expected  # checked whole first: no generator was half restored
+
+
+def test_restore_rng_without_path_still_one_line() -> None:
+    with pytest.raises(RngStateError, match=r"^malformed RNG state: rng is a list"):
+        restore_rng([1, 2])  # type: ignore[arg-type]
+
+
+# ----------------------------------------------------------------------------- resume check
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    """A real trainer checkpoint (3 steps of a d=16 model, about a second) and its config."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_train import make_cfg
+
+    from fbtrain.train import run
+
+    tmp = tmp_path_factory.mktemp("resume")
+    cfg = make_cfg(tmp, train={"max_steps": 3})
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        run(cfg, quiet=True)
+    finally:
+        torch.set_num_threads(before)
+    return tmp / "runs" / "run" / "checkpoints" / "last.pt", cfg
+
+
+def _live_optimizer(path: Path, cfg) -> torch.optim.Optimizer:
+    """The optimizer a resuming trainer builds, over the checkpoint's model."""
+    from fbtrain.schedule import build_optimizer
+
+    model, _, _ = ck.load_model(path)
+    return build_optimizer(model, cfg.train, torch.device("cpu"))
+
+
+def test_check_resume_payload_accepts_a_trainer_checkpoint(trained) -> None:
+    path, cfg = trained
+    payload = load_checkpoint(path)
+    ck.check_resume_payload(path, payload)
+    ck.check_resume_payload(path, payload, _live_optimizer(path, cfg))
+
+
+def _poison(payload: dict) -> None:
+    payload["model"]["embed.weight"][0, 0] = float("nan")
+
+
+@pytest.mark.parametrize(
+    ("damage", "match"),
+    [
+        (lambda p: p.pop("rng"), r"missing rng"),
+        (lambda p: p.update(step="abc"), r"'step' is 'abc', not an integer >= 0"),
+        (lambda p: p.update(step=-1), r"'step' is -1, not an integer >= 0"),
+        (lambda p: p.update(step=True), r"'step' is True, not an integer >= 0"),
+        (lambda p: p.update(tokens=1.5), r"'tokens' is 1\.5, not an integer >= 0"),
+        (lambda p: p.update(best_val_loss="low"), r"'best_val_loss' is 'low', not a number"),
+        (lambda p: p.update(model=[1]), r"'model' is not a state dict"),
+        (_poison, r"the weights hold NaN or inf \(in embed\.weight\)"),
+        (lambda p: p.update(model_config="tiny"), r"'model_config' is not a dict"),
+        (lambda p: p.update(optimizer=[1, 2]), r"'optimizer' is a list, not an optimizer"),
+        (lambda p: p["optimizer"].pop("param_groups"), r"'optimizer' is not an optimizer"),
+        (lambda p: p.update(scaler=3), r"'scaler' is an int, not a dict"),
+        (lambda p: p.update(rng={"python": 5}), r"malformed RNG state: rng\.python: is an int"),
+        (lambda p: p["rng"].pop("torch"), r"malformed RNG state: rng lacks torch"),
+        (lambda p: p["rng"]["python"].pop("gauss_next"),
+         r"malformed RNG state: rng\.python: missing gauss_next"),
+        (lambda p: p["rng"]["sampler"].update(generator=torch.zeros(3, dtype=torch.uint8)),
+         r"malformed RNG state: rng\.sampler\.generator: not a generator state"),
+    ],
+)
+def test_check_resume_payload_refuses_damage(trained, damage, match: str) -> None:
+    path, _ = trained
+    payload = load_checkpoint(path)
+    damage(payload)
+    with pytest.raises(CheckpointError, match=rf"^{path}: cannot resume from it: {match}") as e:
+        ck.check_resume_payload(path, payload)
+    assert "\n" not in str(e.value)
+
+
+def test_check_resume_payload_refuses_moments_of_the_wrong_shape(trained) -> None:
+    """load_state_dict does not compare shapes: the first step would fail mid-update."""
+    path, cfg = trained
+    payload = load_checkpoint(path)
+    moments = next(s for s in payload["optimizer"]["state"].values() if "exp_avg" in s)
+    moments["exp_avg"] = moments["exp_avg"].flatten()[:3]
+    ck.check_resume_payload(path, payload)  # without the live optimizer: types only
+    with pytest.raises(CheckpointError, match=r"cannot resume from it: 'optimizer' state "
+                                              r"exp_avg of parameter \d+ has shape \(3,\)"):
+        ck.check_resume_payload(path, payload, _live_optimizer(path, cfg))
+
+
+# ----------------------------------------------------------------------------- non-finite
+
+
+def test_load_model_refuses_nonfinite_weights(tmp_path: Path) -> None:
+    from test_sample import tiny_model, write_run
+
+    ckpt = write_run(tmp_path / "run", tiny_model())
+    payload = load_checkpoint(ckpt)
+    payload["model"]["head.bias"][1] = float("inf")
+    payload["model"]["embed.weight"][0, 0] = float("nan")
+    save_checkpoint(ckpt, payload)
+    with pytest.raises(CheckpointError, match=rf"^{ckpt}: the weights hold NaN or inf \(in "
+                                              r"embed\.weight, head\.bias\); the checkpoint is "
+                                              r"damaged or its training diverged$"):
+        ck.load_model(ckpt)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import random
 from pathlib import Path
@@ -179,3 +180,61 @@ def test_cross_entropy_sanity() -> None:
     result = evaluate_split(model, ids_of(make_text(50)), 7, 3)
     assert result["loss"] == pytest.approx(math.log(len(VOCAB)), rel=1e-6)
     assert result["perplexity"] == pytest.approx(len(VOCAB), rel=1e-6)
+
+
+# ----------------------------------------------------------------------------- errors, JSON
+
+
+def test_missing_data_path_is_only_not_found(run_dir: Path) -> None:
+    """Not 'does not fit the vocabulary of checkpoint ...': the vocabulary is not the issue."""
+    missing = run_dir / "missing.txt"
+    with pytest.raises(DataError, match=rf"^data\.path {missing}: file not found; check the "
+                                        r"path$"):
+        evaluate.run(str(run_dir), data_path=str(missing), device="cpu")
+
+
+def test_json_safe_maps_nonfinite_floats_to_null() -> None:
+    result = {"loss": math.nan, "bpc": math.inf, "perplexity": -math.inf, "tokens": 3,
+              "checkpoint": "a.pt", "step": None, "nested": [1.5, (math.nan, 2)]}
+    safe = evaluate.json_safe(result)
+    assert safe == {"loss": None, "bpc": None, "perplexity": None, "tokens": 3,
+                    "checkpoint": "a.pt", "step": None, "nested": [1.5, [None, 2]]}
+    assert json.loads(json.dumps(safe, allow_nan=False)) == safe
+    assert math.isnan(result["loss"])  # the caller's dict is left alone
+
+
+def test_nan_loss_has_nan_perplexity() -> None:
+    assert math.isnan(evaluate.loss_figures(math.nan)["perplexity"])
+    assert evaluate.loss_figures(800.0)["perplexity"] == math.inf
+    assert evaluate.loss_figures(1.0)["perplexity"] == pytest.approx(math.e)
+
+
+@pytest.fixture
+def huge_run(tmp_path: Path) -> Path:
+    """A run whose finite but huge head weights make every logit overflow: loss NaN."""
+    text_path = tmp_path / "text.txt"
+    text_path.write_text(make_text(200), encoding="utf-8")
+    model = tiny_model()
+    with torch.no_grad():
+        model.head.weight.fill_(3e38)
+    write_run(tmp_path / "huge", model, text_path=text_path)
+    return tmp_path / "huge"
+
+
+def test_eval_of_a_diverged_model_gives_valid_json(huge_run: Path) -> None:
+    result = evaluate.run(str(huge_run), device="cpu")
+    assert not math.isfinite(result["loss"])
+    parsed = json.loads(json.dumps(evaluate.json_safe(result), allow_nan=False))
+    assert parsed["loss"] is None and parsed["bpc"] is None and parsed["tokens"] > 0
+    assert "loss" in format_result(result)  # the table still prints (as nan)
+
+
+def test_cli_eval_json_is_strict_json(huge_run: Path) -> None:
+    from typer.testing import CliRunner
+
+    from fbtrain.cli import app
+
+    result = CliRunner().invoke(app, ["eval", "-c", str(huge_run), "--json", "--device", "cpu"])
+    assert result.exit_code == 0
+    parsed = json.loads(result.stdout, parse_constant=lambda name: pytest.fail(name))
+    assert parsed["loss"] is None

@@ -353,3 +353,125 @@ def test_weights_that_do_not_fit_config(tmp_path: Path) -> None:
     save_checkpoint(ckpt, payload)
     with pytest.raises(CheckpointError, match="bad 'model_config'.*n_hedas"):
         load_model(ckpt)
+
+
+# ----------------------------------------------------------------------------- damaged models
+
+
+def _huge(model: nn.Module) -> nn.Module:
+    """Finite weights whose logits overflow float32: every head weight is 3e38."""
+    with torch.no_grad():
+        model.head.weight.fill_(3e38)
+    return model
+
+
+def test_run_refuses_nonfinite_weights_at_load(tmp_path: Path) -> None:
+    model = tiny_model()
+    with torch.no_grad():
+        model.head.bias[3] = float("nan")
+    ckpt = write_run(tmp_path / "run", model)
+    out = io.StringIO()
+    with pytest.raises(CheckpointError, match=rf"^{ckpt}: the weights hold NaN or inf \(in "
+                                              r"head\.bias\)"):
+        sample.run(str(ckpt), length=5, device="cpu", stream=out)
+    assert out.getvalue() == ""
+
+
+@pytest.mark.parametrize("temperature", [0.8, 0.0])
+def test_run_refuses_logits_that_overflow(tmp_path: Path, temperature: float) -> None:
+    """Finite but huge weights: one line, not torch.multinomial's 'probability tensor
+    contains either inf, nan or element < 0' traceback (nor NaN text when greedy)."""
+    ckpt = write_run(tmp_path / "run", _huge(tiny_model()))
+    with pytest.raises(CheckpointError, match=rf"^{ckpt}: cannot sample from it: the model's "
+                                              r"predictions are NaN or inf") as e:
+        sample.run(str(ckpt), length=5, temperature=temperature, device="cpu",
+                   stream=io.StringIO())
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("temperature", [1e-45, 1e-300, 1e-30])
+def test_tiny_temperature_is_greedy(tmp_path: Path, temperature: float) -> None:
+    """logits / T overflows float32 (1e-45 is subnormal, 1e-300 rounds to 0): the limit of
+    softmax(logits / T) as T -> 0, the argmax, instead of NaN probabilities."""
+    ckpt = write_run(tmp_path / "run", tiny_model())
+    greedy = sample.run(str(ckpt), prompt="Ab", length=30, temperature=0.0, device="cpu",
+                        stream=io.StringIO())
+    tiny = sample.run(str(ckpt), prompt="Ab", length=30, temperature=temperature,
+                      num_samples=2, device="cpu", stream=io.StringIO())
+    assert tiny == greedy * 2
+
+
+def test_next_tokens_overflowing_row_is_greedy_others_sampled() -> None:
+    logits = torch.tensor([[0.0, 3e38, 1e38, -3e38],  # / 0.5 overflows: greedy, token 1
+                           [0.0, 0.1, 0.2, 0.3]])     # stays finite: sampled
+    picks = {tuple(sample.next_tokens(logits, 0.5, generator=gen(s)).tolist())
+             for s in range(40)}
+    assert {p[0] for p in picks} == {1}
+    assert len({p[1] for p in picks}) > 1
+    # The greedy row still takes its draw: the other rows get the draws they would get if
+    # it had not overflowed.
+    tame = torch.tensor([[0.0, 3.0, 1.0, -3.0], [0.0, 0.1, 0.2, 0.3]])
+    for s in range(20):
+        assert (sample.next_tokens(logits, 0.5, generator=gen(s))[1]
+                == sample.next_tokens(tame, 0.5, generator=gen(s))[1])
+
+
+# ----------------------------------------------------------------------------- memory
+
+
+@pytest.mark.parametrize("kwargs", [{"num_samples": 2**63 - 1}, {"length": 2**63 - 1},
+                                    {"num_samples": 2**32, "length": 2**32}])
+def test_run_refuses_what_cannot_fit_in_memory(tmp_path: Path, kwargs: dict) -> None:
+    ckpt = write_run(tmp_path / "run", tiny_model())
+    args = {"num_samples": 1, "length": 500, **kwargs}
+    out = io.StringIO()
+    match = (rf"^num_samples = {args['num_samples']} x length = {args['length']}: sampling "
+             r"needs about [\d.e+]+ [KMGTPE]i?B of memory, more than the [\d.]+ [KMGTPE]iB of "
+             r"this machine; lower num_samples or length$")
+    with pytest.raises(ValueError, match=match):
+        sample.run(str(ckpt), device="cpu", stream=out, **kwargs)
+    assert out.getvalue() == ""
+
+
+def test_memory_check_counts_each_samples_model_state(monkeypatch, tok: CharTokenizer) -> None:
+    model = tiny_model("transformer")  # 2 layers x 32 slots x d=16 of keys and values
+    host, per_model = sample.sampling_bytes(model, tok, 1, 1000, 1)
+    assert host == 1000 * (8 + 4) and per_model >= 1000 * 2 * 2 * 32 * 16 * 4
+    monkeypatch.setattr(sample, "memory_bytes", lambda device="cpu": 1 << 20)
+    with pytest.raises(ValueError, match=r"num_samples = 1000 x length = 1: .* 1\.0 MiB"):
+        generate(model, tok, "a", 1, num_samples=1000)
+    assert len(generate(model, tok, "a", 1, num_samples=10)) == 10  # well within 1 MiB
+
+
+def test_memory_check_allows_ordinary_requests(tok: CharTokenizer) -> None:
+    sample.check_memory(tiny_model(), tok, 100, 64, 100_000, "cpu")  # ~80 MB: fine
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+def _cli(*args: str):
+    from typer.testing import CliRunner
+
+    from fbtrain.cli import app
+
+    return CliRunner().invoke(app, ["sample", *args])
+
+
+def test_cli_sample_extremes(tmp_path: Path) -> None:
+    ckpt = str(write_run(tmp_path / "run", tiny_model()))
+    result = _cli("-c", ckpt, "--num-samples", str(2**63 - 1), "--device", "cpu")
+    assert result.exit_code == 2 and result.stdout == ""
+    assert result.stderr.startswith("error: num_samples = 9223372036854775807 x length = 500:")
+    assert len(result.stderr.splitlines()) == 1
+
+    greedy = _cli("-c", ckpt, "-n", "20", "--temperature", "0", "--device", "cpu")
+    tiny = _cli("-c", ckpt, "-n", "20", "--temperature", "1e-45", "--device", "cpu")
+    assert tiny.exit_code == 0 and tiny.stdout == greedy.stdout
+
+    huge = str(write_run(tmp_path / "huge", _huge(tiny_model())))
+    result = _cli("-c", huge, "-n", "20", "--device", "cpu")
+    assert result.exit_code == 2
+    assert result.stderr.splitlines() == [f"error: {huge}: cannot sample from it: the model's "
+                                          "predictions are NaN or inf (its weights are so "
+                                          "large that the logits overflow)"]

@@ -277,10 +277,10 @@ def test_resume_under_a_changed_world_size_draws_from_the_saved_sampler(
     trainer = Trainer(config_from_dict(raw), DistContext(device=torch.device("cpu")),
                       quiet=True)
     trainer.fit("auto")
-    expected = BatchSampler(trainer.train_ids, rank_seed(7, 0, 3))
+    expected = BatchSampler(trainer.run.data.train_ids, rank_seed(7, 0, 3))
     for _ in range(2):  # the two resumed steps, one micro-batch each
         expected.sample(4, 8)
-    assert trainer.batches.sampler is trainer.sampler
+    assert trainer.run.batches.sampler is trainer.run.sampler
     saved = load_checkpoint(last)["rng"]["sampler"]["generator"]
     assert torch.equal(saved, expected.generator.get_state())
 
@@ -320,14 +320,28 @@ with session("cpu") as ctx:
     trainer = Trainer(config_from_dict(raw), ctx, quiet=True)
     trainer.fit("auto")
     if ctx.rank == 0:  # rank 0 goes on with the sampler the checkpoint saved
-        expected = BatchSampler(trainer.train_ids, 7, rank=0)
+        expected = BatchSampler(trainer.run.data.train_ids, 7, rank=0)
         expected.load_state_dict(saved["sampler"])
     else:  # the others with fresh streams of their own, seeded by (seed, rank, step)
-        expected = BatchSampler(trainer.train_ids, rank_seed(7, ctx.rank, 2), rank=ctx.rank)
+        expected = BatchSampler(trainer.run.data.train_ids, rank_seed(7, ctx.rank, 2),
+                                rank=ctx.rank)
     for _ in range(2):
         expected.sample(4, 8)
-    torch.save({"same_object": trainer.batches.sampler is trainer.sampler,
-                "drawn_from": trainer.batches.sampler.generator.get_state(),
+    torch.save({"same_object": trainer.run.batches.sampler is trainer.run.sampler,
+                "drawn_from": trainer.run.batches.sampler.generator.get_state(),
                 "expected": expected.generator.get_state()},
                f"{sys.argv[2]}/rank{ctx.rank}.pt")
 """
+
+
+@pytest.mark.parametrize("damage", [{"step": "abc"}, {"rng": {"python": 5}}])
+def test_resume_from_a_hand_damaged_checkpoint_is_one_line(tmp_path: Path,
+                                                          damage: dict[str, Any]) -> None:
+    raw = make_raw(tmp_path, train={"max_steps": 2})
+    last = run(config_from_dict(raw), quiet=True) / "checkpoints" / "last.pt"
+    save_checkpoint(last, {**load_checkpoint(last), **damage})
+    raw["train"]["max_steps"] = 3
+    from fbtrain.checkpoint import CheckpointError
+
+    with pytest.raises(CheckpointError, match=rf"^{last}: cannot resume from it: "):
+        run(config_from_dict(raw), resume="auto", quiet=True)

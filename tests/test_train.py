@@ -25,13 +25,14 @@ import pytest
 import torch
 
 from fbtrain.checkpoint import load_checkpoint, load_model
+from fbtrain.checkpoint.contents import apply_warm_start, summarize_names
 from fbtrain.config import Config, ConfigError, ModelConfig, TrainConfig, config_from_dict
 from fbtrain.corpus import load_corpus
 from fbtrain.data import fixed_windows
 from fbtrain.evaluate import mean_loss
 from fbtrain.models import build_model
 from fbtrain.schedule import LRSchedule, param_groups
-from fbtrain.train import Trainer, TrainingError, apply_warm_start, run, summarize_names
+from fbtrain.train import TrainingError, run
 
 REPO = Path(__file__).resolve().parents[1]
 WORDS = ["the", "king", "queen", "and", "to", "of", "my", "lord", "thou", "art", "good",
@@ -77,8 +78,8 @@ DDP_DRIVER = textwrap.dedent("""
         raw["train"]["max_steps"] += 2
         trainer = Trainer(config_from_dict(raw), ctx, quiet=True)
         trainer.fit("auto")
-        torch.save({"model": trainer.raw_model.state_dict(),
-                    "sampler": trainer.sampler.state_dict()["generator"],
+        torch.save({"model": trainer.run.raw_model.state_dict(),
+                    "sampler": trainer.run.sampler.state_dict()["generator"],
                     "world_size": ctx.world_size},
                    f"{sys.argv[2]}/rank{ctx.rank}.pt")
 """)
@@ -306,8 +307,7 @@ def test_constant_tokens_scales_the_batch(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("context", ["reset", "carry"])
-def test_resume_is_bitwise_exact(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                 context: str) -> None:
+def test_resume_is_bitwise_exact(tmp_path: Path, context: str) -> None:
     """8 steps straight == the same run interrupted at step 4, resumed, run to 8: weights,
     every optimizer state, logged train and validation losses. With carried memory the
     checkpoint holds the stream cursor and each micro-batch's memory."""
@@ -319,19 +319,14 @@ def test_resume_is_bitwise_exact(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
               "checkpoint": {"every": 4}}
     straight = run(make_cfg(tmp_path, "straight", **common), quiet=True)
 
-    metrics = Trainer._train_metrics
-
-    def interrupt_at_step_4(self: Trainer, result: Any) -> dict[str, Any]:
+    def interrupt_at_step_4(step: int) -> None:
         # Step 4 has no evaluation or sample for the signal to cut short: the run stops
         # at the end of the step, which it saves, and every logged line is kept.
-        if self.step == 4:
+        if step == 4:
             signal.raise_signal(signal.SIGINT)
-        return metrics(self, result)
 
-    with monkeypatch.context() as patch:
-        patch.setattr(Trainer, "_train_metrics", interrupt_at_step_4)
-        with pytest.raises(TrainingError, match="interrupted at step 4"):
-            run(make_cfg(tmp_path, "halves", **common), quiet=True)
+    with pytest.raises(TrainingError, match="interrupted at step 4"):
+        run(make_cfg(tmp_path, "halves", **common), quiet=True, on_step=interrupt_at_step_4)
     halves = run(make_cfg(tmp_path, "halves", **common), resume="auto", quiet=True)
 
     a = load_checkpoint(straight / "checkpoints" / "last.pt")
@@ -408,22 +403,18 @@ def test_sigkill_then_resume_auto(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert [s for s, _ in train_losses(run_dir)] == list(range(1, saved + 3))
 
 
-def test_sigterm_saves_and_exits_143(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_sigterm_saves_and_exits_143(tmp_path: Path) -> None:
     """SIGTERM arriving during step 2 (raised in-process from a hook): saved, then 143.
 
     A repeated signal (torchrun forwards one on top of the terminal's) still saves.
     """
-    metrics = Trainer._train_metrics
-
-    def terminate_at_step_2(self: Trainer, result: Any) -> dict[str, Any]:
-        if self.step == 2:
+    def terminate_at_step_2(step: int) -> None:
+        if step == 2:
             signal.raise_signal(signal.SIGTERM)
             signal.raise_signal(signal.SIGTERM)
-        return metrics(self, result)
 
-    monkeypatch.setattr(Trainer, "_train_metrics", terminate_at_step_2)
     with pytest.raises(TrainingError, match="interrupted at step 2 .SIGTERM.; saved") as info:
-        run(make_cfg(tmp_path, train={"max_steps": 50}), quiet=True)
+        run(make_cfg(tmp_path, train={"max_steps": 50}), quiet=True, on_step=terminate_at_step_2)
     assert info.value.exit_code == 143
     # Until the process exits, later signals are ignored (the first one's code stands).
     assert all(signal.getsignal(s) is signal.SIG_IGN

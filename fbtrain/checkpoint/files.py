@@ -1,4 +1,4 @@
-"""Checkpoints: atomic save, safe load, latest/best lookup, keep-last-N, RNG capture.
+"""Checkpoint files: atomic save, safe load, latest/best lookup, keep-last-N.
 
 A checkpoint is one ``torch.save`` file holding a plain dict (model, optimizer, scheduler,
 step, config, vocabulary, RNG states, ...) plus a ``format`` marker. It is always loaded with
@@ -15,7 +15,6 @@ A run directory keeps its checkpoints in ``<run>/checkpoints/``::
 from __future__ import annotations
 
 import pickle
-import random
 import re
 import shutil
 import warnings
@@ -239,145 +238,3 @@ class CheckpointManager:
 def _atomic_copy(src: Path, dst: Path) -> None:
     with open(src, "rb") as source:
         atomic_write(dst, lambda f: shutil.copyfileobj(source, f, 1 << 20))
-
-
-# ----------------------------------------------------------------------------- RNG
-
-
-def capture_rng(sampler_state: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Snapshot every random number generator, in a form ``weights_only`` loading accepts.
-
-    Holds Python's ``random``, torch's CPU generator, every CUDA device's generator (when CUDA
-    is available) and ``sampler_state`` as given (the data sampler's own state;
-    :func:`restore_rng` leaves it to the caller).
-    """
-    version, internal, gauss = random.getstate()
-    state: dict[str, Any] = {
-        # Python's state is (version, 625 ints, gauss_next). Tuples of ints do load under
-        # weights_only today, but an int64 tensor is the one type every torch version's safe
-        # unpickler is built for, and it stores 625 numbers as bytes rather than pickle ops.
-        "python": {
-            "version": version,
-            "internal": torch.tensor(internal, dtype=torch.int64),
-            "gauss_next": gauss,
-        },
-        "torch": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    if sampler_state is not None:
-        state["sampler"] = sampler_state
-    return state
-
-
-def restore_rng(state: dict[str, Any]) -> None:
-    """Put back the generators saved by :func:`capture_rng` (those present in ``state``).
-
-    CUDA states are restored only when CUDA is available now; a checkpoint made on a GPU can
-    be resumed on a CPU (and vice versa) with the CPU streams still exact. ``state["sampler"]``
-    is the caller's to restore.
-    """
-    if "python" in state:
-        py = state["python"]
-        internal = py["internal"]
-        internal = tuple(internal.tolist() if torch.is_tensor(internal) else internal)
-        random.setstate((py["version"], internal, py["gauss_next"]))
-    if "torch" in state:
-        torch.set_rng_state(state["torch"].cpu())
-    if "cuda" in state and torch.cuda.is_available():
-        cuda_states = [s.cpu() for s in state["cuda"]]
-        # Resuming on fewer GPUs than were saved: restore the devices that exist.
-        for device, s in enumerate(cuda_states[: torch.cuda.device_count()]):
-            torch.cuda.set_rng_state(s, device)
-
-
-# ----------------------------------------------------------------------------- model
-
-
-_MODEL_KEYS = ("model", "model_config", "vocab")
-# Prefixes torch.compile (``_orig_mod.``) and DistributedDataParallel (``module.``) put on
-# parameter names; a state dict saved from a wrapped model still belongs to the bare one.
-_WRAPPER_PREFIXES = ("_orig_mod.", "module.")
-
-
-def load_model(
-    path: str | Path, device: torch.device | str = "cpu", prefer: str = "best"
-) -> tuple[torch.nn.Module, Any, dict[str, Any]]:
-    """Rebuild the model a checkpoint describes: ``(model, tokenizer, payload)``.
-
-    ``path`` is a checkpoint file or a run directory (``best.pt`` preferred, see
-    :func:`resolve_checkpoint`). The model is built from ``payload["model_config"]`` and
-    ``len(payload["vocab"])``, given the saved weights, put in eval mode and moved to
-    ``device``; the tokenizer is the saved vocabulary's (``payload["tokenizer"]``: char, the
-    default, or word). Anything missing or not matching (keys, shapes, config fields) is a one-line
-    :class:`CheckpointError`.
-    """
-    # Imported here: models and data import config, and checkpoint.py stays free of both
-    # for the code (trainer, tests) that only needs saving and RNG capture.
-    from fbtrain.config import ModelConfig
-    from fbtrain.data import DataError, make_tokenizer
-    from fbtrain.models import build_model
-
-    file = resolve_checkpoint(path, prefer=prefer)
-    payload = load_checkpoint(file)
-    missing = [k for k in _MODEL_KEYS if k not in payload]
-    if missing:
-        raise CheckpointError(
-            f"{file}: not a model checkpoint (missing {', '.join(repr(k) for k in missing)})"
-        )
-    raw_cfg, vocab, state = payload["model_config"], payload["vocab"], payload["model"]
-    if not isinstance(raw_cfg, dict):
-        raise CheckpointError(f"{file}: 'model_config' must be a dict of ModelConfig fields")
-    if not isinstance(state, dict):
-        raise CheckpointError(f"{file}: 'model' must be a state dict of tensors")
-    try:
-        tokenizer = make_tokenizer(vocab, payload.get("tokenizer"))
-    except (DataError, TypeError) as e:
-        raise CheckpointError(f"{file}: bad 'vocab': {e}") from None
-    try:
-        cfg = ModelConfig(**raw_cfg)
-        model = build_model(cfg, tokenizer.vocab_size)
-    except (TypeError, ValueError) as e:
-        raise CheckpointError(f"{file}: bad 'model_config': {e}") from None
-    state = strip_wrapper_prefixes(state)
-    problem = _state_dict_mismatch(model.state_dict(), state)
-    if problem:
-        raise CheckpointError(f"{file}: weights do not fit model_config ({cfg.kind}): {problem}")
-    model.load_state_dict(state)
-    model.eval()
-    return model.to(device), tokenizer, payload
-
-
-def strip_wrapper_prefixes(state: dict[str, Any]) -> dict[str, Any]:
-    """Drop the ``module.`` (DDP) / ``_orig_mod.`` (torch.compile) prefix on every name."""
-    for prefix in _WRAPPER_PREFIXES:
-        if state and all(isinstance(k, str) and k.startswith(prefix) for k in state):
-            state = {k[len(prefix):]: v for k, v in state.items()}
-    return state
-
-
-def _state_dict_mismatch(expected: dict[str, torch.Tensor], got: dict[str, Any]) -> str:
-    """One line naming missing/unexpected keys and wrong shapes ('' when all fit).
-
-    Checked here rather than left to ``load_state_dict``, whose error runs to many lines.
-    """
-
-    def names(keys: list[str]) -> str:
-        return ", ".join(keys[:3]) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
-
-    missing = [k for k in expected if k not in got]
-    unexpected = [k for k in got if k not in expected]
-    wrong = [
-        f"{k} {tuple(got[k].shape) if torch.is_tensor(got[k]) else type(got[k]).__name__}"
-        f" (expected {tuple(v.shape)})"
-        for k, v in expected.items()
-        if k in got and (not torch.is_tensor(got[k]) or got[k].shape != v.shape)
-    ]
-    parts = []
-    if missing:
-        parts.append(f"missing {names(missing)}")
-    if unexpected:
-        parts.append(f"unexpected {names(unexpected)}")
-    if wrong:
-        parts.append(f"wrong shape {names(wrong)}")
-    return "; ".join(parts)

@@ -1,0 +1,125 @@
+"""What the console says about a run: its set-up, evaluations, curriculum changes, the end.
+
+Every line the trainer prints is made here, from the run and its progress, so the loop only
+decides *when* to say something. Also the throughput meter behind tokens/s.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from fbtrain.evaluate import LN2
+from fbtrain.metrics import format_duration
+from fbtrain.models import count_parameters
+from fbtrain.train.batches import CarriedStreams
+
+if TYPE_CHECKING:
+    from fbtrain.train.setup import Progress, Run
+
+WARMUP_STEPS = 1  # steps of each process left out of tokens/s (allocations, first kernels)
+
+
+class Throughput:
+    """Tokens per second of whole training steps (their own time, not eval or saving).
+
+    The first ``WARMUP_STEPS`` steps of a process are left out: they pay for allocations
+    and first-call setup that the rest of the run does not.
+    """
+
+    def __init__(self, warmup: int = WARMUP_STEPS):
+        self._skip = warmup
+        self._window = [0, 0.0]  # tokens, seconds since the last window_rate()
+        self.tokens, self.seconds = 0, 0.0  # whole run (of this process)
+
+    def add(self, tokens: int, seconds: float) -> None:
+        if self._skip > 0:
+            self._skip -= 1
+            return
+        self._window[0] += tokens
+        self._window[1] += seconds
+        self.tokens += tokens
+        self.seconds += seconds
+
+    def window_rate(self) -> float | None:
+        """Tokens/s since the previous call (None when no measured step), then reset."""
+        tokens, seconds = self._window
+        self._window = [0, 0.0]
+        return tokens / seconds if seconds > 0 else None
+
+    @property
+    def overall_rate(self) -> float | None:
+        return self.tokens / self.seconds if self.seconds > 0 else None
+
+
+def device_text(run: Run) -> str:
+    """``cpu (2 threads, fp32)`` or ``cuda:0 (NVIDIA H200, bf16 autocast)``."""
+    dtype = {None: "fp32", torch.bfloat16: "bf16 autocast",
+             torch.float16: "fp16 autocast"}[run.amp_dtype]
+    device = run.ctx.device
+    if device.type == "cuda":
+        return f"{device} ({torch.cuda.get_device_name(device)}, {dtype})"
+    threads = torch.get_num_threads()
+    return f"cpu ({threads} thread{'s' if threads != 1 else ''}, {dtype})"
+
+
+def announcement(run: Run, progress: Progress, resume_path: Path | None,
+                 removed: list[Path]) -> list[str]:
+    """The lines a run starts with: where, what model, what device and data, from where."""
+    cfg, data = run.cfg, run.data
+    lines = [f"run directory: {run.run_dir}"]
+    if removed:
+        lines.append(f"removed {len(removed)} temp file(s) left by an interrupted save: "
+                     f"{', '.join(p.name for p in removed)}")
+    lines.append(f"model: {cfg.model.kind}, {count_parameters(run.raw_model):,} parameters "
+                 f"(d_model {cfg.model.d_model}, {cfg.model.n_layers} layers, "
+                 f"{cfg.model.n_heads} heads)")
+    ranks = f" x {run.ctx.world_size} ranks (DDP)" if run.ctx.enabled else ""
+    lines.append(f"device: {device_text(run)}{ranks}")
+    labelled = " (targets only where labelled; accuracy reported)" if data.labelled else ""
+    lines.append(f"data: {data.n_chars[0]:,} train / {data.n_chars[1]:,} val "
+                 f"{data.tokenizer.unit}s{labelled}, vocabulary {data.tokenizer.vocab_size}, "
+                 f"{len(data.val_x)} validation windows")
+    if isinstance(run.batches, CarriedStreams):
+        streams = run.batches.layout
+        lines.append(f"context: carry ({len(streams.starts)} streams of {streams.length:,} "
+                     "tokens per rank, memory carried across segments; validation windows "
+                     f"after {data.val_x.shape[1] - cfg.max_seq_len} tokens of context)")
+    if resume_path is not None:
+        lines.append(f"resuming from {resume_path} at step {progress.step}")
+        if cfg.train.init_from:
+            lines.append("train.init_from is ignored when resuming (the checkpoint has the "
+                         "weights)")
+    if cfg.logging.tensorboard:
+        lines.append(f"tensorboard --logdir {run.run_dir.parent}")
+    return lines
+
+
+def curriculum_line(before: int, after: int, batch: int, step: int) -> str:
+    """The sequence length changes before step ``step`` (0-based index)."""
+    return f"curriculum: seq_len {before} -> {after} (batch {batch}) from step {step + 1}"
+
+
+def evaluation_line(step: int, metrics: dict[str, float], improved: bool) -> str:
+    """``step 100: val loss 1.6007 | bpc 2.3093 | ppl 4.96 (best)``."""
+    accuracy = (f" | accuracy {100 * metrics['val/accuracy']:.2f}%"
+                if "val/accuracy" in metrics else "")
+    best = " (best)" if improved else ""
+    return (f"step {step}: val loss {metrics['val/loss']:.4f} | bpc {metrics['val/bpc']:.4f}"
+            f" | ppl {metrics['val/perplexity']:.2f}{accuracy}{best}")
+
+
+def summary(run: Run, progress: Progress, rate: float | None, seconds: float) -> str:
+    """The last line: where training stopped, its losses, its speed and its wall time."""
+    parts = [f"done at step {progress.step}"]
+    if progress.val_loss is not None:
+        parts.append(f"val loss {progress.val_loss:.4f} (bpc {progress.val_loss / LN2:.4f})")
+    if progress.best_val_loss is not None:
+        parts.append(f"best val loss {progress.best_val_loss:.4f} "
+                     f"(bpc {progress.best_val_loss / LN2:.4f})")
+    if rate is not None:
+        parts.append(f"{rate:,.0f} tokens/s on {device_text(run)}")
+    parts.append(f"wall {format_duration(seconds)}")
+    return " | ".join(parts)

@@ -1,0 +1,346 @@
+"""The training loop and its cadence: log, evaluate, sample and checkpoint as the step
+number asks; stop on a signal.
+
+``run(cfg)`` trains into ``<run.out_dir>/<run.name>/`` and returns that folder::
+
+    config.yaml  vocab.json  metrics.jsonl  events.out.tfevents.*  checkpoints/
+
+Step numbering: ``step`` counts optimizer steps done, so the first trained step is logged
+and checkpointed as step 1. The step being trained has 0-based index ``step`` (= its logged
+number minus one); the curriculum, the batch size and the learning rate are looked up with
+that index, so ``until_step: 300`` means exactly the steps logged 1..300 run at that stage.
+
+Where the parts live: :mod:`.setup` builds the run (in one visible order), :mod:`.step`
+trains one step, :mod:`.signals` decides when to stop, :mod:`.report` says what happens,
+and the checkpoint's contents are made here (:meth:`Trainer.payload`).
+
+Exact resume: the checkpoint holds the model, optimizer, step, tokens and every random
+stream (Python, torch, CUDA, the batch sampler), and in carry mode the stream cursor and
+the carried memory. Evaluation and sampling run under :func:`~fbtrain.rng.preserve_rng`, so
+they never shift those streams, and the learning rate is a pure function of the step. On
+the CPU, N steps + resume + N steps is bitwise 2N straight steps.
+
+Errors: :class:`TrainingError` carries the exit code (1: non-finite loss or gradient norm;
+129 / 130 / 143: SIGHUP / SIGINT / SIGTERM, after saving). DataError, CheckpointError,
+DeviceError and ConfigError come through unchanged (the CLI makes them exit code 2).
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fbtrain.checkpoint.contents import make_payload, summarize_names
+from fbtrain.checkpoint.files import CheckpointManager
+from fbtrain.config import Config, save_config
+from fbtrain.device import autocast
+from fbtrain.distributed import DistContext, session
+from fbtrain.evaluate import LN2, loss_figures
+from fbtrain.metrics import EVENTS_GLOB, MetricsLogger, hparams_of
+from fbtrain.rng import capture_rng, preserve_rng
+from fbtrain.rundir import RunDirLock
+from fbtrain.scoring import window_scores
+from fbtrain.train import report
+from fbtrain.train.batches import CarriedStreams
+from fbtrain.train.setup import Progress, Run, set_up
+from fbtrain.train.signals import EXIT_CODES, StopRequested, StopSignals
+from fbtrain.train.step import EXIT_NONFINITE, StepResult, TrainingError, train_step
+
+EVAL_BATCH = 64  # validation windows per forward: no gradients, so wide batches are cheap
+
+StepHook = Callable[[int], None]  # called with the step number after each step's training
+
+
+def run(cfg: Config, *, resume: str | None = None, quiet: bool = False,
+        on_step: StepHook | None = None) -> Path:
+    """Train as ``cfg`` says and return the run directory.
+
+    ``resume``: None starts fresh (refused with a ConfigError when the run directory already
+    holds ``last.pt``, so a trained run is never overwritten by accident); ``"auto"``
+    continues from ``<run>/checkpoints/last.pt`` when it exists, else starts fresh; any other
+    value is a checkpoint file or run directory to continue from. ``quiet`` turns the
+    console (progress bar, messages) off; files are written the same. ``on_step(step)``
+    runs after each trained step, before its evaluation and save (for tests).
+    """
+    with session(cfg.run.device) as ctx:
+        return Trainer(cfg, ctx, quiet=quiet, on_step=on_step).fit(resume)
+
+
+class Trainer:
+    """One training run: :meth:`fit` owns the run directory, builds the run, trains.
+
+    What :meth:`fit` builds, once the directory is owned: ``run`` (its parts, frozen),
+    ``progress`` (the step, tokens and losses so far) and ``logger``.
+    """
+
+    run: Run
+    progress: Progress
+    logger: MetricsLogger
+
+    def __init__(self, cfg: Config, ctx: DistContext, *, quiet: bool = False,
+                 on_step: StepHook | None = None):
+        self.cfg, self.ctx, self.quiet, self.on_step = cfg, ctx, quiet, on_step
+        self.run_dir = Path(cfg.run.out_dir) / cfg.run.name
+        self.manager = CheckpointManager(self.run_dir, cfg.checkpoint.keep_last)
+        self.run_lock = RunDirLock(self.run_dir, enabled=ctx.is_main)
+        self.throughput = report.Throughput()
+
+    def fit(self, resume: str | None) -> Path:
+        """Set up (fresh, resumed or warm-started), train to ``max_steps``, return the run dir.
+
+        The run directory is created and owned (locked) first, and every decision about
+        what it holds (fresh start, resume, refusal) is taken while the lock is held: a
+        second process can never act on what it saw before the first one finished. A fresh
+        start that fails before it wrote anything leaves no directory behind.
+        """
+        if self.ctx.is_main:
+            self.run_lock.create_and_acquire()
+        self.ctx.barrier()  # other ranks read the directory once rank 0 owns it
+        wrote = False
+        try:
+            started = time.perf_counter()
+            self.run, self.progress, resume_path = set_up(self.cfg, self.ctx, self.manager,
+                                                          resume)
+            wrote = True
+            self._write_run_files(fresh=resume_path is None)
+            self.logger = MetricsLogger(
+                self.run_dir, tensorboard=self.cfg.logging.tensorboard,
+                console=not self.quiet, progress=self.cfg.logging.progress,
+                total_steps=self.cfg.train.max_steps, initial_step=self.progress.step,
+                enabled=self.ctx.is_main)
+            try:
+                self._train(resume_path, started)
+            finally:
+                self.logger.close()
+            return self.run_dir
+        finally:
+            if not wrote:
+                self.run_lock.remove_created()
+            self.run_lock.release()
+
+    def _write_run_files(self, *, fresh: bool) -> None:
+        """config.yaml and vocab.json (rank 0); a fresh start also drops old TensorBoard runs."""
+        if self.ctx.is_main:
+            save_config(self.cfg, self.run_dir / "config.yaml")
+            self.run.data.tokenizer.save(self.run_dir)
+            if fresh:
+                # Left by a run killed before its first checkpoint: its curves are not ours.
+                for events in self.run_dir.glob(EVENTS_GLOB):
+                    events.unlink(missing_ok=True)
+        self.ctx.barrier()
+
+    def _train(self, resume_path: Path | None, started: float) -> None:
+        """Log the start, run the loop under the stop signals, log the end."""
+        # Resumed: drop lines the abandoned run logged after the checkpoint. Fresh: all.
+        self.logger.truncate_after(self.progress.step if resume_path is not None else -1)
+        if resume_path is None:
+            self.logger.start_run(hparams_of(self.cfg, self.ctx.world_size),
+                                  memory_weights=hasattr(self.run.raw_model, "memory_weights"))
+        for line in report.announcement(self.run, self.progress, resume_path,
+                                        self.run_lock.removed):
+            self.logger.info(line)
+        if self.run.warm_report is not None:
+            self.logger.info(self.run.warm_report.summary())
+        with StopSignals(allow_interrupts=not self.ctx.enabled) as signals:
+            self._loop(signals)
+        self.logger.end_run()
+        self.logger.info(report.summary(self.run, self.progress, self.throughput.overall_rate,
+                                        time.perf_counter() - started))
+        self.ctx.barrier()
+
+    # ------------------------------------------------------------------ loop
+
+    def _loop(self, signals: StopSignals) -> None:
+        cfg, progress = self.cfg, self.progress
+        max_steps = cfg.train.max_steps
+        if progress.step >= max_steps:
+            self.logger.info(f"nothing to train: the checkpoint is at step {progress.step} "
+                             f"and train.max_steps is {max_steps}")
+        prev_seq_len = cfg.seq_len_at(max(0, progress.step - 1)) if progress.step else None
+        if progress.step == 0 and max_steps > 0:
+            self._evaluate_untrained(signals)
+        while progress.step < max_steps:
+            seq_len = cfg.seq_len_at(progress.step)
+            if prev_seq_len is not None and seq_len != prev_seq_len:
+                self.logger.info(report.curriculum_line(
+                    prev_seq_len, seq_len, cfg.batch_size_at(progress.step), progress.step))
+            prev_seq_len = seq_len
+            result = train_step(self.run, progress.step, signals, self.manager.last_path)
+            self.throughput.add(result.tokens, result.seconds)
+            progress.step += 1
+            progress.tokens += result.tokens
+            self._after_step(result, signals)
+
+    def _after_step(self, result: StepResult, signals: StopSignals) -> None:
+        """Log, evaluate, sample and checkpoint as the step number asks; stop on a signal.
+
+        A signal during the evaluation or the sample cuts it short (that step then logs no
+        validation figure); the step itself is saved all the same."""
+        cfg, step = self.cfg, self.progress.step
+        final = step == cfg.train.max_steps
+        record: dict[str, Any] = {}
+        if step % cfg.train.log_every == 0 or final:
+            record.update(self._train_metrics(result))
+        if self.on_step is not None:
+            self.on_step(step)
+        improved = False
+        evaluated = step % cfg.train.eval_every == 0 or final
+        try:
+            if evaluated:
+                improved = self._evaluate(record, signals)
+            if record:
+                self.logger.log(step, record)
+                record = {}
+            if self._sample_due(evaluated):
+                self._log_sample(signals)
+        except StopRequested:
+            pass
+        if record:  # the training figures of a step whose evaluation was cut short
+            self.logger.log(step, record)
+        # Under DDP the stop the ranks agreed on at the step; alone, any signal so far.
+        stop = result.stop if self.ctx.enabled else signals.received
+        every = step % cfg.checkpoint.every == 0
+        if every or final or improved or stop is not None:
+            self._save(numbered=every or final, best=improved)
+        if stop is not None and not final:
+            self.ctx.barrier()  # torchrun ends every rank once one exits: let rank 0 finish
+            raise TrainingError(
+                f"interrupted at step {step} ({signal.Signals(stop).name}); saved "
+                f"{self.manager.last_path}; resume with --resume auto",
+                EXIT_CODES[stop],
+            )
+
+    def _train_metrics(self, result: StepResult) -> dict[str, Any]:
+        """The step's metrics (the loss of this step, not an average: exact under resume)."""
+        rate = self.throughput.window_rate()
+        metrics: dict[str, Any] = {
+            "loss": result.loss, "bpc": result.loss / LN2, "lr": result.lr,
+            "grad_norm": result.grad_norm, "tokens_per_sec": rate, "seq_len": result.seq_len,
+            "batch_size": result.batch_size, "tokens": self.progress.tokens,
+            # Bounded when the memory recursion is stable; growing without end, it is not.
+            "memory_rms": result.memory_rms.item(),
+        }
+        if result.accuracy is not None:
+            metrics["accuracy"] = result.accuracy
+        model, device = self.run.raw_model, self.ctx.device
+        if hasattr(model, "memory_weights"):
+            with torch.no_grad():
+                weights = model.memory_weights().float().tolist()
+            metrics.update({f"mem_weight/{i}": w for i, w in enumerate(weights)})
+        if device.type == "cuda":
+            metrics["peak_mem_mib"] = torch.cuda.max_memory_allocated(device) / 2**20
+        shown = {k: metrics[k] for k in ("loss", "bpc", "accuracy", "seq_len", "lr")
+                 if k in metrics}
+        if rate is not None:
+            shown["tokens_per_sec"] = rate
+        self.logger.progress(self.progress.step, shown)
+        return metrics
+
+    # ------------------------------------------------------------------ evaluation, samples
+
+    def _evaluate_untrained(self, signals: StopSignals) -> None:
+        """Step 0: the untrained model's validation loss (and a sample), so every curve
+        starts at the start. Not a candidate for best.pt: there is nothing to save yet."""
+        record: dict[str, Any] = {}
+        try:
+            self._evaluate(record, signals, candidate=False)
+            if record:
+                self.logger.log(0, record)
+            if self._sample_due(evaluated=True):
+                self._log_sample(signals)
+        except StopRequested:
+            received = signals.received or signal.SIGINT
+            raise TrainingError(f"interrupted before the first step "
+                                f"({signal.Signals(received).name}); nothing was trained, so "
+                                "no checkpoint was written", EXIT_CODES[received]) from None
+
+    def _sample_due(self, evaluated: bool) -> bool:
+        """A sample with every evaluation (``sample_every: null``), or every N steps and at
+        the end (N > 0), or never (0)."""
+        every, step = self.cfg.train.sample_every, self.progress.step
+        if every is None:
+            return evaluated
+        return every > 0 and (step % every == 0 or step == self.cfg.train.max_steps)
+
+    def _evaluate(self, record: dict[str, Any], signals: StopSignals,
+                  candidate: bool = True) -> bool:
+        """Validation loss on the fixed windows (rank 0); True when it is the best so far.
+
+        ``candidate=False`` (step 0) logs the loss without making it the best to beat."""
+        if not self.ctx.is_main:
+            return False
+        data, progress = self.run.data, self.progress
+        with signals.interruptible(), preserve_rng(self.ctx.device), \
+                autocast(self.cfg.run.precision, self.ctx.device):
+            scores = window_scores(self.run.raw_model, data.val_x, data.val_y, EVAL_BATCH)
+        loss = scores.loss
+        progress.val_loss = loss
+        improved = candidate and math.isfinite(loss) and (progress.best_val_loss is None
+                                                          or loss < progress.best_val_loss)
+        if improved:
+            progress.best_val_loss = loss
+        metrics = {f"val/{k}": v for k, v in loss_figures(loss).items()}
+        if data.labelled:
+            metrics["val/accuracy"] = scores.accuracy
+        record.update(metrics)
+        self.logger.info(report.evaluation_line(progress.step, metrics, improved))
+        return improved
+
+    def _log_sample(self, signals: StopSignals) -> None:
+        """A short generated text for the log (rank 0), from its own seeded generator."""
+        if not self.ctx.is_main:
+            return
+        model, tokenizer = self.run.raw_model, self.run.data.tokenizer
+        try:
+            from fbtrain.sample import generate
+
+            generator = torch.Generator().manual_seed(self.cfg.run.seed + self.progress.step)
+            with signals.interruptible(), preserve_rng(self.ctx.device), \
+                    autocast(self.cfg.run.precision, self.ctx.device):
+                text = generate(model, tokenizer, tokenizer.start,
+                                self.cfg.train.sample_length, generator=generator)[0]
+        except Exception as e:  # a failed sample must not cost the training run
+            self.logger.info(f"warning: sampling failed at step {self.progress.step}: {e}")
+            return
+        finally:
+            model.train()
+        self.logger.log_text(self.progress.step, "sample", text)
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def payload(self) -> dict[str, Any]:
+        """This run's checkpoint (what it holds is :mod:`fbtrain.checkpoint.contents`')."""
+        run, progress = self.run, self.progress
+        return make_payload(
+            model=run.raw_model, model_cfg=self.cfg.model, config=self.cfg.to_dict(),
+            tokenizer=run.data.tokenizer, optimizer=run.optimizer,
+            scheduler=run.schedule.state_dict(), rng=capture_rng(run.sampler.state_dict()),
+            step=progress.step, tokens=progress.tokens, val_loss=progress.val_loss,
+            best_val_loss=progress.best_val_loss,
+            # the stage of the last trained step (0 before any)
+            curriculum_stage=self.cfg.stage_index_at(max(0, progress.step - 1)),
+            world_size=self.ctx.world_size,
+            scaler=run.scaler.state_dict() if run.scaler.is_enabled() else None,
+            streams=(run.batches.state_dict() if isinstance(run.batches, CarriedStreams)
+                     else None))
+
+    def _save(self, *, numbered: bool, best: bool) -> None:
+        """Write last.pt (and step-N.pt / best.pt) on rank 0, never with non-finite weights.
+
+        Every rank checks the weights (they are identical), so all stop together."""
+        with torch.no_grad():
+            bad = [n for n, p in self.run.raw_model.named_parameters()
+                   if not torch.isfinite(p).all()]
+        if bad:
+            raise TrainingError(
+                f"step {self.progress.step}: weights hold non-finite values "
+                f"({summarize_names(bad)}); no checkpoint written (last good: "
+                f"{self.manager.last_path})", EXIT_NONFINITE)
+        if self.ctx.is_main:
+            self.manager.save(self.progress.step, self.payload(), numbered=numbered, best=best)
