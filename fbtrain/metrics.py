@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 from fbtrain.io import FileWriteError, atomic_write_text, write_error
+from fbtrain.schedule import Curriculum
 
 if TYPE_CHECKING:
     from fbtrain.config import Config
@@ -521,7 +522,7 @@ def hparams_of(cfg: Config, world_size: int = 1) -> dict[str, Any]:
             "train.warm_start": cfg.train.init_from is not None,
             "seq_len": cfg.curriculum[-1].seq_len,
             "curriculum_stages": len(cfg.curriculum),
-            "tokens": cfg.total_tokens() * world_size,
+            "tokens": Curriculum(cfg).total_tokens() * world_size,
             "run.seed": cfg.run.seed,
             "run.precision": cfg.run.precision}
 

@@ -18,6 +18,7 @@ from typer.testing import CliRunner
 
 from fbtrain.cli import app
 from fbtrain.config import DataConfig
+from fbtrain.config.schema import MIN_PRINTING_LEN
 from fbtrain.data import algorithmic
 from fbtrain.data.corpus import load_corpus
 from fbtrain.data.samplers import BatchSampler, SegmentReader, fixed_windows
@@ -184,7 +185,7 @@ def test_one_variable_and_the_variable_names() -> None:
 def test_the_shortest_program_that_can_print(variables: int) -> None:
     """MIN_PRINTING_LEN, which the config holds data.program_len to: shorter programs never
     print (nothing to score), programs of that length can."""
-    shortest = algorithmic.MIN_PRINTING_LEN
+    shortest = MIN_PRINTING_LEN
     for length in range(1, shortest):
         programs = algorithmic.generate_split(0, "val", 500, variables, length)
         assert not any(s.label for p in programs for s in p)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import subprocess
+import sys
 import typing
 from pathlib import Path
 
@@ -12,6 +14,7 @@ import pytest
 import torch
 
 from fbtrain.config import SECTIONS, Config, ConfigError, describe_fields, load_config
+from fbtrain.schedule import Curriculum
 
 CONFIGS = sorted((Path(__file__).resolve().parent.parent / "configs").glob("*.yaml"))
 CPU_BUDGET_TOKENS = 1_536_000  # what a 2-core CPU trains in ~15 minutes (see the configs)
@@ -31,7 +34,8 @@ def problems(*overrides: str, path: Path | None = None) -> list[str]:
 
 
 def total_tokens(cfg: Config) -> int:
-    return sum(cfg.batch_size_at(s) * cfg.seq_len_at(s) for s in range(cfg.train.max_steps))
+    plan = Curriculum(cfg)
+    return sum(plan.batch_size_at(s) * plan.seq_len_at(s) for s in range(cfg.train.max_steps))
 
 
 # ----------------------------------------------------------------------------- shipped configs
@@ -62,7 +66,7 @@ def test_benchmark_pairs_differ_only_in_the_model_compared(prefix: str):
 def test_shipped_config_validates(path: Path):
     cfg = load_config(path)
     assert cfg.run.name == path.stem  # runs/<stem>: configs never overwrite each other's runs
-    assert cfg.max_seq_len <= cfg.model.max_rel_pos
+    assert Curriculum(cfg).max_seq_len <= cfg.model.max_rel_pos
     # Every key in the file was meant: the file round-trips through the resolved config.
     assert load_config(path, [f"run.name={path.stem}"]).to_dict() == cfg.to_dict()
 
@@ -82,7 +86,8 @@ def test_main_config_is_the_described_job():
     cfg = load_config(Path(CONFIGS[0].parent, "tiny_shakespeare.yaml"))
     assert cfg.model.kind == "feedback_kv"
     assert [s.seq_len for s in cfg.curriculum] == [32, 64]
-    assert cfg.batch_size_at(0) == 32 and cfg.batch_size_at(cfg.train.max_steps - 1) == 16
+    assert Curriculum(cfg).batch_size_at(0) == 32
+    assert Curriculum(cfg).batch_size_at(cfg.train.max_steps - 1) == 16
     assert load_config(Path(CONFIGS[0].parent, "tiny_shakespeare_fixed.yaml")).curriculum[0] \
         .seq_len == 64
 
@@ -153,7 +158,7 @@ def test_set_parses_yaml_scalars(override: str, get, expected):
 def test_set_curriculum_list():
     cfg = load_config(None, ["curriculum=[{until_step: 10, seq_len: 8}, {seq_len: 16}]"])
     assert [(s.seq_len, s.until_step) for s in cfg.curriculum] == [(8, 10), (16, None)]
-    assert cfg.seq_len_at(9) == 8 and cfg.seq_len_at(10) == 16
+    assert Curriculum(cfg).seq_len_at(9) == 8 and Curriculum(cfg).seq_len_at(10) == 16
 
 
 def test_set_curriculum_single_length():
@@ -414,11 +419,44 @@ def test_val_fraction_message_gives_the_real_limits():
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
 def test_total_tokens_is_the_sum_over_steps(path: Path):
     cfg = load_config(path)
-    assert cfg.total_tokens() == total_tokens(cfg) * cfg.train.grad_accum
+    assert Curriculum(cfg).total_tokens() == total_tokens(cfg) * cfg.train.grad_accum
     short = load_config(path, ["train.max_steps=7", "train.grad_accum=3",
                                "curriculum=[{until_step: 5, seq_len: 8}, {until_step: 9, "
                                "seq_len: 16}, {seq_len: 32}]", "model.max_rel_pos=64"])
-    assert short.total_tokens() == total_tokens(short) * 3
+    assert Curriculum(short).total_tokens() == total_tokens(short) * 3
+
+
+def test_curriculum_stages_by_step():
+    """A stage holds the steps before its until_step; the last one every step after."""
+    cfg = load_config(None, ["curriculum=[{until_step: 3, seq_len: 8}, {until_step: 5, "
+                             "seq_len: 16}, {seq_len: 32}]", "train.batch_size=2"])
+    plan = Curriculum(cfg)
+    assert [plan.stage_index_at(s) for s in range(7)] == [0, 0, 0, 1, 1, 2, 2]
+    assert plan.stage_at(4) is cfg.curriculum[1]
+    assert [plan.batch_size_at(s) for s in (0, 3, 5)] == [8, 4, 2]  # 64 tokens a step
+    assert plan.max_seq_len == 32
+
+
+def test_the_config_and_the_cli_load_without_torch():
+    """``fbtrain --help`` and config checking never import torch (seconds at start-up):
+    the memory estimate plans with fbtrain.schedule.Curriculum, so schedule.py may import
+    torch only where it builds an optimizer."""
+    code = ("import sys, fbtrain.cli, fbtrain.config.budget; "
+            "from fbtrain.config import load_config; load_config(None); "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch')[:3])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_config_knows_the_built_in_datasets():
+    """config keeps only the names of the built-in corpora (it must not import the data
+    layer); they must be those fbtrain/data/sources.py fetches."""
+    from fbtrain.config import schema
+    from fbtrain.data.sources import ARCHIVED, SOURCES
+
+    assert tuple(SOURCES) == schema.DOWNLOADED
+    assert schema.ARCHIVED == ARCHIVED
 
 
 # ----------------------------------------------------------------------------- memory
@@ -430,7 +468,7 @@ GIB = 2**30
 @pytest.fixture
 def machine(monkeypatch: pytest.MonkeyPatch) -> int:
     """This machine has 24 GiB, whatever it really has (messages quote the figure)."""
-    from fbtrain import budget
+    from fbtrain.config import budget
 
     monkeypatch.setattr(budget, "physical_memory", lambda: 24 * GIB)
     return 24 * GIB
@@ -480,7 +518,7 @@ def test_sizes_that_cannot_fit_in_memory_are_refused(machine: int, overrides: li
 def test_what_fits_is_not_refused(monkeypatch: pytest.MonkeyPatch, machine: int):
     """The estimate is held against the memory there is, and nothing else: the config
     refused on 24 GiB loads on a machine with more than it needs."""
-    from fbtrain import budget
+    from fbtrain.config import budget
 
     sets = ["model.d_model=8192", "model.n_layers=8"]
     assert "training needs" in problems(*sets)[0]
@@ -495,7 +533,7 @@ def test_what_fits_is_not_refused(monkeypatch: pytest.MonkeyPatch, machine: int)
 @pytest.mark.parametrize("kind", ["feedback", "feedback_kv", "transformer"])
 @pytest.mark.parametrize("memory_norm", ["none", "layernorm"])
 def test_parameter_count_is_the_models_but_for_the_vocabulary(kind: str, memory_norm: str):
-    from fbtrain.budget import parameter_count
+    from fbtrain.config.budget import parameter_count
     from fbtrain.models import build_model
 
     cfg = load_config(None, [f"model.kind={kind}", f"model.memory_norm={memory_norm}",
@@ -551,7 +589,7 @@ def test_activation_estimate_is_a_lower_bound(monkeypatch: pytest.MonkeyPatch, k
     """Never refuse what fits: the estimate of one micro-batch's activations stays below what
     a forward really keeps for its backward (the PyTorch core's tape: the C++ core keeps
     the same tensors)."""
-    from fbtrain.budget import estimate
+    from fbtrain.config.budget import estimate
     from fbtrain.models import build_model
     from fbtrain.models.core.select import CORE_ENV
 
@@ -699,5 +737,5 @@ def test_stages_training_never_reaches_are_not_counted(machine: int):
     sets = ["model.max_rel_pos=1000000", "model.mem_len=64", "train.constant_tokens=false",
             "train.max_steps=10"]
     stages = "curriculum=[{until_step: 10, seq_len: 64}, {seq_len: 1000000}]"
-    assert load_config(None, [*sets, stages]).max_seq_len == 1000000
+    assert Curriculum(load_config(None, [*sets, stages])).max_seq_len == 1000000
     assert "curriculum[1].seq_len = 1000000" in problems(*sets[:3], stages)[0]

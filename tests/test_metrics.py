@@ -14,6 +14,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from fbtrain.config import load_config
 from fbtrain.metrics import HPARAM_METRICS, MetricsLogger, hparams_of
+from fbtrain.schedule import Curriculum
 
 
 def _events(tb_dir: Path) -> EventAccumulator:
@@ -154,7 +155,7 @@ def test_hparams_and_layout_written_and_readable(tmp_path: Path) -> None:
     assert got["train.constant_tokens"] is False and got["train.warm_start"] is True
     assert got["model.mem_len"] == cfg.model.max_rel_pos  # the window in use, not None
     assert got["train.lr"] == pytest.approx(2e-3) and got["seq_len"] == 64
-    assert got["tokens"] == 10 * 16 * 32 == cfg.total_tokens()  # 10 steps at length 32
+    assert got["tokens"] == 10 * 16 * 32 == Curriculum(cfg).total_tokens()  # 10 steps at length 32
     assert not [k for k in got if k.startswith(("data.", "checkpoint.", "logging."))
                 or k.endswith(("_dir", "path", "url", "sha256", "init_from"))]
     # The Custom Scalars layout: train and validation loss on one chart, then bpc.

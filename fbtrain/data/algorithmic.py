@@ -37,9 +37,6 @@ END = "END"
 KINDS = ("=", "++", "--", "print", "if")
 INNER_KINDS = ("=", "++", "--")  # what an if's statement may be
 VALUES = tuple(str(v) for v in range(MIN_VALUE, MAX_VALUE + 1))
-# The shortest program that can hold a print (the only scored statement): every statement
-# but ``=`` needs an assigned variable, so a program's first statement is always ``=``.
-MIN_PRINTING_LEN = 2
 # Every word a program can hold; END first (the sampler's default prompt: a program starts).
 VOCABULARY = (END, ";", ":", "=", "++", "--", "<", ">", "if", "print", *VARIABLES, *VALUES)
 

@@ -24,8 +24,9 @@ import requests
 import urllib3
 
 from fbtrain.config import DataConfig
+from fbtrain.config.schema import AUTO_SHA256
 from fbtrain.data.errors import DataError, one_line
-from fbtrain.data.sources import AUTO_SHA256, SOURCES
+from fbtrain.data.sources import SOURCES
 from fbtrain.filelock import LockHeld, PidLock, describe_holder
 from fbtrain.io import atomic_write
 

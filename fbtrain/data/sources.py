@@ -1,7 +1,7 @@
 """The built-in downloadable corpora: where each comes from and how it is split.
 
-Plain data, no torch: :mod:`fbtrain.config` checks ``data.*`` against it and the data
-modules fetch from it. ``data.url: null`` means a dataset's ``url`` here and
+Plain data, no torch: the data modules fetch from it (the config knows only the names,
+and a test keeps the two in step). ``data.url: null`` means a dataset's ``url`` here and
 ``data.sha256: auto`` its pinned ``sha256``.
 """
 
@@ -16,7 +16,6 @@ TINY_SHAKESPEARE_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca
 
 TEXT8_ALPHABET = b"abcdefghijklmnopqrstuvwxyz "  # text8's 27 symbols
 
-AUTO_SHA256 = "auto"  # data.sha256's default: the dataset's pinned checksum, if it has one
 
 
 @dataclass(frozen=True)

@@ -86,7 +86,7 @@ def announcement(run: Run, progress: Progress, resume_path: Path | None,
         streams = run.batches.layout
         lines.append(f"context: carry ({len(streams.starts)} streams of {streams.length:,} "
                      "tokens per rank, memory carried across segments; validation windows "
-                     f"after {data.val_x.shape[1] - cfg.max_seq_len} tokens of context)")
+                     f"after {data.val_x.shape[1] - run.curriculum.max_seq_len} tokens of context)")
     if resume_path is not None:
         lines.append(f"resuming from {resume_path} at step {progress.step}")
         if cfg.train.init_from:

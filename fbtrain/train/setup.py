@@ -42,7 +42,7 @@ from fbtrain.device import autocast_dtype
 from fbtrain.distributed import DistContext
 from fbtrain.models import build_model
 from fbtrain.rng import rank_seed, restore_rng, seed_everything
-from fbtrain.schedule import LRSchedule, build_optimizer
+from fbtrain.schedule import Curriculum, LRSchedule, build_optimizer
 from fbtrain.train.batches import CarriedStreams, RandomWindows
 
 
@@ -77,6 +77,7 @@ class Run:
     cfg: Config
     ctx: DistContext
     run_dir: Path
+    curriculum: Curriculum  # each step's sequence length and batch size
     data: TrainData
     raw_model: nn.Module
     model: nn.Module  # raw_model, or its DistributedDataParallel wrapper
@@ -121,8 +122,9 @@ def set_up(cfg: Config, ctx: DistContext, manager: CheckpointManager, resume: st
                            sampler, batches, data.train_ids)
     model = ctx.wrap(raw_model)
     model.train()
-    run = Run(cfg=cfg, ctx=ctx, run_dir=manager.run_dir, data=data, raw_model=raw_model,
-              model=model, params=[p for p in raw_model.parameters() if p.requires_grad],
+    run = Run(cfg=cfg, ctx=ctx, run_dir=manager.run_dir, curriculum=Curriculum(cfg),
+              data=data, raw_model=raw_model, model=model,
+              params=[p for p in raw_model.parameters() if p.requires_grad],
               optimizer=optimizer, schedule=LRSchedule(cfg.train), scaler=scaler,
               amp_dtype=amp_dtype, sampler=sampler, batches=batches, warm_report=warm_report)
     return run, progress, resume_path
@@ -189,7 +191,8 @@ def load_data(cfg: Config, ctx: DistContext, vocab: list[str] | None,
         raise DataError(f"vocabulary of checkpoint {vocab_source}: {e}") from None
     train_ids, val_ids = corpus.splits["train"], corpus.splits["val"]
     # Checked now, before anything is written (the sampler would only at step 1).
-    require_tokens(len(train_ids.inputs) + 1, cfg.max_seq_len, "training text")
+    max_seq_len = Curriculum(cfg).max_seq_len
+    require_tokens(len(train_ids.inputs) + 1, max_seq_len, "training text")
     carry = cfg.train.context == "carry"
     # Computed once: every evaluation scores the same windows, so curves are comparable.
     # With carried memory each scored window runs on a full memory window of context.
@@ -198,7 +201,7 @@ def load_data(cfg: Config, ctx: DistContext, vocab: list[str] | None,
     # Carried segments are often short (16 tokens): windows of one segment would score
     # a few hundred tokens, too few to compare runs or pick best.pt by, so each window
     # scores at least a memory window's worth.
-    scored = cfg.max_seq_len
+    scored = max_seq_len
     if carry:
         scored = max(scored, cfg.model.memory_window)
     val_x, val_y = fixed_windows(val_ids, scored, cfg.train.eval_windows, context=context)

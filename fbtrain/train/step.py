@@ -52,7 +52,7 @@ def train_step(run: Run, index: int, signals: StopSignals, last: Path) -> StepRe
     """Train the step with 0-based ``index``. A non-finite loss stops it before the update
     (a :class:`TrainingError` naming ``last``, the newest checkpoint, if there is one)."""
     cfg, ctx, device = run.cfg, run.ctx, run.ctx.device
-    seq_len, batch = cfg.seq_len_at(index), cfg.batch_size_at(index)
+    seq_len, batch = run.curriculum.seq_len_at(index), run.curriculum.batch_size_at(index)
     accum = cfg.train.grad_accum
     start = time.perf_counter()
     lr = run.schedule.apply(run.optimizer, index)

@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+import fbtrain.train.report as report
 from fbtrain.checkpoint.contents import make_payload, summarize_names
 from fbtrain.checkpoint.files import CheckpointManager
 from fbtrain.config import Config, save_config
@@ -46,7 +47,6 @@ from fbtrain.metrics import EVENTS_GLOB, MetricsLogger, hparams_of
 from fbtrain.rng import capture_rng, preserve_rng
 from fbtrain.rundir import RunDirLock
 from fbtrain.scoring import window_scores
-from fbtrain.train import report
 from fbtrain.train.batches import CarriedStreams
 from fbtrain.train.setup import Progress, Run, set_up
 from fbtrain.train.signals import EXIT_CODES, StopRequested, StopSignals
@@ -157,19 +157,19 @@ class Trainer:
     # ------------------------------------------------------------------ loop
 
     def _loop(self, signals: StopSignals) -> None:
-        cfg, progress = self.cfg, self.progress
-        max_steps = cfg.train.max_steps
+        plan, progress = self.run.curriculum, self.progress
+        max_steps = self.cfg.train.max_steps
         if progress.step >= max_steps:
             self.logger.info(f"nothing to train: the checkpoint is at step {progress.step} "
                              f"and train.max_steps is {max_steps}")
-        prev_seq_len = cfg.seq_len_at(max(0, progress.step - 1)) if progress.step else None
+        prev_seq_len = plan.seq_len_at(max(0, progress.step - 1)) if progress.step else None
         if progress.step == 0 and max_steps > 0:
             self._evaluate_untrained(signals)
         while progress.step < max_steps:
-            seq_len = cfg.seq_len_at(progress.step)
+            seq_len = plan.seq_len_at(progress.step)
             if prev_seq_len is not None and seq_len != prev_seq_len:
                 self.logger.info(report.curriculum_line(
-                    prev_seq_len, seq_len, cfg.batch_size_at(progress.step), progress.step))
+                    prev_seq_len, seq_len, plan.batch_size_at(progress.step), progress.step))
             prev_seq_len = seq_len
             result = train_step(self.run, progress.step, signals, self.manager.last_path)
             self.throughput.add(result.tokens, result.seconds)
@@ -324,7 +324,7 @@ class Trainer:
             step=progress.step, tokens=progress.tokens, val_loss=progress.val_loss,
             best_val_loss=progress.best_val_loss,
             # the stage of the last trained step (0 before any)
-            curriculum_stage=self.cfg.stage_index_at(max(0, progress.step - 1)),
+            curriculum_stage=run.curriculum.stage_index_at(max(0, progress.step - 1)),
             world_size=self.ctx.world_size,
             scaler=run.scaler.state_dict() if run.scaler.is_enabled() else None,
             streams=(run.batches.state_dict() if isinstance(run.batches, CarriedStreams)

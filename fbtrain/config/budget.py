@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from fbtrain.config import Config, ModelConfig
+from fbtrain.config.schema import CurriculumStage, ModelConfig
+from fbtrain.config.tree import Config
+from fbtrain.schedule import Curriculum
 
 FLOAT32 = 4  # bytes
 TOKEN_ID = 8  # int64, as the batches hold inputs and targets
@@ -42,6 +42,7 @@ class Estimate:
 
     @property
     def total(self) -> int:
+        """Bytes of every part together."""
         return self.parameters + self.activations + self.carried + self.batches
 
     def parts(self) -> list[tuple[str, int]]:
@@ -76,7 +77,7 @@ def _activation_floats(model: ModelConfig, batch: int, seq_len: int, carried: in
     """Floats one micro-batch of ``batch`` rows and ``seq_len`` steps keeps for its backward,
     on ``carried`` slots of memory from the previous segment.
 
-    Feedback kinds (feedback_core.py / python_core.py): every layer's output at every step,
+    Feedback kinds (models/core/native.py / python.py): every layer's output at every step,
     the memory keys/values of all slots, and per layer and step the tape (a, q, o, y, LN2(y):
     5 D; the FF hidden: F; the attention weights over the step's window: H * window). The
     backward keeps about as much again in activation gradients: not counted.
@@ -121,10 +122,11 @@ def estimate(cfg: Config) -> Estimate:
     window = model.memory_window
     activations = batches = 0
     start = 0
+    curriculum = Curriculum(cfg)
     for stage in cfg.curriculum:
         if start >= train.max_steps:  # a stage training stops before
             break
-        batch = train.batch_size if carry else cfg.batch_size_at(start)
+        batch = train.batch_size if carry else curriculum.batch_size_at(start)
         seq_len = stage.seq_len
         # Carried memory fills up to the window as the steps go (never past what was seen).
         carried = min(window, seq_len * (train.max_steps - 1)) if carry else 0
@@ -142,7 +144,7 @@ def estimate(cfg: Config) -> Estimate:
         # the stream's start offset (data/samplers.py SegmentReader).
         key_sets = 1 if model.kind == "feedback_kv" else model.n_layers
         sources = model.n_layers if model.kind == "transformer" else 1
-        kept = min(window, cfg.max_seq_len * train.max_steps)
+        kept = min(window, curriculum.max_seq_len * train.max_steps)
         carried_bytes = streams * (kept * model.d_model * (2 * key_sets + sources) * FLOAT32
                                    + TOKEN_ID)
     return Estimate(parameters, activations, carried_bytes, batches,
@@ -205,8 +207,6 @@ def _blame(cfg: Config, total: int) -> list[str]:
     """``key = value`` of the sizes that make ``cfg`` too big, most to blame first: those
     whose default alone would at least halve the estimate, else every one above its
     default that adds to it."""
-    from fbtrain.config import Config, CurriculumStage
-
     defaults = Config()
     ratios: list[tuple[float, str]] = []
     for section, key in SIZE_KEYS:
