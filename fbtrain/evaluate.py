@@ -48,12 +48,6 @@ def mean_loss(model: nn.Module, x: Tensor, y: Tensor, batch_size: int) -> float:
 
 
 CONTEXTS = ("reset", "carry")
-# What the DataErrors that mean "the data does not fit this vocabulary" say: tokens the
-# vocabulary lacks (fbtrain/data.py Tokenizer.encode, fbtrain/archives.py encode_bytes) or
-# a vocabulary too large for byte ids (encode_bytes).
-_VOCAB_MISMATCH = ("not in the vocabulary", "does not fit uint8 ids")
-
-
 @torch.no_grad()
 def evaluate_split(
     model: nn.Module, ids: Tensor | Stream, seq_len: int, batch_size: int, *,
@@ -169,7 +163,7 @@ def run(
     from fbtrain.checkpoint import CheckpointError, load_model, resolve_checkpoint
     from fbtrain.config import DataConfig
     from fbtrain.data.corpus import load_corpus
-    from fbtrain.data.errors import DataError
+    from fbtrain.data.errors import DataError, VocabularyError
     from fbtrain.device import resolve_device
 
     if split not in ("train", "val", "test"):
@@ -206,11 +200,9 @@ def run(
     where = f"data.path {data_cfg.path}" if data_cfg.path else f"dataset {data_cfg.dataset}"
     try:
         corpus = load_corpus(data_cfg, tokenizer.tokens)
-    except DataError as e:
+    except VocabularyError as e:
         # Only a vocabulary mismatch is about the checkpoint; a file that is missing, empty
         # or unreadable is reported as it is.
-        if not any(words in str(e) for words in _VOCAB_MISMATCH):
-            raise
         raise DataError(f"{where} does not fit the vocabulary of checkpoint {file}: {e}") from None
     try:
         stream = corpus.stream(split)

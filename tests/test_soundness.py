@@ -347,3 +347,16 @@ def test_resume_from_a_hand_damaged_checkpoint_is_one_line(tmp_path: Path,
 
     with pytest.raises(CheckpointError, match=rf"^{last}: cannot resume from it: "):
         run(config_from_dict(raw), resume="auto", quiet=True)
+
+
+def test_resume_with_a_missing_data_file_says_only_that(tmp_path: Path) -> None:
+    """Not "the vocabulary of checkpoint ...: not found": only a vocabulary mismatch is
+    about the checkpoint."""
+    raw = make_raw(tmp_path, train={"max_steps": 2})
+    run(config_from_dict(raw), quiet=True)
+    raw["data"]["path"] = str(tmp_path / "gone.txt")
+    from fbtrain.data.errors import DataError
+
+    with pytest.raises(DataError) as info:
+        run(config_from_dict(raw), resume="auto", quiet=True)
+    assert "gone.txt" in str(info.value) and "vocabulary" not in str(info.value)

@@ -36,7 +36,7 @@ from typing import IO, Any
 import torch
 
 from fbtrain.config import DataConfig
-from fbtrain.data.errors import DataError, one_line
+from fbtrain.data.errors import DataError, VocabularyError, one_line
 from fbtrain.data.fetch import (
     OFFLINE_HINT,
     CacheLock,
@@ -297,7 +297,8 @@ def encode_bytes(raw: torch.Tensor, tokens: Sequence[str], present: Sequence[int
     ``index_select`` takes: faster than int64 and half the size).
     """
     if len(tokens) > 256:
-        raise DataError(f"{what}: a vocabulary of {len(tokens)} tokens does not fit uint8 ids")
+        raise VocabularyError(f"{what}: a vocabulary of {len(tokens)} tokens does not fit "
+                              "uint8 ids")
     known = torch.zeros(256, dtype=torch.bool)
     lut = torch.zeros(256, dtype=torch.uint8)  # byte value -> id
     for i, token in enumerate(tokens):
@@ -306,7 +307,8 @@ def encode_bytes(raw: torch.Tensor, tokens: Sequence[str], present: Sequence[int
     missing = [b for b in present if not known[b]]
     if missing:
         shown = ", ".join(f"0x{b:02x}" for b in missing[:10])
-        raise DataError(f"{what}: {len(missing)} byte value(s) not in the vocabulary: {shown}")
+        raise VocabularyError(f"{what}: {len(missing)} byte value(s) not in the vocabulary: "
+                              f"{shown}")
     ids = torch.empty(len(raw), dtype=torch.uint8)
     for start in range(0, len(raw), _CHUNK):
         chunk = raw[start:start + _CHUNK]

@@ -25,7 +25,7 @@ import torch
 
 from fbtrain.config import DataConfig
 from fbtrain.data import algorithmic, archives
-from fbtrain.data.errors import DataError
+from fbtrain.data.errors import VocabularyError
 from fbtrain.data.sources import SOURCES
 from fbtrain.data.streams import IGNORE_INDEX, Stream, next_token_stream, split
 from fbtrain.data.text import load_text
@@ -121,8 +121,8 @@ def labelled_stream(words: list[str], labels: list[str | None], tokenizer: Token
         targets = torch.tensor([IGNORE_INDEX if label is None else index[label]
                                 for label in labels], dtype=torch.long)
     except KeyError as e:
-        raise DataError(f"data.dataset {ALGORITHMIC}: label {e.args[0]!r} is not in the "
-                        "vocabulary") from None
-    except DataError as e:
-        raise DataError(f"data.dataset {ALGORITHMIC}: {e}") from None
+        raise VocabularyError(f"data.dataset {ALGORITHMIC}: label {e.args[0]!r} is not in the "
+                              "vocabulary") from None
+    except VocabularyError as e:
+        raise VocabularyError(f"data.dataset {ALGORITHMIC}: {e}") from None
     return Stream(inputs, targets)

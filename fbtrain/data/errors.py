@@ -12,6 +12,11 @@ class DataError(Exception):
     """A user-facing data problem; the message is one line naming the file/URL and the fix."""
 
 
+class VocabularyError(DataError):
+    """The data does not fit a given vocabulary (tokens it lacks, or too many for byte ids):
+    the one data problem that is about the checkpoint whose vocabulary it is."""
+
+
 def one_line(text: str, limit: int = 200) -> str:
     """``text`` with its whitespace runs collapsed, cut to ``limit`` characters."""
     text = " ".join(str(text).split())

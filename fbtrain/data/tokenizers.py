@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from fbtrain.data.errors import DataError, one_line
+from fbtrain.data.errors import DataError, VocabularyError, one_line
 from fbtrain.io import atomic_write_text
 
 VOCAB_FILE = "vocab.json"
@@ -68,7 +68,7 @@ class Tokenizer:
         return len(self.tokens)
 
     def encode(self, text: str) -> torch.Tensor:
-        """``text`` -> LongTensor ``[tokens in text]``; unknown tokens raise DataError."""
+        """``text`` -> LongTensor ``[tokens in text]``; unknown tokens raise VocabularyError."""
         pieces = self.pieces(text)
         try:
             ids = [self._index[c] for c in pieces]
@@ -76,7 +76,7 @@ class Tokenizer:
             missing = sorted(set(pieces) - self._index.keys())
             shown = ", ".join(self._show(c) for c in missing[:_MAX_LISTED])
             more = f" and {len(missing) - _MAX_LISTED} more" if len(missing) > _MAX_LISTED else ""
-            raise DataError(
+            raise VocabularyError(
                 f"{len(missing)} {self.unit}(s) not in the vocabulary: {shown}{more}; "
                 "the vocabulary comes from the training data"
             ) from None

@@ -35,7 +35,7 @@ from fbtrain.checkpoint.files import (
 )
 from fbtrain.config import Config, ConfigError
 from fbtrain.data.corpus import Corpus, load_corpus
-from fbtrain.data.errors import DataError
+from fbtrain.data.errors import DataError, VocabularyError
 from fbtrain.data.samplers import BatchSampler, SegmentReader, fixed_windows
 from fbtrain.data.streams import require_tokens
 from fbtrain.device import autocast_dtype
@@ -185,9 +185,7 @@ def load_data(cfg: Config, ctx: DistContext, vocab: list[str] | None,
     """
     try:
         corpus = _main_rank_first(cfg, ctx, lambda: load_corpus(cfg.data, vocab))
-    except DataError as e:
-        if not vocab:
-            raise
+    except VocabularyError as e:  # about the checkpoint; other data problems are the data's
         raise DataError(f"vocabulary of checkpoint {vocab_source}: {e}") from None
     train_ids, val_ids = corpus.splits["train"], corpus.splits["val"]
     # Checked now, before anything is written (the sampler would only at step 1).
