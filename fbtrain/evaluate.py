@@ -76,17 +76,7 @@ def evaluate_split(
     scored), ``seq_len`` (the window length used: the number of predictions when the split
     is shorter than ``seq_len``) and ``context``.
     """
-    if context not in CONTEXTS:
-        raise ValueError(f"context = {context!r}: must be one of {', '.join(CONTEXTS)}")
-    if not isinstance(seq_len, int) or seq_len < 1:
-        raise ValueError(f"seq_len = {seq_len!r}: must be an integer >= 1")
-    if not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size = {batch_size!r}: must be an integer >= 1")
-    if not isinstance(history, int) or history < 0:
-        raise ValueError(f"history = {history!r}: must be an integer >= 0")
-    if not isinstance(ids, Stream) and (ids.dim() != 1 or len(ids) < 2):
-        raise ValueError(f"need a 1-D tensor of at least 2 token ids, got shape "
-                         f"{tuple(ids.shape)}")
+    _check_split_args(ids, seq_len, batch_size, context, history)
     device = next(model.parameters()).device
     # prediction i reads inputs[..i], scores targets[i]; a compact (uint8) split stays
     # compact on the device, only the windows run are widened
@@ -106,21 +96,7 @@ def evaluate_split(
     model.eval()
     try:
         if context == "reset":
-            # Windows with their full history and length run batched, the rest one by one.
-            starts = list(range(0, n, seq_len))
-            batched = [a for a in starts if a >= history and a + seq_len <= n]
-            span = torch.arange(history + seq_len, device=device)
-            for i in range(0, len(batched), batch_size):
-                index = torch.tensor(batched[i:i + batch_size], device=device)[:, None] + span
-                index -= history
-                y = window(targets, index)
-                y[:, :history] = IGNORE_INDEX
-                add(window(inputs, index), y)
-            for a in sorted(set(starts) - set(batched)):
-                low, high = max(0, a - history), min(n, a + seq_len)
-                y = window(targets, slice(low, high))
-                y[: a - low] = IGNORE_INDEX
-                add(window(inputs, slice(low, high))[None], y[None])
+            _score_reset_windows(add, inputs, targets, seq_len, batch_size, history)
         else:
             state = None
             for start in range(0, n, seq_len):
@@ -137,6 +113,44 @@ def evaluate_split(
         "context": context,
         **({"history": history} if context == "reset" and history else {}),
     }
+
+
+def _check_split_args(ids: Tensor | Stream, seq_len: int, batch_size: int, context: str,
+                      history: int) -> None:
+    """ValueError naming the first argument of :func:`evaluate_split` that cannot work."""
+    if context not in CONTEXTS:
+        raise ValueError(f"context = {context!r}: must be one of {', '.join(CONTEXTS)}")
+    if not isinstance(seq_len, int) or seq_len < 1:
+        raise ValueError(f"seq_len = {seq_len!r}: must be an integer >= 1")
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size = {batch_size!r}: must be an integer >= 1")
+    if not isinstance(history, int) or history < 0:
+        raise ValueError(f"history = {history!r}: must be an integer >= 0")
+    if not isinstance(ids, Stream) and (ids.dim() != 1 or len(ids) < 2):
+        raise ValueError(f"need a 1-D tensor of at least 2 token ids, got shape "
+                         f"{tuple(ids.shape)}")
+
+
+def _score_reset_windows(add: Any, inputs: Tensor, targets: Tensor, seq_len: int,
+                         batch_size: int, history: int) -> None:
+    """``context="reset"``: windows of ``seq_len`` predictions [n], each after ``history``
+    unscored tokens from empty memory; those with their full history and length run
+    ``batch_size`` at a time ([B, history + seq_len]), the rest one by one."""
+    n, device = len(targets), targets.device
+    starts = list(range(0, n, seq_len))
+    batched = [a for a in starts if a >= history and a + seq_len <= n]
+    span = torch.arange(history + seq_len, device=device)
+    for i in range(0, len(batched), batch_size):
+        index = torch.tensor(batched[i:i + batch_size], device=device)[:, None] + span
+        index -= history
+        y = window(targets, index)
+        y[:, :history] = IGNORE_INDEX
+        add(window(inputs, index), y)
+    for a in sorted(set(starts) - set(batched)):
+        low, high = max(0, a - history), min(n, a + seq_len)
+        y = window(targets, slice(low, high))
+        y[: a - low] = IGNORE_INDEX
+        add(window(inputs, slice(low, high))[None], y[None])
 
 
 def run(
