@@ -115,15 +115,23 @@ def evaluate_split(
     }
 
 
-def _check_split_args(ids: Tensor | Stream, seq_len: int, batch_size: int, context: str,
-                      history: int) -> None:
-    """ValueError naming the first argument of :func:`evaluate_split` that cannot work."""
+def check_window_args(seq_len: int | None, batch_size: int, context: str) -> None:
+    """ValueError (one line) for a window length, batch size or context that cannot work;
+    ``seq_len`` None: the checkpoint's own (checked later)."""
     if context not in CONTEXTS:
         raise ValueError(f"context = {context!r}: must be one of {', '.join(CONTEXTS)}")
-    if not isinstance(seq_len, int) or seq_len < 1:
+    if seq_len is not None and (not isinstance(seq_len, int) or seq_len < 1):
         raise ValueError(f"seq_len = {seq_len!r}: must be an integer >= 1")
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size = {batch_size!r}: must be an integer >= 1")
+
+
+def _check_split_args(ids: Tensor | Stream, seq_len: int, batch_size: int, context: str,
+                      history: int) -> None:
+    """ValueError naming the first argument of :func:`evaluate_split` that cannot work."""
+    if seq_len is None:
+        raise ValueError("seq_len = None: must be an integer >= 1")
+    check_window_args(seq_len, batch_size, context)
     if not isinstance(history, int) or history < 0:
         raise ValueError(f"history = {history!r}: must be an integer >= 0")
     if not isinstance(ids, Stream) and (ids.dim() != 1 or len(ids) < 2):
@@ -182,12 +190,7 @@ def run(
 
     if split not in ("train", "val", "test"):
         raise ValueError(f"split = {split!r}: must be train, val or test")
-    if context not in CONTEXTS:
-        raise ValueError(f"context = {context!r}: must be one of {', '.join(CONTEXTS)}")
-    if seq_len is not None and (not isinstance(seq_len, int) or seq_len < 1):
-        raise ValueError(f"seq_len = {seq_len!r}: must be an integer >= 1")
-    if not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size = {batch_size!r}: must be an integer >= 1")
+    check_window_args(seq_len, batch_size, context)
     target = resolve_device(device)
     file = resolve_checkpoint(checkpoint, prefer="best")
     model, tokenizer, payload = load_model(file, target)
