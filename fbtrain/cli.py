@@ -367,7 +367,9 @@ def evaluate(
             data_path=data_path, context=context.value, device=device or "auto",
         )
     if as_json:  # strict JSON: a non-finite figure is null, never NaN or Infinity
-        typer.echo(json.dumps(evaluator.json_safe(result), default=str, allow_nan=False))
+        from fbtrain.io import json_safe
+
+        typer.echo(json.dumps(json_safe(result), default=str, allow_nan=False))
     else:
         typer.echo(evaluator.format_result(result))
 

@@ -24,22 +24,6 @@ def loss_figures(loss: float) -> dict[str, float]:
             "perplexity": math.inf if loss > 700 else math.exp(loss)}
 
 
-def json_safe(obj: Any) -> Any:
-    """``obj`` with every NaN or infinite float (in nested dicts, lists, tuples) as None.
-
-    ``json.dumps`` writes those as ``NaN`` / ``Infinity``, which are not JSON: a strict
-    parser (``jq``, JavaScript's ``JSON.parse``) rejects the whole object. ``null`` says
-    "no figure" in a form every parser reads; a diverged model's loss is one such case.
-    """
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {k: json_safe(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [json_safe(v) for v in obj]
-    return obj
-
-
 def mean_loss(model: nn.Module, x: Tensor, y: Tensor, batch_size: int) -> float:
     """Mean cross-entropy in nats over the scored targets of windows x, y: [N, T] (each
     window from empty memory; targets equal to IGNORE_INDEX are not scored). Runs in eval

@@ -1,4 +1,5 @@
-"""Atomic file writes: write a temp file beside the target, fsync, then ``os.replace``.
+"""Atomic file writes (a temp file beside the target, fsync, then ``os.replace``), and JSON
+that strict readers accept.
 
 A process killed at any point leaves either the old file or the new one, never half.
 The file gets the mode a plain ``open(path, "w")`` would give it (0666 less the umask), not
@@ -9,12 +10,13 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import math
 import os
 import re
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 # Temp files atomic_write makes: ".<name>.<8 random characters>.tmp" (tempfile.mkstemp).
 _TEMP = re.compile(r"^\..+\.[A-Za-z0-9_]{8}\.tmp$")
@@ -147,3 +149,19 @@ def _fsync_dir(folder: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def json_safe(obj: Any) -> Any:
+    """``obj`` with every NaN or infinite float (in nested dicts, lists, tuples) as None.
+
+    ``json.dumps`` writes those as ``NaN`` / ``Infinity``, which are not JSON: a strict
+    parser (``jq``, JavaScript's ``JSON.parse``) rejects the whole object. ``null`` says
+    "no figure" in a form every parser reads; a diverged model's loss is one such case.
+    """
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    return obj

@@ -37,7 +37,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
-from fbtrain.io import FileWriteError, atomic_write_text, write_error
+from fbtrain.io import FileWriteError, atomic_write_text, json_safe, write_error
 from fbtrain.schedule import Curriculum
 
 if TYPE_CHECKING:
@@ -209,7 +209,8 @@ class MetricsLogger:
     def truncate_after(self, step: int) -> None:
         """Keep only JSONL records with ``step <= step`` (atomic rewrite), for resuming.
 
-        Lines that do not parse (a line cut short when a run was killed) are dropped too.
+        Lines that do not parse (a line cut short when a run was killed, bytes that are not
+        UTF-8) are dropped too.
         TensorBoard needs no help: the writer is opened with ``purge_step``.
         """
         if not self.enabled or self.jsonl_path is None:
@@ -220,10 +221,11 @@ class MetricsLogger:
         if not self.jsonl_path.exists():
             return
         kept = []
-        for line in self.jsonl_path.read_text(encoding="utf-8").splitlines():
+        for raw in self.jsonl_path.read_bytes().splitlines():
             try:
+                line = raw.decode("utf-8")
                 record = json.loads(line)
-            except json.JSONDecodeError:
+            except (UnicodeDecodeError, json.JSONDecodeError):  # damaged: dropped like cut ones
                 continue
             if isinstance(record, dict) and isinstance(record.get("step"), int) \
                     and record["step"] <= step:
@@ -371,7 +373,8 @@ class MetricsLogger:
                 self._jsonl.write("\n")
         # default=: a stray tensor or array must cost a less tidy line, not the training run.
         try:
-            self._jsonl.write(json.dumps(record, default=_json_fallback) + "\n")
+            # json_safe: a non-finite figure is null, so every line is strict JSON.
+            self._jsonl.write(json.dumps(json_safe(record), default=_json_fallback) + "\n")
             self._jsonl.flush()
         except OSError as e:  # a full disk: say which file, in one line
             failed = write_error(self.jsonl_path, e)

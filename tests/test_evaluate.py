@@ -16,6 +16,7 @@ from fbtrain.data.errors import DataError
 from fbtrain.data.streams import split
 from fbtrain.data.tokenizers import CharTokenizer
 from fbtrain.evaluate import evaluate_split, format_result, mean_loss
+from fbtrain.io import json_safe
 
 
 def make_text(n: int = 700, seed: int = 0) -> str:
@@ -198,7 +199,7 @@ def test_missing_data_path_is_only_not_found(run_dir: Path) -> None:
 def test_json_safe_maps_nonfinite_floats_to_null() -> None:
     result = {"loss": math.nan, "bpc": math.inf, "perplexity": -math.inf, "tokens": 3,
               "checkpoint": "a.pt", "step": None, "nested": [1.5, (math.nan, 2)]}
-    safe = evaluate.json_safe(result)
+    safe = json_safe(result)
     assert safe == {"loss": None, "bpc": None, "perplexity": None, "tokens": 3,
                     "checkpoint": "a.pt", "step": None, "nested": [1.5, [None, 2]]}
     assert json.loads(json.dumps(safe, allow_nan=False)) == safe
@@ -226,7 +227,7 @@ def huge_run(tmp_path: Path) -> Path:
 def test_eval_of_a_diverged_model_gives_valid_json(huge_run: Path) -> None:
     result = evaluate.run(str(huge_run), device="cpu")
     assert not math.isfinite(result["loss"])
-    parsed = json.loads(json.dumps(evaluate.json_safe(result), allow_nan=False))
+    parsed = json.loads(json.dumps(json_safe(result), allow_nan=False))
     assert parsed["loss"] is None and parsed["bpc"] is None and parsed["tokens"] > 0
     assert "loss" in format_result(result)  # the table still prints (as nan)
 

@@ -236,3 +236,21 @@ def test_console_only_logger_without_run_dir(capsys: pytest.CaptureFixture[str])
         m.log(1, {"loss": 1.0})
         m.progress(1, {"loss": 1.0})
     assert "step 1 | loss 1.0000" in capsys.readouterr().out
+
+
+def test_resume_drops_lines_that_are_not_utf8(tmp_path: Path) -> None:
+    """A hand-damaged metrics.jsonl (bytes that are not UTF-8) is cut like a torn line."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_bytes(b'{"step": 1, "loss": 2.0}\n\xff\xfe{"step": 2}\n{"step": 3, "loss": 1.0}\n')
+    with MetricsLogger(tmp_path, tensorboard=False, console=False) as logger:
+        logger.truncate_after(2)
+    assert path.read_text(encoding="utf-8") == '{"step": 1, "loss": 2.0}\n'
+
+
+def test_non_finite_figures_are_written_as_null(tmp_path: Path) -> None:
+    with MetricsLogger(tmp_path, tensorboard=False, console=False) as logger:
+        logger.log(5, {"val/loss": float("nan"), "val/perplexity": float("inf"), "bpc": 1.5})
+    line = (tmp_path / "metrics.jsonl").read_text(encoding="utf-8")
+    assert json.loads(line) == {"step": 5, "val/loss": None, "val/perplexity": None,
+                                "bpc": 1.5}
+    assert "NaN" not in line and "Infinity" not in line
