@@ -374,7 +374,7 @@ def evaluate(
 
 def _quit_on_closed_stdout() -> None:
     """Exit quietly (code 0) when stdout's reader has gone, as `head` does to a pipe."""
-    from fbtrain.metrics import silence_stdout
+    from fbtrain.metrics.console import silence_stdout
 
     silence_stdout()
     raise typer.Exit(0)
@@ -385,7 +385,7 @@ def main() -> None:
     try:
         app(prog_name="fbtrain")
     except BrokenPipeError:  # a result printed after the reader left (eval | true)
-        from fbtrain.metrics import silence_stdout
+        from fbtrain.metrics.console import silence_stdout
 
         silence_stdout()
         sys.exit(0)

@@ -13,7 +13,8 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from fbtrain.config import load_config
-from fbtrain.metrics import HPARAM_METRICS, MetricsLogger, hparams_of
+from fbtrain.metrics.logger import MetricsLogger
+from fbtrain.metrics.tensorboard import HPARAM_METRICS, hparams_of
 from fbtrain.schedule import Curriculum
 
 
@@ -223,7 +224,8 @@ def test_progress_bar_on_a_tty(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sys, "stdout", fake)
     m = MetricsLogger(None, total_steps=50, initial_step=10)
     m.progress(20, {"loss": 1.23456, "seq_len": 16, "tokens_per_sec": 999.0})
-    assert m._bar is not None and m._bar.n == 20 and m._bar.total == 50
+    bar = m.console._bar
+    assert bar is not None and bar.n == 20 and bar.total == 50
     m.info("message above the bar")
     m.close()
     out = fake.getvalue()

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from fbtrain.evaluate import LN2
-from fbtrain.metrics import format_duration
+from fbtrain.metrics.console import format_duration
 from fbtrain.models import count_parameters
 from fbtrain.train.batches import CarriedStreams
 

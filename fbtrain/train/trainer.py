@@ -43,7 +43,8 @@ from fbtrain.config import Config, save_config
 from fbtrain.device import autocast
 from fbtrain.distributed import DistContext, session
 from fbtrain.evaluate import LN2, loss_figures
-from fbtrain.metrics import EVENTS_GLOB, MetricsLogger, hparams_of
+from fbtrain.metrics.logger import MetricsLogger
+from fbtrain.metrics.tensorboard import EVENTS_GLOB, hparams_of
 from fbtrain.rng import capture_rng, preserve_rng
 from fbtrain.rundir import RunDirLock
 from fbtrain.scoring import window_scores
