@@ -218,7 +218,8 @@ def train(
     device: DeviceOption = None,
     quiet: Annotated[
         bool,
-        typer.Option("--quiet", "-q", help="Only warnings and errors; no progress bar."),
+        typer.Option("--quiet", "-q", help="Print only the one-line summary at the end "
+                     "(and errors); no progress, no evaluation lines."),
     ] = False,
     print_config: Annotated[
         bool,

@@ -219,18 +219,20 @@ class _FakeTTY(io.StringIO):
         return True
 
 
-def test_progress_bar_on_a_tty(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_status_line_on_a_tty(monkeypatch: pytest.MonkeyPatch) -> None:
     fake = _FakeTTY()
     monkeypatch.setattr(sys, "stdout", fake)
     m = MetricsLogger(None, total_steps=50, initial_step=10)
     m.progress(20, {"loss": 1.23456, "seq_len": 16, "tokens_per_sec": 999.0})
-    bar = m.console._bar
-    assert bar is not None and bar.n == 20 and bar.total == 50
-    m.info("message above the bar")
+    assert m.console._status.startswith("step 20/50 40% | loss 1.2346 | 999 tok/s")
+    m.info("message above the status line")
     m.close()
     out = fake.getvalue()
-    assert "loss 1.2346" in out and "999 tok/s" in out and "message above the bar" in out
-    assert "step 20/50 |" not in out  # no plain lines when the bar is shown
+    assert "loss 1.2346" in out and "999 tok/s" in out and "message above the status line" in out
+    assert "step 20/50 |" not in out  # no plain lines when the status line is shown
+    # The message is printed on a cleared line, and the status line drawn again below it.
+    assert "\r\x1b[Kmessage above the status line\nstep 20/50 40%" in out
+    assert out.endswith("\n")  # closing leaves the status line as an ordinary line
 
 
 def test_console_only_logger_without_run_dir(capsys: pytest.CaptureFixture[str]) -> None:

@@ -193,9 +193,10 @@ def test_train_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     assert run_dir == tmp_path / "runs" / "run"
     out = capsys.readouterr().out
     for expected in (f"run directory: {run_dir}", "parameters", "device: cpu",
-                     f"tensorboard --logdir {run_dir.parent}", "[sample @ step 3]",
+                     f"tensorboard --logdir {run_dir.parent}", "[sample @ step 9]",
                      "curriculum: seq_len 8 -> 16", "done at step 9", "tokens/s on cpu"):
         assert expected in out
+    assert "[sample @ step 3]" not in out  # samples go to TensorBoard; the console shows the last
 
     assert (run_dir / "config.yaml").is_file()
     assert json.loads((run_dir / "vocab.json").read_text())["chars"][0] == "\n"

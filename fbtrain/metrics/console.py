@@ -1,7 +1,8 @@
 """What the terminal shows while a run trains: progress, messages, the ETA.
 
-On a terminal a tqdm bar moves; elsewhere (a log file, a pipe) each progress call prints one
-plain line. Losing the console (a closed pipe, a closed terminal) never costs the run.
+On a terminal one status line is redrawn in place, fitted to its width; elsewhere (a log
+file, a pipe) each progress call prints one plain line. Losing the console (a closed pipe,
+a closed terminal) never costs the run.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import contextlib
 import errno
 import math
 import os
+import shutil
 import sys
 import time
 from collections.abc import Iterator
@@ -19,71 +21,87 @@ from fbtrain.metrics.values import is_number, plain
 
 # Keys the console line formats specially, in this order, before any others.
 _CONSOLE_ORDER = ("loss", "bpc", "seq_len", "tokens_per_sec", "tok/s")
+_CLEAR_TO_END = "\x1b[K"  # ANSI: erase from the cursor to the end of the line
 
 
 class Console:
     """Progress and messages on stdout.
 
+    On a terminal the progress is one status line, redrawn in place and fitted to the
+    terminal's width (:func:`status_line`); messages are printed above it. Elsewhere each
+    progress call prints one plain line (:func:`plain_line`).
+
     Args:
-        enabled: print anything at all (False: ``--quiet``, or a DDP rank other than 0).
-        progress: show a tqdm bar when stdout is a terminal (plain lines otherwise).
-        total_steps: the step training stops at (for the bar and the ETA); 0 if unknown.
+        enabled: print anything at all (False: a DDP rank other than 0).
+        quiet: print only results (:meth:`result`): no progress, no messages (``--quiet``).
+        progress: redraw a status line when stdout is a terminal (plain lines otherwise).
+        total_steps: the step training stops at (for the ETA); 0 if unknown.
         initial_step: the step a resumed run starts from (0 for a fresh run).
     """
 
-    def __init__(self, *, enabled: bool = True, progress: bool = True, total_steps: int = 0,
-                 initial_step: int = 0):
+    def __init__(self, *, enabled: bool = True, quiet: bool = False, progress: bool = True,
+                 total_steps: int = 0, initial_step: int = 0):
         self.enabled = enabled
+        self.quiet = quiet
         self.show_progress = progress
         self.total_steps = total_steps
         self.initial_step = initial_step
-        self._bar: Any = None
+        self._status = ""  # the status line now on the terminal ("" when none)
         self._start = time.perf_counter()
 
-    def progress(self, step: int, postfix: dict[str, Any]) -> None:
-        """Show progress at ``step``: move the bar on a terminal, else print one plain line.
+    @property
+    def talks(self) -> bool:
+        """Whether progress and messages are printed (not quiet, not a silent rank)."""
+        return self.enabled and not self.quiet
 
-        ``postfix`` holds what to show beside the step (loss, bpc, seq_len, tokens_per_sec,
-        anything else), e.g. ``step 120/2000 | loss 2.1034 | bpc 3.0347 | seq_len 64 |
-        12,345 tok/s | eta 3m12s``.
-        """
-        if not self.enabled:
+    def progress(self, step: int, postfix: dict[str, Any]) -> None:
+        """Show progress at ``step``: redraw the status line on a terminal, else print a
+        plain line. ``postfix`` holds what to show beside the step (loss, bpc, seq_len,
+        tokens_per_sec, lr, anything else)."""
+        if not self.talks:
             return
-        parts = format_postfix(postfix)
+        eta = self._eta(step)
         with self._guard():
             if self.show_progress and isatty(sys.stdout):
-                bar = self._get_bar()
-                if step >= bar.n:
-                    bar.update(step - bar.n)  # update() (not n=) keeps tqdm's rate estimate.
-                else:
-                    bar.n = step
-                bar.set_postfix_str(" | ".join(parts), refresh=True)
+                self._status = status_line(step, self.total_steps, postfix, eta,
+                                           terminal_width())
+                sys.stdout.write("\r" + self._status + _CLEAR_TO_END)
+                sys.stdout.flush()
                 return
-            total = f"/{self.total_steps}" if self.total_steps else ""
-            line = " | ".join([f"step {step}{total}", *parts])
-            eta = self._eta(step)
-            if eta is not None:
-                line += f" | eta {eta}"
-            print(line, file=sys.stdout, flush=True)
+            print(plain_line(step, self.total_steps, postfix, eta), file=sys.stdout,
+                  flush=True)
 
     def info(self, message: str) -> None:
-        """Print a message (above the bar when one is shown) unless the console is off."""
-        if not self.enabled:
-            return
-        with self._guard():
-            if self._bar is not None:
-                from tqdm import tqdm
+        """Print a message (above the status line when one is shown) unless quiet."""
+        if self.talks:
+            self._print(message)
 
-                tqdm.write(message, file=sys.stdout)
-            else:
-                print(message, file=sys.stdout, flush=True)
+    def result(self, message: str) -> None:
+        """Print a result (the run's summary): shown even when quiet, as the last line."""
+        if self.enabled:
+            self.finish()
+            self._print(message)
+
+    def finish(self) -> None:
+        """Leave the status line on the terminal as an ordinary line (idempotent)."""
+        if self._status:
+            with self._guard():
+                sys.stdout.write("\n")
+                sys.stdout.flush()
+            self._status = ""
 
     def close(self) -> None:
-        """Close the bar, if one is shown (idempotent)."""
-        if self._bar is not None:
-            with self._guard():
-                self._bar.close()
-            self._bar = None
+        """End the console: the status line, if one is shown, stays as a line."""
+        if self.enabled:
+            self.finish()
+
+    def _print(self, message: str) -> None:
+        with self._guard():
+            if self._status:  # clear the status line, print, then draw it again below
+                sys.stdout.write("\r" + _CLEAR_TO_END + message + "\n" + self._status)
+                sys.stdout.flush()
+            else:
+                print(message, file=sys.stdout, flush=True)
 
     @contextlib.contextmanager
     def _guard(self) -> Iterator[None]:
@@ -96,18 +114,8 @@ class Console:
             if e.errno not in (errno.EPIPE, errno.EIO, errno.ENXIO):
                 raise
             self.enabled = False
-            self._bar = None
+            self._status = ""
             silence_stdout()
-
-    def _get_bar(self) -> Any:
-        if self._bar is None:
-            from tqdm import tqdm
-
-            self._bar = tqdm(
-                total=self.total_steps or None, initial=self.initial_step, unit="step",
-                file=sys.stdout, dynamic_ncols=True,
-            )
-        return self._bar
 
     def _eta(self, step: int) -> str | None:
         done = step - self.initial_step
@@ -115,6 +123,49 @@ class Console:
             return None
         per_step = (time.perf_counter() - self._start) / done
         return format_duration(max(0, self.total_steps - step) * per_step)
+
+
+def plain_line(step: int, total: int, postfix: dict[str, Any], eta: str | None) -> str:
+    """``step 120/2000 | loss 2.1034 | bpc 3.0347 | seq_len 64 | 12,345 tok/s | eta 3m12s``:
+    one line of a log file, everything in it."""
+    line = " | ".join([f"step {step}/{total}" if total else f"step {step}",
+                       *format_postfix(postfix)])
+    return line + (f" | eta {eta}" if eta is not None else "")
+
+
+def status_line(step: int, total: int, postfix: dict[str, Any], eta: str | None,
+                width: int) -> str:
+    """The terminal's status line, at most ``width - 1`` characters (the last column is
+    left free: writing into it wraps on some terminals).
+
+    ``step 120/2000 6% | loss 2.1034 | 12,345 tok/s | eta 3m12s | lr 1.20e-03 | seq_len 64``.
+    Step, loss, tokens/s and the ETA come first and stay; what does not fit (bpc first,
+    then the sequence length, then the learning rate) is left out, never cut in half.
+    """
+    head = f"step {step}/{total} {100 * step // total}%" if total else f"step {step}"
+    known = {k: v for k, v in postfix.items() if k != "step"}
+    keep = [k for k in ("loss", "tokens_per_sec", "tok/s") if k in known]
+    optional = [k for k in ("accuracy", "lr", "seq_len", "bpc") if k in known]
+    optional += [k for k in known if k not in keep and k not in optional]
+
+    def text(keys: list[str]) -> str:
+        parts = [head, *format_postfix({k: known[k] for k in keep})]
+        if eta is not None:
+            parts.append(f"eta {eta}")
+        parts += format_postfix({k: known[k] for k in keys}, ordered=False)
+        return " | ".join(parts)
+
+    while optional and len(text(optional)) > width - 1:
+        optional.pop()  # the least wanted is last
+    return text(optional)[:max(1, width - 1)]
+
+
+def terminal_width() -> int:
+    """Columns of the terminal stdout is (COLUMNS when set, else 80 when unknown)."""
+    try:
+        return os.get_terminal_size(sys.stdout.fileno()).columns or 80
+    except (AttributeError, ValueError, OSError):
+        return shutil.get_terminal_size((80, 24)).columns
 
 
 def silence_stdout() -> None:
@@ -126,9 +177,10 @@ def silence_stdout() -> None:
         os.close(devnull)
 
 
-def format_postfix(postfix: dict[str, Any]) -> list[str]:
-    """The parts of a progress line: known keys first, each formatted for reading."""
-    keys = [k for k in _CONSOLE_ORDER if k in postfix]
+def format_postfix(postfix: dict[str, Any], *, ordered: bool = True) -> list[str]:
+    """The parts of a progress line, each formatted for reading; ``ordered``: the keys of
+    ``_CONSOLE_ORDER`` first (else as given)."""
+    keys = [k for k in _CONSOLE_ORDER if k in postfix] if ordered else []
     keys += [k for k in postfix if k not in keys and k != "step"]
     parts = []
     for key in keys:

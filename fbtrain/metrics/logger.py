@@ -33,9 +33,9 @@ class MetricsLogger:
     Args:
         run_dir: run directory; ``None`` logs to the console only.
         tensorboard: write TensorBoard events into the run directory.
-        console: print progress lines and messages (a bar on a terminal).
-        progress: show a tqdm bar when stdout is a terminal (plain lines otherwise).
-        total_steps: the step training stops at (for the bar and the ETA); 0 if unknown.
+        console: print progress and messages; False (``--quiet``) prints only results.
+        progress: redraw one status line when stdout is a terminal (plain lines otherwise).
+        total_steps: the step training stops at (for the ETA); 0 if unknown.
         initial_step: the step a resumed run starts from (0 for a fresh run).
         enabled: False makes every method a no-op (non-zero DDP ranks).
     """
@@ -53,7 +53,7 @@ class MetricsLogger:
     ):
         self.enabled = enabled
         self.run_dir = Path(run_dir) if run_dir is not None else None
-        self.console = Console(enabled=enabled and console, progress=progress,
+        self.console = Console(enabled=enabled, quiet=not console, progress=progress,
                                total_steps=total_steps, initial_step=initial_step)
         self.initial_step = initial_step
         self._jsonl: IO[str] | None = None
@@ -91,8 +91,8 @@ class MetricsLogger:
         if self._tb is not None:
             self._tb.add_record(int(step), record)
 
-    def log_text(self, step: int, tag: str, text: str) -> None:
-        """Log a text (e.g. a generated sample) to TensorBoard and print it on the console.
+    def log_text(self, step: int, tag: str, text: str, *, echo: bool = True) -> None:
+        """Log a text (e.g. a generated sample) to TensorBoard; ``echo``: print it too.
 
         Text is kept out of ``metrics.jsonl``, which stays one flat metrics record per line.
         """
@@ -100,7 +100,8 @@ class MetricsLogger:
             return
         if self._tb is not None:
             self._tb.add_text(tag, text, step)
-        self.info(f"[{tag} @ step {step}]\n{text}")
+        if echo:
+            self.info(text_block(tag, step, text))
 
     def start_run(self, hparams: dict[str, Any], *, memory_weights: bool = True) -> None:
         """Once, when a run starts afresh: the Custom Scalars layout and the HParams entry.
@@ -153,6 +154,10 @@ class MetricsLogger:
     def info(self, message: str) -> None:
         """Print a message unless the console is off."""
         self.console.info(message)
+
+    def result(self, message: str) -> None:
+        """Print a result (the run's summary) as the last line, even with the console off."""
+        self.console.result(message)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -219,6 +224,11 @@ class MetricsLogger:
             if failed is None:
                 raise
             raise failed from None
+
+
+def text_block(tag: str, step: int, text: str) -> str:
+    """A logged text as the console shows it: ``[sample @ step 300]`` and the text."""
+    return f"[{tag} @ step {step}]\n{text}"
 
 
 def _json_fallback(value: Any) -> Any:

@@ -102,20 +102,26 @@ def curriculum_line(before: int, after: int, batch: int, step: int) -> str:
     return f"curriculum: seq_len {before} -> {after} (batch {batch}) from step {step + 1}"
 
 
-def evaluation_line(step: int, metrics: dict[str, float], improved: bool) -> str:
-    """``step 100: val loss 1.6007 | bpc 2.3093 | ppl 4.96 (best)``."""
+def evaluation_line(step: int, metrics: dict[str, float], improved: bool,
+                    windows: int) -> str:
+    """``step 100: val loss 1.6007 | bpc 2.3093 (64 fixed windows) | best``.
+
+    The figure is named for what it is: the loss on the same ``windows`` validation
+    windows at every evaluation, not the whole split that ``fbtrain eval`` scores."""
     accuracy = (f" | accuracy {100 * metrics['val/accuracy']:.2f}%"
                 if "val/accuracy" in metrics else "")
-    best = " (best)" if improved else ""
+    best = " | best" if improved else ""
     return (f"step {step}: val loss {metrics['val/loss']:.4f} | bpc {metrics['val/bpc']:.4f}"
-            f" | ppl {metrics['val/perplexity']:.2f}{accuracy}{best}")
+            f" ({windows} fixed windows){accuracy}{best}")
 
 
 def summary(run: Run, progress: Progress, rate: float | None, seconds: float) -> str:
     """The last line: where training stopped, its losses, its speed and its wall time."""
     parts = [f"done at step {progress.step}"]
     if progress.val_loss is not None:
-        parts.append(f"val loss {progress.val_loss:.4f} (bpc {progress.val_loss / LN2:.4f})")
+        parts.append(f"val loss {progress.val_loss:.4f} (bpc {progress.val_loss / LN2:.4f}, "
+                     f"{len(run.data.val_x)} fixed windows; `fbtrain eval` scores the whole "
+                     "split)")
     if progress.best_val_loss is not None:
         parts.append(f"best val loss {progress.best_val_loss:.4f} "
                      f"(bpc {progress.best_val_loss / LN2:.4f})")
