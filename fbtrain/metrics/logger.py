@@ -9,7 +9,8 @@ Files in the run directory:
 
 - ``metrics.jsonl``: one JSON object per :meth:`MetricsLogger.log` call, ``{"step": N, ...}``,
   flushed at once so a killed run keeps every line it logged;
-- ``events.out.tfevents.*``: TensorBoard events (see :mod:`.tensorboard` for the layout).
+- ``events.out.tfevents.*`` in the run directory and in its ``train/`` and ``val/``
+  sub-runs: TensorBoard events (see :mod:`.tensorboard` for the layout).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ class MetricsLogger:
 
     Args:
         run_dir: run directory; ``None`` logs to the console only.
-        tensorboard: write TensorBoard events into the run directory.
+        tensorboard: write TensorBoard events (the run directory, ``train/``, ``val/``).
         console: print progress and messages; False (``--quiet``) prints only results.
         progress: redraw one status line when stdout is a terminal (plain lines otherwise).
         total_steps: the step training stops at (for the ETA); 0 if unknown.
@@ -103,17 +104,18 @@ class MetricsLogger:
         if echo:
             self.info(text_block(tag, step, text))
 
-    def start_run(self, hparams: dict[str, Any], *, memory_weights: bool = True) -> None:
+    def start_run(self, hparams: dict[str, Any], *, memory_weights: bool = True,
+                  labelled: bool = False) -> None:
         """Once, when a run starts afresh: the Custom Scalars layout and the HParams entry.
 
         ``hparams`` (see :func:`~fbtrain.metrics.tensorboard.hparams_of`) become the run's
         session in the HParams tab, with the scalar tags of ``HPARAM_METRICS`` as its
-        metrics, so HParams shows the run's real (latest) validation loss. Numbers stay
-        numbers, booleans booleans; any other value becomes a string. Written at step 0: a
-        resume keeps them.
+        metrics, so HParams shows the run's real (latest) validation loss. Floats stay
+        numbers, booleans booleans; integers and any other value become strings. Written
+        at step 0: a resume keeps them. ``labelled``: the data has accuracy to chart.
         """
         if self.enabled and self._tb is not None:
-            self._tb.start_run(hparams, memory_weights=memory_weights)
+            self._tb.start_run(hparams, memory_weights=memory_weights, labelled=labelled)
 
     def end_run(self) -> None:
         """Mark the HParams session finished (at the newest step, so a resume from an

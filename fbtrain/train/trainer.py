@@ -3,7 +3,8 @@ number asks; stop on a signal.
 
 ``run(cfg)`` trains into ``<run.out_dir>/<run.name>/`` and returns that folder::
 
-    config.yaml  vocab.json  metrics.jsonl  events.out.tfevents.*  checkpoints/
+    config.yaml  vocab.json  metrics.jsonl  checkpoints/
+    events.out.tfevents.*  train/events.out.tfevents.*  val/events.out.tfevents.*
 
 Step numbering: ``step`` counts optimizer steps done, so the first trained step is logged
 and checkpointed as step 1. The step being trained has 0-based index ``step`` (= its logged
@@ -44,7 +45,7 @@ from fbtrain.device import autocast
 from fbtrain.distributed import DistContext, session
 from fbtrain.evaluate import LN2, loss_figures
 from fbtrain.metrics.logger import MetricsLogger, text_block
-from fbtrain.metrics.tensorboard import EVENTS_GLOB, hparams_of
+from fbtrain.metrics.tensorboard import event_files, hparams_of
 from fbtrain.rng import capture_rng, preserve_rng
 from fbtrain.rundir import RunDirLock
 from fbtrain.scoring import window_scores
@@ -136,7 +137,7 @@ class Trainer:
             self.run.data.tokenizer.save(self.run_dir)
             if fresh:
                 # Left by a run killed before its first checkpoint: its curves are not ours.
-                for events in self.run_dir.glob(EVENTS_GLOB):
+                for events in event_files(self.run_dir):
                     events.unlink(missing_ok=True)
         self.ctx.barrier()
 
@@ -146,7 +147,8 @@ class Trainer:
         self.logger.truncate_after(self.progress.step if resume_path is not None else -1)
         if resume_path is None:
             self.logger.start_run(hparams_of(self.cfg, self.ctx.world_size),
-                                  memory_weights=hasattr(self.run.raw_model, "memory_weights"))
+                                  memory_weights=hasattr(self.run.raw_model, "memory_weights"),
+                                  labelled=self.run.data.labelled)
         for line in report.announcement(self.run, self.progress, resume_path,
                                         self.run_lock.removed):
             self.logger.info(line)
