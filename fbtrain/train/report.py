@@ -80,8 +80,9 @@ def announcement(run: Run, progress: Progress, resume_path: Path | None,
     lines.append(f"device: {device_text(run)}{ranks}")
     labelled = " (targets only where labelled; accuracy reported)" if data.labelled else ""
     lines.append(f"data: {data.n_chars[0]:,} train / {data.n_chars[1]:,} val "
-                 f"{data.tokenizer.unit}s{labelled}, vocabulary {data.tokenizer.vocab_size}, "
-                 f"{len(data.val_x)} validation windows")
+                 f"{data.tokenizer.unit}s{labelled}, vocabulary {data.tokenizer.vocab_size}")
+    lines.append(f"val loss: {len(data.val_x)} fixed windows, the same every time "
+                 "(fbtrain eval scores the whole split)")
     if isinstance(run.batches, CarriedStreams):
         streams = run.batches.layout
         lines.append(f"context: carry ({len(streams.starts)} streams of {streams.length:,} "
@@ -120,11 +121,9 @@ def summary(run: Run, progress: Progress, rate: float | None, seconds: float) ->
     parts = [f"done at step {progress.step}"]
     if progress.val_loss is not None:
         parts.append(f"val loss {progress.val_loss:.4f} (bpc {progress.val_loss / LN2:.4f}, "
-                     f"{len(run.data.val_x)} fixed windows; `fbtrain eval` scores the whole "
-                     "split)")
+                     f"{len(run.data.val_x)} fixed windows)")
     if progress.best_val_loss is not None:
-        parts.append(f"best val loss {progress.best_val_loss:.4f} "
-                     f"(bpc {progress.best_val_loss / LN2:.4f})")
+        parts.append(f"best {progress.best_val_loss:.4f}")
     if rate is not None:
         parts.append(f"{rate:,.0f} tokens/s on {device_text(run)}")
     parts.append(f"wall {format_duration(seconds)}")
