@@ -93,3 +93,22 @@ def test_export_errors_are_one_line(trained: Path, tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match=r"model.safetensors: weights do not fit "
                                               r"model_config"):
         load_model(folder)
+
+
+def test_python_example_of_the_docs(trained: Path, tmp_path: Path) -> None:
+    """The docs' Python example, as written there: load, generate, score a text."""
+    import math
+
+    from fbtrain.evaluate import mean_loss
+    from fbtrain.sample import generate
+
+    export_model(trained, tmp_path / "exported")
+    # --- the example
+    model, tokenizer, _ = load_model(tmp_path / "exported")  # or a run directory
+    text = generate(model, tokenizer, "the ", 50, temperature=0.8,
+                    generator=torch.Generator().manual_seed(0))[0]
+    ids = tokenizer.encode("the cat sat on the mat")[None]  # [1, T]
+    loss = mean_loss(model, ids[:, :-1], ids[:, 1:], batch_size=1)  # nats per character
+    bpc = loss / math.log(2)
+    # ---
+    assert len(text) == 50 and math.isfinite(bpc) and 0 < bpc < 10
