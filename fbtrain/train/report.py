@@ -81,8 +81,9 @@ def announcement(run: Run, progress: Progress, resume_path: Path | None,
     labelled = " (targets only where labelled; accuracy reported)" if data.labelled else ""
     lines.append(f"data: {data.n_chars[0]:,} train / {data.n_chars[1]:,} val "
                  f"{data.tokenizer.unit}s{labelled}, vocabulary {data.tokenizer.vocab_size}")
-    lines.append(f"val loss: {len(data.val_x)} fixed windows, the same every time "
-                 "(fbtrain eval scores the whole split)")
+    # Why fbtrain eval reports another figure: it scores every window of the split.
+    lines.append(f"val loss below: {len(data.val_x)} fixed windows (fbtrain eval scores the "
+                 "whole split)")
     if isinstance(run.batches, CarriedStreams):
         streams = run.batches.layout
         lines.append(f"context: carry ({len(streams.starts)} streams of {streams.length:,} "
