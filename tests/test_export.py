@@ -78,6 +78,10 @@ def test_export_errors_are_one_line(trained: Path, tmp_path: Path) -> None:
     assert result.exit_code == 2
     assert result.stderr.strip() == (f"error: {target}: exists and is not a folder; give a "
                                      "folder to export into")
+    with pytest.raises(CheckpointError, match=r"is a run directory \(it has checkpoints/\); "
+                                              r"export into a folder of its own"):
+        export_model(trained, trained)
+    assert not (trained / "model.safetensors").exists()
     folder = tmp_path / "exp"
     export_model(trained, folder)
     (folder / "config.json").unlink()

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from fbtrain.checkpoint.files import CheckpointError
+from fbtrain.checkpoint.files import CHECKPOINT_DIR, CheckpointError
 from fbtrain.data.errors import DataError
 from fbtrain.data.tokenizers import VOCAB_FILE, Tokenizer
 from fbtrain.io import atomic_write, atomic_write_text
@@ -47,6 +47,10 @@ def write_export(out: Path, state: dict[str, torch.Tensor], model_config: dict[s
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise CheckpointError(f"{out}: exists and is not a folder; give a folder to export into")
+    if (out / CHECKPOINT_DIR).is_dir():
+        # sample/eval would then read the export, not the run's checkpoints, from that folder
+        raise CheckpointError(f"{out}: is a run directory (it has {CHECKPOINT_DIR}/); export "
+                              "into a folder of its own")
     # contiguous() and clone(): safetensors refuses views and tensors sharing memory.
     tensors = {name: t.detach().to("cpu").contiguous().clone() for name, t in state.items()}
     metadata = {"format": "pt", "fbtrain.step": json.dumps(step),
