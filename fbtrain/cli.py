@@ -392,8 +392,10 @@ def export(
         from fbtrain.checkpoint.contents import export_model
 
         source, written = export_model(checkpoint, out)
+    size = written[0].stat().st_size
+    weights = f"{size / 2**20:.1f} MiB" if size >= 2**20 else f"{size / 2**10:.0f} KiB"
     typer.echo(f"exported {source} to {written[0].parent}: {', '.join(p.name for p in written)}"
-               f" ({written[0].stat().st_size / 2**20:.1f} MiB of weights)")
+               f" ({weights} of weights)")
 
 
 def _quit_on_closed_stdout() -> None:
