@@ -1,4 +1,4 @@
-"""Command line: ``fbtrain train | sample | eval``.
+"""Command line: ``fbtrain train | sample | eval | export``.
 
 Thin on purpose (as torchtitan's ``train.py`` and litgpt's ``__main__.py``): each command
 parses its flags, calls one ``run()`` and maps the errors a user can cause to one line on
@@ -80,6 +80,7 @@ app = typer.Typer(
         "fbtrain train --config configs/tiny_shakespeare.yaml   # train (3-5 min on 2 cores)",
         "fbtrain sample --checkpoint runs/tiny_shakespeare       # generate text",
         "fbtrain eval --checkpoint runs/tiny_shakespeare         # bits per character",
+        "fbtrain export -c runs/tiny_shakespeare --out exports/ts  # weights to share",
     ),
     no_args_is_help=True,
     add_completion=False,
@@ -112,7 +113,8 @@ CheckpointOption = Annotated[
     str,
     typer.Option(
         "--checkpoint", "-c", metavar="PATH|RUN_DIR",
-        help="A checkpoint file, or a run directory (its best.pt, else last.pt).",
+        help="A checkpoint file, a run directory (its best.pt, else last.pt), or a folder "
+        "written by fbtrain export.",
     ),
 ]
 
@@ -218,7 +220,8 @@ def train(
     device: DeviceOption = None,
     quiet: Annotated[
         bool,
-        typer.Option("--quiet", "-q", help="Only warnings and errors; no progress bar."),
+        typer.Option("--quiet", "-q", help="Print only the one-line summary at the end "
+                     "(and errors); no progress, no evaluation lines."),
     ] = False,
     print_config: Annotated[
         bool,
@@ -374,9 +377,32 @@ def evaluate(
         typer.echo(evaluator.format_result(result))
 
 
+@app.command(epilog=_examples("fbtrain export -c runs/tiny_shakespeare --out exports/ts",
+                              "fbtrain sample -c exports/ts"))
+def export(
+    checkpoint: CheckpointOption,
+    out: Annotated[str, typer.Option(
+        "--out", "-o", metavar="DIR", help="Folder to write into (created if needed; the "
+        "three files are replaced if there).")],
+) -> None:
+    """Export a model's weights to share: safetensors, no optimizer state.
+
+    Writes DIR/model.safetensors (the weights), DIR/config.json (the model config) and
+    DIR/vocab.json. fbtrain sample and fbtrain eval accept DIR as they accept a run.
+    """
+    with _user_errors():
+        from fbtrain.checkpoint.contents import export_model
+
+        source, written = export_model(checkpoint, out)
+    size = written[0].stat().st_size
+    weights = f"{size / 2**20:.1f} MiB" if size >= 2**20 else f"{size / 2**10:.0f} KiB"
+    typer.echo(f"exported {source} to {written[0].parent}: {', '.join(p.name for p in written)}"
+               f" ({weights} of weights)")
+
+
 def _quit_on_closed_stdout() -> None:
     """Exit quietly (code 0) when stdout's reader has gone, as `head` does to a pipe."""
-    from fbtrain.metrics import silence_stdout
+    from fbtrain.metrics.console import silence_stdout
 
     silence_stdout()
     raise typer.Exit(0)
@@ -387,7 +413,7 @@ def main() -> None:
     try:
         app(prog_name="fbtrain")
     except BrokenPipeError:  # a result printed after the reader left (eval | true)
-        from fbtrain.metrics import silence_stdout
+        from fbtrain.metrics.console import silence_stdout
 
         silence_stdout()
         sys.exit(0)

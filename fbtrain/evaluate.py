@@ -166,7 +166,8 @@ def run(
     ``split``, ``checkpoint`` (the file used) and ``step``. Raises ValueError, DataError,
     CheckpointError or DeviceError with one line (the CLI turns them into exit code 2).
     """
-    from fbtrain.checkpoint import CheckpointError, load_model, resolve_checkpoint
+    from fbtrain.checkpoint import CheckpointError, load_model
+    from fbtrain.checkpoint.contents import resolve_model
     from fbtrain.config import DataConfig
     from fbtrain.data.corpus import load_corpus
     from fbtrain.data.errors import DataError, VocabularyError
@@ -176,7 +177,7 @@ def run(
         raise ValueError(f"split = {split!r}: must be train, val or test")
     check_window_args(seq_len, batch_size, context)
     target = resolve_device(device)
-    file = resolve_checkpoint(checkpoint, prefer="best")
+    file = resolve_model(checkpoint, prefer="best")  # a run, a checkpoint or an export
     model, tokenizer, payload = load_model(file, target)
     cfg = payload.get("config")
     if not isinstance(cfg, dict):

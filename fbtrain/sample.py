@@ -282,7 +282,8 @@ def run(
     device: str = "auto",
     stream: TextIO | None = None,
 ) -> list[str]:
-    """``fbtrain sample``: load a checkpoint (``best.pt`` of a run dir first) and write text.
+    """``fbtrain sample``: load a model (a run dir's ``best.pt`` first, a checkpoint file, or
+    a folder from ``fbtrain export``) and write text.
 
     With one sample, the prompt and then each character as it is drawn go to ``stream``
     (flushed). With several, each sample is written after generation under a header line
@@ -294,7 +295,8 @@ def run(
     CheckpointError (also for a model whose predictions overflow to NaN/inf) or DeviceError
     with one line (the CLI turns them into exit code 2).
     """
-    from fbtrain.checkpoint import CheckpointError, load_model, resolve_checkpoint
+    from fbtrain.checkpoint import CheckpointError, load_model
+    from fbtrain.checkpoint.contents import resolve_model
     from fbtrain.device import resolve_device
 
     check_sampling_args(length, temperature, top_k, top_p, num_samples)
@@ -304,7 +306,7 @@ def run(
         raise ValueError("prompt is empty: give at least one character (e.g. a newline)")
     out = stream if stream is not None else sys.stdout
     target = resolve_device(device)
-    file = resolve_checkpoint(checkpoint, prefer="best")
+    file = resolve_model(checkpoint, prefer="best")  # a run, a checkpoint or an export
     model, tokenizer, _ = load_model(file, target)
     if prompt is None:
         prompt = tokenizer.start

@@ -13,7 +13,8 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from fbtrain.config import load_config
-from fbtrain.metrics import HPARAM_METRICS, MetricsLogger, hparams_of
+from fbtrain.metrics.logger import MetricsLogger
+from fbtrain.metrics.tensorboard import HPARAM_METRICS, event_files, hparams_of
 from fbtrain.schedule import Curriculum
 
 
@@ -70,16 +71,20 @@ def test_tensorboard_scalars_and_text_read_back(tmp_path: Path) -> None:
                          "mem_weight/0": 0.1 * step, "note": "not a number"})
         m.log(3, {"loss": 0.5}, prefix="val/")
         m.log_text(3, "sample", "ROMEO:\nO, she doth teach the torches to burn bright!")
-    acc = _events(tmp_path)  # events in the run directory itself: listed under its name
-    scalars = set(acc.Tags()["scalars"])
-    assert {"loss/train", "train/tokens_per_sec", "mem_weight/0", "loss/val"} <= scalars
+    # Two sub-runs with the same tags: TensorBoard draws train and val on one card.
+    train, val = _events(tmp_path / "train"), _events(tmp_path / "val")
+    scalars = set(train.Tags()["scalars"])
+    assert {"loss", "train/tokens_per_sec", "mem_weight/0"} <= scalars
+    assert set(val.Tags()["scalars"]) == {"loss"}
     assert not any("note" in tag for tag in scalars)
-    loss = acc.Scalars("loss/train")
+    loss = train.Scalars("loss")
     assert [(e.step, e.value) for e in loss] == [(1, 3.0), (2, 2.0), (3, 1.0)]
-    assert acc.Scalars("loss/val")[0].value == 0.5
+    assert val.Scalars("loss")[0].value == 0.5
     # Described once, on the first event of the tag.
-    assert "softmax(w)" in acc.SummaryMetadata("mem_weight/0").summary_description
-    assert "validation windows" in acc.SummaryMetadata("loss/val").summary_description
+    assert "softmax(w)" in train.SummaryMetadata("mem_weight/0").summary_description
+    assert "validation windows" in val.SummaryMetadata("loss").summary_description
+    assert "training batch" in train.SummaryMetadata("loss").summary_description
+    acc = _events(tmp_path)  # the samples: in the run directory itself
     text_tags = [t for t in acc.Tags()["tensors"] if t.startswith("sample")]
     assert text_tags, acc.Tags()["tensors"]
     event = acc.Tensors(text_tags[0])[0]
@@ -87,16 +92,28 @@ def test_tensorboard_scalars_and_text_read_back(tmp_path: Path) -> None:
     assert b"O, she doth teach" in event.tensor_proto.string_val[0]
 
 
+def _written_earlier(run_dir: Path) -> None:
+    """Date the event files back a minute, as a run resumed later (another process) finds
+    them. TensorBoard reads a folder's files in name order, and a name is
+    ``events.out.tfevents.<seconds>.<host>.<pid>.<counter>``: within one second of one
+    process the counter decides, and ``.10`` sorts before ``.9``."""
+    for events in event_files(run_dir):
+        prefix, seconds, rest = re.fullmatch(r"(events\.out\.tfevents\.)(\d+)(.*)",
+                                             events.name).groups()
+        events.rename(events.with_name(f"{prefix}{int(seconds) - 60}{rest}"))
+
+
 def test_resume_purges_later_tensorboard_steps(tmp_path: Path) -> None:
     with MetricsLogger(tmp_path, console=False) as m:
         for step in range(1, 6):
             m.log(step, {"loss": float(step)})
+    _written_earlier(tmp_path)
     # Resume from a checkpoint at step 3: steps 4, 5 are logged again with new values.
     with MetricsLogger(tmp_path, console=False, initial_step=3) as m:
         m.truncate_after(3)
         for step in (4, 5):
             m.log(step, {"loss": 10.0 * step})
-    events = _events(tmp_path).Scalars("loss/train")
+    events = _events(tmp_path / "train").Scalars("loss")
     assert [(e.step, e.value) for e in events] == [
         (1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0), (5, 50.0)]
     assert [(r["step"], r["loss"]) for r in _records(tmp_path)] == [
@@ -140,36 +157,51 @@ def test_hparams_and_layout_written_and_readable(tmp_path: Path) -> None:
         start = data.session_start_info if kind == "session_start_info" else start
         end = data.session_end_info if kind == "session_end_info" else end
     assert experiment and start and end and end.status == api_pb2.STATUS_SUCCESS
-    # The metrics are the scalar tags themselves: no one-point hparam/* copies.
-    assert [mi.name.tag for mi in experiment.metric_infos] == list(HPARAM_METRICS)
+    # The metrics are the sub-runs' scalar tags themselves: no one-point hparam/* copies.
+    assert [(mi.name.group, mi.name.tag) for mi in experiment.metric_infos] == list(
+        HPARAM_METRICS) == [("val", "loss"), ("val", "bpc"), ("train", "loss")]
     assert not [t for t in acc.Tags()["scalars"] if t.startswith("hparam")]
     names = [info.name for info in experiment.hparam_infos]
-    assert names[:5] == ["model.kind", "model.d_model", "model.n_heads", "model.d_ff",
-                         "model.n_layers"]  # the model first, not checkpoint.* or data.*
+    # The keys runs are compared by lead; TensorBoard sorts `differs` first, then by name.
+    assert names[:6] == ["kind", "d_model", "n_layers", "lr", "seq_len", "tokens"]
+    assert [i.name for i in experiment.hparam_infos if i.differs] == names[:6]
+    assert names[6:9] == ["model.n_heads", "model.d_ff", "model.dropout"]  # then the model
     types = {info.name: info.type for info in experiment.hparam_infos}
     assert types["train.constant_tokens"] == api_pb2.DATA_TYPE_BOOL
-    assert types["model.kind"] == api_pb2.DATA_TYPE_STRING
+    assert types["kind"] == types["d_model"] == api_pb2.DATA_TYPE_STRING
+    assert types["lr"] == api_pb2.DATA_TYPE_FLOAT64
     got = {k: getattr(v, v.WhichOneof("kind")) for k, v in start.hparams.items()}
-    assert got["model.kind"] == "feedback_kv" and got["model.d_model"] == 16
+    # Integers as integers: TensorBoard would print the number 16 as 16.000.
+    assert got["kind"] == "feedback_kv" and got["d_model"] == "16"
     assert start.hparams["train.constant_tokens"].WhichOneof("kind") == "bool_value"
     assert got["train.constant_tokens"] is False and got["train.warm_start"] is True
-    assert got["model.mem_len"] == cfg.model.max_rel_pos  # the window in use, not None
-    assert got["train.lr"] == pytest.approx(2e-3) and got["seq_len"] == 64
-    assert got["tokens"] == 10 * 16 * 32 == Curriculum(cfg).total_tokens()  # 10 steps at length 32
+    assert got["model.mem_len"] == str(cfg.model.max_rel_pos)  # the window in use, not None
+    assert got["lr"] == pytest.approx(2e-3) and got["seq_len"] == "64"
+    assert got["tokens"] == str(10 * 16 * 32) == str(Curriculum(cfg).total_tokens())
     assert not [k for k in got if k.startswith(("data.", "checkpoint.", "logging."))
                 or k.endswith(("_dir", "path", "url", "sha256", "init_from"))]
-    # The Custom Scalars layout: train and validation loss on one chart, then bpc.
+    # The Custom Scalars layout: the losses first, each chart both sub-runs' tag.
     (tag,) = acc.PluginTagToContent("custom_scalars")
     layout = layout_pb2.Layout.FromString(acc.Tensors(tag)[0].tensor_proto.string_val[0])
     loss, bpc = layout.category[0].chart[:2]
     assert layout.category[0].title == "loss"
     assert [re.match(loss.multiline.tag[0], t) is not None
-            for t in ("loss/train", "loss/val", "loss_bpc/val")] == [True, True, False]
-    assert re.match(bpc.multiline.tag[0], "loss_bpc/val")
+            for t in ("loss", "bpc", "train/lr")] == [True, False, False]
+    assert re.match(bpc.multiline.tag[0], "bpc")
+    # A text run gets no accuracy chart (it would stay empty).
+    assert not [c for c in layout.category[0].chart if "accuracy" in c.title]
     memory = layout.category[1].chart[0]
     assert "softmax(w)" in memory.title and re.match(memory.multiline.tag[0], "mem_weight/3")
-    # One writer, one events file.
-    assert len(list(tmp_path.glob("events.out.tfevents.*"))) == 1
+    # One writer each, one events file each: the run directory, train/, val/.
+    for folder in (tmp_path, tmp_path / "train", tmp_path / "val"):
+        assert len(list(folder.glob("events.out.tfevents.*"))) == 1
+
+
+def test_layout_of_a_labelled_run_has_accuracy(tmp_path: Path) -> None:
+    from fbtrain.metrics.tensorboard import chart_layout
+
+    titles = [c.title for c in chart_layout(labelled=True).category[0].chart]
+    assert any("accuracy" in t for t in titles)
 
 
 def test_disabled_logger_is_silent_and_writes_nothing(
@@ -218,17 +250,20 @@ class _FakeTTY(io.StringIO):
         return True
 
 
-def test_progress_bar_on_a_tty(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_status_line_on_a_tty(monkeypatch: pytest.MonkeyPatch) -> None:
     fake = _FakeTTY()
     monkeypatch.setattr(sys, "stdout", fake)
     m = MetricsLogger(None, total_steps=50, initial_step=10)
     m.progress(20, {"loss": 1.23456, "seq_len": 16, "tokens_per_sec": 999.0})
-    assert m._bar is not None and m._bar.n == 20 and m._bar.total == 50
-    m.info("message above the bar")
+    assert m.console._status.startswith("step 20/50 40% | loss 1.2346 | 999 tok/s")
+    m.info("message above the status line")
     m.close()
     out = fake.getvalue()
-    assert "loss 1.2346" in out and "999 tok/s" in out and "message above the bar" in out
-    assert "step 20/50 |" not in out  # no plain lines when the bar is shown
+    assert "loss 1.2346" in out and "999 tok/s" in out and "message above the status line" in out
+    assert "step 20/50 |" not in out  # no plain lines when the status line is shown
+    # The message is printed on a cleared line, and the status line drawn again below it.
+    assert "\r\x1b[Kmessage above the status line\nstep 20/50 40%" in out
+    assert out.endswith("\n")  # closing leaves the status line as an ordinary line
 
 
 def test_console_only_logger_without_run_dir(capsys: pytest.CaptureFixture[str]) -> None:

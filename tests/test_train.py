@@ -193,9 +193,10 @@ def test_train_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     assert run_dir == tmp_path / "runs" / "run"
     out = capsys.readouterr().out
     for expected in (f"run directory: {run_dir}", "parameters", "device: cpu",
-                     f"tensorboard --logdir {run_dir.parent}", "[sample @ step 3]",
+                     f"tensorboard --logdir {run_dir.parent}", "[sample @ step 9]",
                      "curriculum: seq_len 8 -> 16", "done at step 9", "tokens/s on cpu"):
         assert expected in out
+    assert "[sample @ step 3]" not in out  # samples go to TensorBoard; the console shows the last
 
     assert (run_dir / "config.yaml").is_file()
     assert json.loads((run_dir / "vocab.json").read_text())["chars"][0] == "\n"
@@ -231,14 +232,17 @@ def test_train_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     # TensorBoard holds the scalar tags, the samples and the hparams.
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0, "tensors": 0})
-    acc.Reload()
-    tags = set(acc.Tags()["scalars"])
-    assert {"loss/train", "loss_bpc/train", "train/lr", "train/seq_len", "train/tokens_per_sec",
-            "train/grad_norm", "loss/val", "loss_bpc/val", "mem_weight/0", "mem_weight/2"
-            } <= tags
-    assert [e.step for e in acc.Scalars("train/seq_len")] == [2, 4, 6, 8, 9]
-    assert any("sample" in t for t in acc.Tags()["tensors"])
+    def events(folder: Path) -> EventAccumulator:
+        acc = EventAccumulator(str(folder), size_guidance={"scalars": 0, "tensors": 0})
+        acc.Reload()
+        return acc
+
+    train_events, val_events = events(run_dir / "train"), events(run_dir / "val")
+    assert {"loss", "bpc", "train/lr", "train/seq_len", "train/tokens_per_sec", "train/grad_norm",
+            "mem_weight/0", "mem_weight/2"} <= set(train_events.Tags()["scalars"])
+    assert {"loss", "bpc", "perplexity"} <= set(val_events.Tags()["scalars"])
+    assert [e.step for e in train_events.Scalars("train/seq_len")] == [2, 4, 6, 8, 9]
+    assert any("sample" in t for t in events(run_dir).Tags()["tensors"])
 
     # Starting fresh over a finished run is refused (it would overwrite it).
     with pytest.raises(ConfigError, match="already holds .*last.pt; continue it with --resume"):
@@ -256,43 +260,66 @@ def test_tensorboard_layout_read_back(tmp_path: Path) -> None:
     mux = EventMultiplexer()
     mux.AddRunsFromDirectory(str(run_dir.parent))  # tensorboard --logdir runs
     mux.Reload()
-    assert list(mux.Runs()) == ["run"]  # listed under the run's name, not "run/tb"
+    # Listed by the run's name: the run (HParams, samples) and its train and val sub-runs.
+    assert sorted(mux.Runs()) == ["run", "run/train", "run/val"]
 
-    # Time Series, the first view, groups tags by what precedes the first "/" in sorted
-    # order and opens the first two groups: the losses, train and val side by side, then bpc.
-    tags = sorted(mux.PluginRunToTagToContent("scalars")["run"])
-    groups = list(dict.fromkeys(tag.split("/", 1)[0] for tag in tags))
-    assert groups[:2] == ["loss", "loss_bpc"], groups
-    assert [t for t in tags if t.startswith("loss")] == [
-        "loss/train", "loss/val", "loss_bpc/train", "loss_bpc/val"]
-    assert not [t for t in tags if t.startswith("hparam")]  # no one-point duplicates
+    # Time Series, the first view, puts one tag of all runs on one card: the train and the
+    # val sub-run share the tags, so one card holds both curves, in two colours.
+    scalars = mux.PluginRunToTagToContent("scalars")
+    train, val = sorted(scalars["run/train"]), sorted(scalars["run/val"])
+    assert {"loss", "bpc"} <= set(train) and {"loss", "bpc"} <= set(val)
+    assert "run" not in scalars  # no scalars beside the sub-runs
+    assert not [t for t in train + val if "accuracy" in t]  # a text run: no empty chart
+    # Every scalar in a named group (TensorBoard groups by the tag up to its first "/").
+    groups = {tag.split("/", 1)[0] for tag in train + val}
+    assert groups == {"loss", "bpc", "perplexity", "train", "mem_weight"}, groups
+    assert not [t for t in train + val if t.startswith("hparam")]  # no one-point duplicates
 
-    def steps(tag: str) -> list[int]:
-        return [e.step for e in mux.Tensors("run", tag)]
+    def steps(run_name: str, tag: str) -> list[int]:
+        return [e.step for e in mux.Tensors(run_name, tag)]
 
-    assert steps("loss/val") == steps("loss_bpc/val") == [0, 2, 4]  # step 0 evaluated
-    assert steps("loss/train") == [1, 2, 3, 4]
-    description = mux.SummaryMetadata("run", "mem_weight/0").summary_description
+    assert steps("run/val", "loss") == steps("run/val", "bpc") == [0, 2, 4]  # step 0 too
+    assert steps("run/train", "loss") == [1, 2, 3, 4]
+    description = mux.SummaryMetadata("run/train", "mem_weight/0").summary_description
     assert "softmax(w)" in description and "share of the embedding" in description
 
-    # A sample with every evaluation, the first and the last included.
+    # A sample with every evaluation, the first and the last included, in the Text tab.
     (sample_tag,) = mux.PluginRunToTagToContent("text")["run"]
-    assert steps(sample_tag) == [0, 2, 4]
+    assert steps("run", sample_tag) == [0, 2, 4]
 
-    # HParams: the real validation loss as its metric, the keys runs are compared by.
+    # HParams: the sub-runs' real losses as its metrics, the keys runs are compared by.
     content = mux.PluginRunToTagToContent("hparams")["run"]
     data = {k: plugin_data_pb2.HParamsPluginData.FromString(v) for k, v in content.items()}
     experiment = next(d.experiment for d in data.values() if d.HasField("experiment"))
-    assert experiment.metric_infos[0].name.tag == "loss/val"
+    first = experiment.metric_infos[0].name
+    assert (first.group, first.tag) == ("val", "loss")
+    assert [i.name for i in experiment.hparam_infos][:6] == [
+        "kind", "d_model", "n_layers", "lr", "seq_len", "tokens"]
     start = next(d.session_start_info for d in data.values()
                  if d.HasField("session_start_info"))
-    assert start.hparams["model.kind"].string_value == "feedback_kv"
-    assert start.hparams["model.d_model"].number_value == 16
+    assert start.hparams["kind"].string_value == "feedback_kv"
+    assert start.hparams["d_model"].string_value == "16"  # an integer, shown as one
     assert start.hparams["train.constant_tokens"].WhichOneof("kind") == "bool_value"
-    assert start.hparams["seq_len"].number_value == 16
-    assert start.hparams["tokens"].number_value == 3 * 4 * 8 + 1 * 4 * 16
+    assert start.hparams["seq_len"].string_value == "16"
+    assert start.hparams["tokens"].string_value == str(3 * 4 * 8 + 1 * 4 * 16)
     assert not [k for k in start.hparams if "path" in k or "url" in k or "sha" in k]
     assert any(d.HasField("session_end_info") for d in data.values())
+
+
+def test_fresh_start_drops_old_event_files(tmp_path: Path) -> None:
+    """A run killed before its first checkpoint leaves events; a fresh start over it drops
+    them from the run directory and from both sub-runs, so no stale curve remains."""
+    cfg = make_cfg(tmp_path, train={"max_steps": 2, "eval_every": 2},
+                   logging={"tensorboard": True})
+    run_dir = tmp_path / "runs" / "run"
+    stale = [run_dir / sub / "events.out.tfevents.1.old.1.0" for sub in ("", "train", "val")]
+    for path in stale:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"")
+    run(cfg, quiet=True)
+    assert not [p for p in stale if p.exists()]
+    for folder in (run_dir, run_dir / "train", run_dir / "val"):
+        assert len(list(folder.glob("events.out.tfevents.*"))) == 1
 
 
 def test_constant_tokens_scales_the_batch(tmp_path: Path) -> None:

@@ -1,6 +1,7 @@
 """What a checkpoint holds, in one place: made (:func:`make_payload`), checked for a resume
 (:func:`check_resume_payload`) and for a warm start (:func:`check_warm_start`), and read back
-as a model (:func:`load_model`).
+as a model (:func:`load_model`, from a checkpoint or an exported folder), exported
+(:func:`export_model`).
 
 A training checkpoint is a plain dict::
 
@@ -26,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fbtrain.checkpoint.export import WEIGHTS_FILE, is_export, read_export, write_export
 from fbtrain.checkpoint.files import CheckpointError, load_checkpoint, resolve_checkpoint
 from fbtrain.config import ModelConfig
 from fbtrain.data.errors import DataError
@@ -271,15 +273,19 @@ def load_model(
 ) -> tuple[torch.nn.Module, Any, dict[str, Any]]:
     """Rebuild the model a checkpoint describes: ``(model, tokenizer, payload)``.
 
-    ``path`` is a checkpoint file or a run directory (``best.pt`` preferred, see
-    :func:`resolve_checkpoint`). The model is built from ``payload["model_config"]`` and
-    ``len(payload["vocab"])``, given the saved weights, put in eval mode and moved to
-    ``device``; the tokenizer is the saved vocabulary's (``payload["tokenizer"]``: char, the
-    default, or word). Anything missing or not matching (keys, shapes, config fields) is a one-line
-    :class:`CheckpointError`.
+    ``path`` is a checkpoint file, a run directory (``best.pt`` preferred, see
+    :func:`resolve_checkpoint`) or a folder written by :func:`export_model` (its
+    ``payload`` then holds no optimizer, only what the folder holds). The model is built
+    from ``payload["model_config"]`` and ``len(payload["vocab"])``, given the saved
+    weights, put in eval mode and moved to ``device``; the tokenizer is the saved
+    vocabulary's (``payload["tokenizer"]``: char, the default, or word). Anything missing
+    or not matching (keys, shapes, config fields) is a one-line :class:`CheckpointError`.
     """
-    file = resolve_checkpoint(path, prefer=prefer)
-    payload = load_checkpoint(file)
+    file = resolve_model(path, prefer=prefer)
+    if is_export(file):
+        payload, file = read_export(file), file / WEIGHTS_FILE
+    else:
+        payload = load_checkpoint(file)
     missing = [k for k in _MODEL_KEYS if k not in payload]
     if missing:
         raise CheckpointError(
@@ -311,6 +317,27 @@ def load_model(
     model.load_state_dict(state)
     model.eval()
     return model.to(device), tokenizer, payload
+
+
+def resolve_model(path: str | Path, prefer: str = "best") -> Path:
+    """What ``path`` names to load a model from: an exported folder as it is, else the
+    checkpoint file :func:`resolve_checkpoint` finds."""
+    return Path(path) if is_export(path) else resolve_checkpoint(path, prefer=prefer)
+
+
+def export_model(source: str | Path, out: str | Path) -> tuple[Path, list[Path]]:
+    """``fbtrain export``: the weights of ``source`` (a run directory: its best.pt, else
+    last.pt; a checkpoint file; an export) written to the folder ``out`` as safetensors,
+    with config.json and vocab.json (see :mod:`fbtrain.checkpoint.export`).
+
+    The checkpoint is checked as ``load_model`` checks it (weights that fit the config,
+    finite), so an export always loads. Returns the file read and the files written."""
+    file = resolve_model(source)
+    model, tokenizer, payload = load_model(file)
+    config = payload.get("config") if isinstance(payload.get("config"), dict) else {}
+    written = write_export(Path(out), model.state_dict(), payload["model_config"], tokenizer,
+                           step=payload.get("step"), config=config)
+    return file, written
 
 
 def strip_wrapper_prefixes(state: dict[str, Any]) -> dict[str, Any]:

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from fbtrain.evaluate import LN2
-from fbtrain.metrics import format_duration
+from fbtrain.metrics.console import format_duration
 from fbtrain.models import count_parameters
 from fbtrain.train.batches import CarriedStreams
 
@@ -80,8 +80,10 @@ def announcement(run: Run, progress: Progress, resume_path: Path | None,
     lines.append(f"device: {device_text(run)}{ranks}")
     labelled = " (targets only where labelled; accuracy reported)" if data.labelled else ""
     lines.append(f"data: {data.n_chars[0]:,} train / {data.n_chars[1]:,} val "
-                 f"{data.tokenizer.unit}s{labelled}, vocabulary {data.tokenizer.vocab_size}, "
-                 f"{len(data.val_x)} validation windows")
+                 f"{data.tokenizer.unit}s{labelled}, vocabulary {data.tokenizer.vocab_size}")
+    # Why fbtrain eval reports another figure: it scores every window of the split.
+    lines.append(f"val loss below: {len(data.val_x)} fixed windows (fbtrain eval scores the "
+                 "whole split)")
     if isinstance(run.batches, CarriedStreams):
         streams = run.batches.layout
         lines.append(f"context: carry ({len(streams.starts)} streams of {streams.length:,} "
@@ -102,23 +104,27 @@ def curriculum_line(before: int, after: int, batch: int, step: int) -> str:
     return f"curriculum: seq_len {before} -> {after} (batch {batch}) from step {step + 1}"
 
 
-def evaluation_line(step: int, metrics: dict[str, float], improved: bool) -> str:
-    """``step 100: val loss 1.6007 | bpc 2.3093 | ppl 4.96 (best)``."""
+def evaluation_line(step: int, metrics: dict[str, float], improved: bool,
+                    windows: int) -> str:
+    """``step 100: val loss 1.6007 | bpc 2.3093 (64 fixed windows) | best``.
+
+    The figure is named for what it is: the loss on the same ``windows`` validation
+    windows at every evaluation, not the whole split that ``fbtrain eval`` scores."""
     accuracy = (f" | accuracy {100 * metrics['val/accuracy']:.2f}%"
                 if "val/accuracy" in metrics else "")
-    best = " (best)" if improved else ""
+    best = " | best" if improved else ""
     return (f"step {step}: val loss {metrics['val/loss']:.4f} | bpc {metrics['val/bpc']:.4f}"
-            f" | ppl {metrics['val/perplexity']:.2f}{accuracy}{best}")
+            f" ({windows} fixed windows){accuracy}{best}")
 
 
 def summary(run: Run, progress: Progress, rate: float | None, seconds: float) -> str:
     """The last line: where training stopped, its losses, its speed and its wall time."""
     parts = [f"done at step {progress.step}"]
     if progress.val_loss is not None:
-        parts.append(f"val loss {progress.val_loss:.4f} (bpc {progress.val_loss / LN2:.4f})")
+        parts.append(f"val loss {progress.val_loss:.4f} (bpc {progress.val_loss / LN2:.4f}, "
+                     f"{len(run.data.val_x)} fixed windows)")
     if progress.best_val_loss is not None:
-        parts.append(f"best val loss {progress.best_val_loss:.4f} "
-                     f"(bpc {progress.best_val_loss / LN2:.4f})")
+        parts.append(f"best {progress.best_val_loss:.4f}")
     if rate is not None:
         parts.append(f"{rate:,.0f} tokens/s on {device_text(run)}")
     parts.append(f"wall {format_duration(seconds)}")

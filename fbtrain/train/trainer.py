@@ -3,7 +3,8 @@ number asks; stop on a signal.
 
 ``run(cfg)`` trains into ``<run.out_dir>/<run.name>/`` and returns that folder::
 
-    config.yaml  vocab.json  metrics.jsonl  events.out.tfevents.*  checkpoints/
+    config.yaml  vocab.json  metrics.jsonl  checkpoints/
+    events.out.tfevents.*  train/events.out.tfevents.*  val/events.out.tfevents.*
 
 Step numbering: ``step`` counts optimizer steps done, so the first trained step is logged
 and checkpointed as step 1. The step being trained has 0-based index ``step`` (= its logged
@@ -43,7 +44,8 @@ from fbtrain.config import Config, save_config
 from fbtrain.device import autocast
 from fbtrain.distributed import DistContext, session
 from fbtrain.evaluate import LN2, loss_figures
-from fbtrain.metrics import EVENTS_GLOB, MetricsLogger, hparams_of
+from fbtrain.metrics.logger import MetricsLogger, text_block
+from fbtrain.metrics.tensorboard import event_files, hparams_of
 from fbtrain.rng import capture_rng, preserve_rng
 from fbtrain.rundir import RunDirLock
 from fbtrain.scoring import window_scores
@@ -65,7 +67,8 @@ def run(cfg: Config, *, resume: str | None = None, quiet: bool = False,
     holds ``last.pt``, so a trained run is never overwritten by accident); ``"auto"``
     continues from ``<run>/checkpoints/last.pt`` when it exists, else starts fresh; any other
     value is a checkpoint file or run directory to continue from. ``quiet`` turns the
-    console (progress bar, messages) off; files are written the same. ``on_step(step)``
+    console (progress, messages) off but for the one-line summary; files are written the
+    same. ``on_step(step)``
     runs after each trained step, before its evaluation and save (for tests).
     """
     with session(cfg.run.device) as ctx:
@@ -90,6 +93,9 @@ class Trainer:
         self.manager = CheckpointManager(self.run_dir, cfg.checkpoint.keep_last)
         self.run_lock = RunDirLock(self.run_dir, enabled=ctx.is_main)
         self.throughput = report.Throughput()
+        # (step, text) of the newest sample: samples go to TensorBoard, and the console
+        # shows only this one, at the end (a sample every evaluation floods the terminal).
+        self.last_sample: tuple[int, str] | None = None
 
     def fit(self, resume: str | None) -> Path:
         """Set up (fresh, resumed or warm-started), train to ``max_steps``, return the run dir.
@@ -131,7 +137,7 @@ class Trainer:
             self.run.data.tokenizer.save(self.run_dir)
             if fresh:
                 # Left by a run killed before its first checkpoint: its curves are not ours.
-                for events in self.run_dir.glob(EVENTS_GLOB):
+                for events in event_files(self.run_dir):
                     events.unlink(missing_ok=True)
         self.ctx.barrier()
 
@@ -141,7 +147,8 @@ class Trainer:
         self.logger.truncate_after(self.progress.step if resume_path is not None else -1)
         if resume_path is None:
             self.logger.start_run(hparams_of(self.cfg, self.ctx.world_size),
-                                  memory_weights=hasattr(self.run.raw_model, "memory_weights"))
+                                  memory_weights=hasattr(self.run.raw_model, "memory_weights"),
+                                  labelled=self.run.data.labelled)
         for line in report.announcement(self.run, self.progress, resume_path,
                                         self.run_lock.removed):
             self.logger.info(line)
@@ -150,8 +157,11 @@ class Trainer:
         with StopSignals(allow_interrupts=not self.ctx.enabled) as signals:
             self._loop(signals)
         self.logger.end_run()
-        self.logger.info(report.summary(self.run, self.progress, self.throughput.overall_rate,
-                                        time.perf_counter() - started))
+        if self.last_sample is not None:  # the one sample the console shows: the last
+            self.logger.info(text_block("sample", *self.last_sample))
+        self.logger.result(report.summary(self.run, self.progress,
+                                          self.throughput.overall_rate,
+                                          time.perf_counter() - started))
         self.ctx.barrier()
 
     # ------------------------------------------------------------------ loop
@@ -289,7 +299,8 @@ class Trainer:
         if data.labelled:
             metrics["val/accuracy"] = scores.accuracy
         record.update(metrics)
-        self.logger.info(report.evaluation_line(progress.step, metrics, improved))
+        self.logger.info(report.evaluation_line(progress.step, metrics, improved,
+                                                len(data.val_x)))
         return improved
 
     def _log_sample(self, signals: StopSignals) -> None:
@@ -310,7 +321,8 @@ class Trainer:
             return
         finally:
             model.train()
-        self.logger.log_text(self.progress.step, "sample", text)
+        self.logger.log_text(self.progress.step, "sample", text, echo=False)
+        self.last_sample = (self.progress.step, text)
 
     # ------------------------------------------------------------------ checkpoints
 

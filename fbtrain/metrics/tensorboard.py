@@ -1,0 +1,254 @@
+"""TensorBoard events of a run: scalars, text samples, the chart layout, HParams.
+
+Layout, as Keras and Lightning users know it: each run writes two sub-runs, ``<run>/train``
+and ``<run>/val``, with the same tags, so that TensorBoard's first view (Time Series)
+draws training and validation of a run on one card in two colours: ``loss`` (nats per
+character), ``bpc`` (bits per character) and, for a labelled dataset only, ``accuracy``;
+``perplexity`` (validation). The rest of the training figures are in the ``train`` group
+(``train/lr``, ``train/tokens_per_sec``, ...) of the train sub-run, the memory weights in
+``mem_weight``. The run directory itself holds the run's HParams entry (metrics: the
+sub-runs' losses), the Custom Scalars layout (:func:`chart_layout`) and the text samples,
+so ``tensorboard --logdir runs`` lists ``<run>``, ``<run>/train`` and ``<run>/val``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from fbtrain.metrics.values import is_number, plain
+from fbtrain.schedule import Curriculum
+
+if TYPE_CHECKING:
+    from fbtrain.config import Config
+
+EVENTS_GLOB = "events.out.tfevents.*"  # TensorBoard's event files
+SUBRUNS = ("train", "val")  # sub-directories of the run directory, one TensorBoard run each
+# Metric keys (of metrics.jsonl) whose sub-run and tag are not the default ones.
+TB_TAGS = {"loss": ("train", "loss"), "bpc": ("train", "bpc"),
+           "accuracy": ("train", "accuracy"), "val/perplexity": ("val", "perplexity")}
+# What a chart shows, for TensorBoard's description of each (sub-run, tag) or tag group.
+TB_DESCRIPTIONS = {
+    ("train", "loss"): "Cross-entropy of the step's training batch, nats per character.",
+    ("val", "loss"): "Cross-entropy on the fixed validation windows (the same every "
+                     "evaluation; `fbtrain eval` scores the whole split), nats per character.",
+    "bpc": "Bits per character: the loss divided by ln 2.",
+    "accuracy": "Share of the labelled targets (a labelled dataset: the value each print "
+                "must output) whose arg-max prediction is right.",
+    "perplexity": "exp(validation loss).",
+    "mem_weight": "softmax(w): the share of the embedding (mem_weight/0) and of each layer's "
+                  "output (mem_weight/1..L) in the memory vector every layer attends to.",
+}
+# HParams metrics: (sub-run, tag) of scalars logged anyway (no one-point duplicates).
+HPARAM_METRICS = {("val", "loss"): "val loss (nats)", ("val", "bpc"): "val bpc",
+                  ("train", "loss"): "train loss (nats)"}
+# The hyper-parameters runs are compared by: HParams shows these columns first.
+LEAD_HPARAMS = ("kind", "d_model", "n_layers", "lr", "seq_len", "tokens")
+# Train keys a user compares runs by; the rest (logging cadence, paths) is left out.
+_TRAIN_HPARAMS = ("min_lr", "schedule", "warmup_steps", "weight_decay", "beta1", "beta2",
+                  "grad_clip", "batch_size", "grad_accum", "max_steps", "constant_tokens",
+                  "context")
+
+
+def tag_of(key: str) -> tuple[str, str]:
+    """The sub-run and tag of a metric key: ``loss`` -> (train, loss), ``val/bpc`` ->
+    (val, bpc), ``lr`` -> (train, train/lr), ``mem_weight/0`` -> (train, mem_weight/0)."""
+    if key in TB_TAGS:
+        return TB_TAGS[key]
+    if key.startswith("val/"):
+        return "val", key[len("val/"):]
+    return "train", key if "/" in key else f"train/{key}"
+
+
+def event_files(run_dir: Path) -> list[Path]:
+    """Every TensorBoard event file of a run (the run directory's and its sub-runs')."""
+    return [f for folder in (run_dir, *(run_dir / s for s in SUBRUNS))
+            for f in folder.glob(EVENTS_GLOB)]
+
+
+class TensorBoardWriter:
+    """The run's SummaryWriters (the run directory, ``train/``, ``val/``), opened so that
+    a resume overwrites the steps it repeats (``purge_step``)."""
+
+    def __init__(self, writers: dict[str, Any]):
+        self._writers = writers  # "" (the run directory), "train", "val"
+        self._described: set[tuple[str, str]] = set()  # descriptions written
+
+    @classmethod
+    def open(cls, log_dir: Path, initial_step: int) -> TensorBoardWriter:
+        """The writers for ``log_dir``; ImportError when TensorBoard is not installed."""
+        from torch.utils.tensorboard import SummaryWriter
+
+        # Steps up to initial_step were logged by the run being resumed (and are kept, like
+        # truncate_after(initial_step) keeps them); purge_step drops events from later steps,
+        # which the resumed run is about to log again, so curves don't double back.
+        purge = initial_step + 1 if initial_step > 0 else None
+        return cls({name: SummaryWriter(log_dir=str(log_dir / name), purge_step=purge)
+                    for name in ("", *SUBRUNS)})
+
+    def add_record(self, step: int, record: dict[str, Any]) -> None:
+        """One scalar per numeric value of a metrics record (``step`` and text skipped)."""
+        for key, value in record.items():
+            if key == "step" or not is_number(value):
+                continue
+            self.add_scalar(*tag_of(key), value, step)
+
+    def add_scalar(self, subrun: str, tag: str, value: float, step: int) -> None:
+        """One scalar; the first of each tag (in this writer) carries its description."""
+        writer = self._writers[subrun]
+        description = (TB_DESCRIPTIONS.get((subrun, tag))
+                       or TB_DESCRIPTIONS.get(tag.split("/", 1)[0]))
+        if description is None or (subrun, tag) in self._described:
+            writer.add_scalar(tag, value, step)
+            return
+        from torch.utils.tensorboard.summary import scalar
+
+        summary = scalar(tag, value)
+        summary.value[0].metadata.summary_description = description
+        writer._get_file_writer().add_summary(summary, step)
+        self._described.add((subrun, tag))
+
+    def add_text(self, tag: str, text: str, step: int) -> None:
+        """A text (a sample) in the run directory's events, as a code block: TensorBoard
+        renders text as markdown, and a code block keeps line breaks and spaces."""
+        self._writers[""].add_text(tag, "```\n" + text + "\n```", step)
+
+    def start_run(self, hparams: dict[str, Any], *, memory_weights: bool = True,
+                  labelled: bool = False) -> None:
+        """The Custom Scalars layout and the HParams entry (see MetricsLogger.start_run)."""
+        from tensorboard.plugins.hparams import api_pb2, plugin_data_pb2
+
+        values = {k: _hparam_value(v) for k, v in hparams.items()}
+        kinds = {bool: api_pb2.DATA_TYPE_BOOL, str: api_pb2.DATA_TYPE_STRING}
+        experiment = api_pb2.Experiment(
+            # differs: TensorBoard sorts these first (then by name) and shows five columns.
+            hparam_infos=[api_pb2.HParamInfo(
+                name=k, type=kinds.get(type(v), api_pb2.DATA_TYPE_FLOAT64),
+                differs=k in LEAD_HPARAMS) for k, v in values.items()],
+            metric_infos=[api_pb2.MetricInfo(name=api_pb2.MetricName(group=group, tag=tag),
+                                             display_name=name)
+                          for (group, tag), name in HPARAM_METRICS.items()])
+        start = plugin_data_pb2.SessionStartInfo(start_time_secs=time.time())
+        for key, value in values.items():
+            # bool before int: True is an int too, and would show as 1.0.
+            field = ("bool_value" if isinstance(value, bool) else
+                     "string_value" if isinstance(value, str) else "number_value")
+            setattr(start.hparams[key], field, value)
+        file_writer = self._writers[""]._get_file_writer()
+        for summary in (_layout_summary(chart_layout(memory_weights, labelled)),
+                        _hparams_summary(experiment=experiment),
+                        _hparams_summary(session_start_info=start)):
+            file_writer.add_summary(summary, 0)
+        self.flush()
+
+    def end_run(self, step: int) -> None:
+        """Mark the HParams session finished at ``step``."""
+        from tensorboard.plugins.hparams import api_pb2, plugin_data_pb2
+
+        end = plugin_data_pb2.SessionEndInfo(status=api_pb2.STATUS_SUCCESS,
+                                             end_time_secs=time.time())
+        self._writers[""]._get_file_writer().add_summary(
+            _hparams_summary(session_end_info=end), step)
+        self.flush()
+
+    def flush(self) -> None:
+        for writer in self._writers.values():
+            writer.flush()
+
+    def close(self) -> None:
+        """Flush and close the event files."""
+        for writer in self._writers.values():
+            writer.flush()
+            writer.close()
+
+
+def chart_layout(memory_weights: bool = True, labelled: bool = False) -> Any:
+    """TensorBoard's Custom Scalars layout: the losses first (each chart: the train and the
+    val sub-run), accuracy only for a labelled dataset (no empty charts)."""
+    from tensorboard.plugins.custom_scalar import layout_pb2
+
+    def chart(title: str, regex: str) -> Any:
+        return layout_pb2.Chart(title=title, multiline=layout_pb2.MultilineChartContent(
+            tag=[regex]))
+
+    losses = [chart("loss (nats per character): train and validation", r"^loss$"),
+              chart("bits per character: train and validation", r"^bpc$")]
+    if labelled:
+        losses.append(chart("accuracy over labelled targets: train and validation",
+                            r"^accuracy$"))
+    losses.append(chart("validation perplexity", r"^perplexity$"))
+    categories = [layout_pb2.Category(title="loss", chart=losses)]
+    if memory_weights:
+        categories.append(layout_pb2.Category(title="memory", chart=[chart(
+            "softmax(w): share of the embedding (0) and of each layer (1..L) in memory",
+            r"^mem_weight/\d+$")]))
+    categories.append(layout_pb2.Category(title="training", chart=[
+        chart("learning rate", r"^train/lr$"), chart("sequence length", r"^train/seq_len$"),
+        chart("gradient norm (before clipping)", r"^train/grad_norm$"),
+        chart("tokens/s", r"^train/tokens_per_sec$"),
+    ], closed=True))
+    return layout_pb2.Layout(category=categories)
+
+
+def _hparams_summary(**data: Any) -> Any:
+    """A Summary holding one HParams plugin message (experiment, session start or end).
+
+    Built here because tensorboard's own helpers for this need TensorFlow, and torch's
+    ``add_hparams`` stores booleans as numbers and writes through a second events file.
+    """
+    from tensorboard.compat.proto.summary_pb2 import Summary
+    from tensorboard.plugins.hparams import metadata, plugin_data_pb2
+
+    (kind,) = data
+    tag = {"experiment": metadata.EXPERIMENT_TAG,
+           "session_start_info": metadata.SESSION_START_INFO_TAG,
+           "session_end_info": metadata.SESSION_END_INFO_TAG}[kind]
+    content = plugin_data_pb2.HParamsPluginData(**data)
+    return Summary(value=[Summary.Value(tag=tag, tensor=metadata.NULL_TENSOR,
+                                        metadata=metadata.create_summary_metadata(content))])
+
+
+def _layout_summary(layout: Any) -> Any:
+    """A Summary holding a Custom Scalars layout (tensorboard's helper needs TensorFlow)."""
+    from tensorboard.compat.proto.summary_pb2 import Summary, SummaryMetadata
+    from tensorboard.compat.proto.tensor_pb2 import TensorProto
+    from tensorboard.compat.proto.types_pb2 import DT_STRING
+    from tensorboard.plugins.custom_scalar import metadata
+
+    tensor = TensorProto(dtype=DT_STRING, string_val=[layout.SerializeToString()])
+    plugin = SummaryMetadata.PluginData(plugin_name=metadata.PLUGIN_NAME)
+    return Summary(value=[Summary.Value(tag=metadata.CONFIG_SUMMARY_TAG, tensor=tensor,
+                                        metadata=SummaryMetadata(plugin_data=plugin))])
+
+
+def hparams_of(cfg: Config, world_size: int = 1) -> dict[str, Any]:
+    """The hyper-parameters runs are compared by, :data:`LEAD_HPARAMS` first (the model
+    kind and size, the learning rate, the final sequence length, the token budget over all
+    ranks), then every other model key, the optimizer and schedule keys.
+
+    No paths, URLs or hashes; ``model.mem_len`` is the window in use (an int, never None);
+    ``train.init_from`` only says whether the run was warm-started.
+    """
+    lead = {"kind": cfg.model.kind, "d_model": cfg.model.d_model,
+            "n_layers": cfg.model.n_layers, "lr": cfg.train.lr,
+            "seq_len": cfg.curriculum[-1].seq_len,
+            "tokens": Curriculum(cfg).total_tokens() * world_size}
+    model = {f"model.{k}": v for k, v in dataclasses.asdict(cfg.model).items()
+             if k not in lead}
+    model["model.mem_len"] = cfg.model.memory_window
+    train = {f"train.{k}": getattr(cfg.train, k) for k in _TRAIN_HPARAMS
+             if hasattr(cfg.train, k)}
+    return {**lead, **model, **train,
+            "train.warm_start": cfg.train.init_from is not None,
+            "curriculum_stages": len(cfg.curriculum),
+            "run.seed": cfg.run.seed,
+            "run.precision": cfg.run.precision}
+
+
+def _hparam_value(value: Any) -> float | str | bool:
+    """A value as HParams shows it: integers as text (TensorBoard prints every number with
+    five significant digits: 16 as 16.000), floats as numbers, booleans as booleans."""
+    value = plain(value)
+    return value if isinstance(value, bool | float | str) else str(value)
