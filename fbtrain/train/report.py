@@ -7,7 +7,7 @@ decides *when* to say something. Also the throughput meter behind tokens/s.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -18,6 +18,7 @@ from fbtrain.train.batches import CarriedStreams
 
 if TYPE_CHECKING:
     from fbtrain.train.setup import Progress, Run
+    from fbtrain.train.step import StepResult
 
 WARMUP_STEPS = 1  # steps of each process left out of tokens/s (allocations, first kernels)
 
@@ -97,6 +98,29 @@ def announcement(run: Run, progress: Progress, resume_path: Path | None,
     if cfg.logging.tensorboard:
         lines.append(f"tensorboard --logdir {run.run_dir.parent}")
     return lines
+
+
+def step_metrics(run: Run, result: StepResult, tokens: int, rate: float | None
+                 ) -> dict[str, Any]:
+    """A step's metrics record (the loss of this step, not an average: exact under resume);
+    ``tokens`` trained so far, ``rate`` tokens/s since the last record."""
+    metrics: dict[str, Any] = {
+        "loss": result.loss, "bpc": result.loss / LN2, "lr": result.lr,
+        "grad_norm": result.grad_norm, "tokens_per_sec": rate, "seq_len": result.seq_len,
+        "batch_size": result.batch_size, "tokens": tokens,
+        # Bounded when the memory recursion is stable; growing without end, it is not.
+        "memory_rms": result.memory_rms.item(),
+    }
+    if result.accuracy is not None:
+        metrics["accuracy"] = result.accuracy
+    model, device = run.raw_model, run.ctx.device
+    if hasattr(model, "memory_weights"):
+        with torch.no_grad():
+            weights = model.memory_weights().float().tolist()
+        metrics.update({f"mem_weight/{i}": w for i, w in enumerate(weights)})
+    if device.type == "cuda":
+        metrics["peak_mem_mib"] = torch.cuda.max_memory_allocated(device) / 2**20
+    return metrics
 
 
 def curriculum_line(before: int, after: int, batch: int, step: int) -> str:

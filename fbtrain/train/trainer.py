@@ -43,7 +43,7 @@ from fbtrain.checkpoint.files import CheckpointManager
 from fbtrain.config import Config, save_config
 from fbtrain.device import autocast
 from fbtrain.distributed import DistContext, session
-from fbtrain.evaluate import LN2, loss_figures
+from fbtrain.evaluate import loss_figures
 from fbtrain.metrics.logger import MetricsLogger, text_block
 from fbtrain.metrics.tensorboard import event_files, hparams_of
 from fbtrain.rng import capture_rng, preserve_rng
@@ -227,24 +227,9 @@ class Trainer:
             )
 
     def _train_metrics(self, result: StepResult) -> dict[str, Any]:
-        """The step's metrics (the loss of this step, not an average: exact under resume)."""
+        """The step's metrics, also shown on the progress line."""
         rate = self.throughput.window_rate()
-        metrics: dict[str, Any] = {
-            "loss": result.loss, "bpc": result.loss / LN2, "lr": result.lr,
-            "grad_norm": result.grad_norm, "tokens_per_sec": rate, "seq_len": result.seq_len,
-            "batch_size": result.batch_size, "tokens": self.progress.tokens,
-            # Bounded when the memory recursion is stable; growing without end, it is not.
-            "memory_rms": result.memory_rms.item(),
-        }
-        if result.accuracy is not None:
-            metrics["accuracy"] = result.accuracy
-        model, device = self.run.raw_model, self.ctx.device
-        if hasattr(model, "memory_weights"):
-            with torch.no_grad():
-                weights = model.memory_weights().float().tolist()
-            metrics.update({f"mem_weight/{i}": w for i, w in enumerate(weights)})
-        if device.type == "cuda":
-            metrics["peak_mem_mib"] = torch.cuda.max_memory_allocated(device) / 2**20
+        metrics = report.step_metrics(self.run, result, self.progress.tokens, rate)
         shown = {k: metrics[k] for k in ("loss", "bpc", "accuracy", "seq_len", "lr")
                  if k in metrics}
         if rate is not None:
