@@ -1,6 +1,7 @@
-# fbtrain: make install | train | test | lint | bench | bench-sample | gpu-check | clean
-# Needs Python (3.10 or newer), make, and for the fast C++ core a C++ compiler (g++); the rest, ninja
-# included, goes into $(VENV). Without a compiler fbtrain runs on its slower PyTorch core.
+# fbtrain: make install | train | dev | test | lint | bench | bench-sample | gpu-check | clean
+# Needs Python (3.10 or newer), make, and for the fast C++ core a C++ compiler (g++); the
+# rest, ninja included, goes into $(VENV). Without a compiler fbtrain runs on its slower
+# PyTorch core.
 #
 #   make train                                   # configs/tiny_shakespeare.yaml
 #   make train CONFIG=configs/tiny.yaml DATA=input.txt
