@@ -1,6 +1,7 @@
-# fbtrain: make install | train | test | lint | bench | bench-sample | gpu-check | clean
-# Needs Python (3.11), make, and for the fast C++ core a C++ compiler (g++); the rest, ninja
-# included, goes into $(VENV). Without a compiler fbtrain runs on its slower PyTorch core.
+# fbtrain: make install | train | dev | test | lint | bench | bench-sample | gpu-check | clean
+# Needs Python (3.10 or newer), make, and for the fast C++ core a C++ compiler (g++); the
+# rest, ninja included, goes into $(VENV). Without a compiler fbtrain runs on its slower
+# PyTorch core.
 #
 #   make train                                   # configs/tiny_shakespeare.yaml
 #   make train CONFIG=configs/tiny.yaml DATA=input.txt
@@ -17,27 +18,36 @@ TORCH_INDEX ?=
 
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+DEV_STAMP := $(VENV)/.installed-dev
 
-.PHONY: install train test lint bench bench-sample gpu-check clean distclean
+.PHONY: install dev train test lint bench bench-sample gpu-check clean distclean
 
+# What training needs and nothing more; `make test` and `make lint` add the dev extra.
 install: $(STAMP)
 
 # Re-runs only when pyproject.toml changes (or the venv is gone): a second `make` is instant.
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) '$(TORCH)'
-	$(BIN)/python -m pip install -e '.[dev]'
+	$(BIN)/python -m pip install -e .
 	@# Compile the C++ core now (once); without a compiler say so and go on (FBTRAIN_CORE).
 	$(BIN)/python -c 'from fbtrain.models.core.select import core; core()'
+	touch $@
+
+# pytest and ruff (the dev extra), on top of install.
+dev: $(DEV_STAMP)
+
+$(DEV_STAMP): $(STAMP)
+	$(BIN)/python -m pip install -e '.[dev]'
 	touch $@
 
 train: install
 	$(BIN)/fbtrain train --config $(CONFIG) --resume auto $(if $(DATA),--set data.path=$(DATA))
 
-test: install
+test: dev
 	$(BIN)/python -m pytest
 
-lint: install
+lint: dev
 	$(BIN)/ruff check .
 
 bench: install

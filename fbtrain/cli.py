@@ -196,6 +196,7 @@ def _root(
         "    --set train.max_steps=100 --set 'curriculum=[{seq_len: 32}]'",
         "fbtrain train --config configs/gpu.yaml --device cuda:1",
         "fbtrain train --config configs/tiny.yaml --print-config",
+        "fbtrain train --list-keys",
     ),
 )
 def train(
@@ -228,6 +229,12 @@ def train(
         typer.Option("--print-config",
                      help="Print the resolved config as YAML and exit without training."),
     ] = False,
+    list_keys: Annotated[
+        bool,
+        typer.Option("--list-keys",
+                     help="List every config key with its default and meaning, and exit "
+                     "(the same as docs/configuration.md)."),
+    ] = False,
 ) -> None:
     """Train a model from a config.
 
@@ -235,6 +242,11 @@ def train(
     <run.out_dir>/<run.name>/ (config.yaml, vocab.json, metrics.jsonl, tb/, checkpoints/).
     A run that already has checkpoints is continued only with --resume, never overwritten.
     """
+    if list_keys:
+        from fbtrain.config_reference import text_table
+
+        typer.echo(text_table())
+        return
     overrides = list(overrides or [])
     if device is not None:
         overrides.append(f"run.device={device}")

@@ -1,14 +1,103 @@
-"""The README's config reference is generated from the config dataclasses; keep it true."""
+"""The README is the front door: short, quickstart first, in the order a newcomer reads it,
+and true to pyproject.toml and the Makefile (Python versions, what `make install` installs,
+the license)."""
 
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
-from fbtrain.config import describe_fields
+import pytest
+import yaml
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+PYPROJECT_TEXT = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
+SECTIONS = ["Quickstart", "Results at a glance", "Commands", "Configuration", "Install notes",
+            "Documentation", "License and citation"]
 
 
-def test_readme_lists_every_config_key_with_its_default():
-    text = README.read_text(encoding="utf-8")
-    missing = [line for line in describe_fields().splitlines() if line not in text]
-    assert not missing, "README config table is stale; regenerate from describe_fields():\n" + \
-        "\n".join(missing)
+def readme() -> str:
+    return README.read_text(encoding="utf-8")
+
+
+def project_field(name: str) -> str:
+    """A one-line ``name = ...`` field of pyproject.toml's [project] (tomllib is 3.11+)."""
+    m = re.search(rf"^{re.escape(name)} = (.+)$", PYPROJECT_TEXT, flags=re.M)
+    assert m, f"pyproject.toml has no {name}"
+    return m.group(1).strip()
+
+
+def test_readme_is_short():
+    assert len(readme().splitlines()) <= 250
+
+
+def test_readme_sections_in_order():
+    headings = re.findall(r"^## (.+)$", readme(), flags=re.M)
+    assert headings == SECTIONS
+
+
+def test_quickstart_is_on_the_first_screen():
+    lines = readme().splitlines()
+    first_block = next(i for i, line in enumerate(lines) if line.startswith("```sh"))
+    assert first_block < 30, "the first command should be on the first screen"
+    block = lines[first_block + 1:first_block + 4]
+    assert block[0].startswith("make train") and block[1].startswith("make test")
+    quickstart = readme().split("## Quickstart", 1)[1].split("\n## ", 1)[0]
+    for command in ("fbtrain sample --checkpoint runs/tiny_shakespeare",
+                    "fbtrain eval --checkpoint runs/tiny_shakespeare"):
+        assert command in quickstart
+
+
+def test_readme_python_versions_match_pyproject():
+    requires = project_field("requires-python").strip('"')
+    m = re.fullmatch(r">=\s*(3\.\d+)", requires)
+    assert m, f"requires-python {requires!r}: update this test and the README together"
+    assert f"Python {m.group(1)} or newer" in readme()
+    makefile = (ROOT / "Makefile").read_text(encoding="utf-8")
+    assert f"Python ({m.group(1)} or newer)" in makefile
+    # ... and the Python running the tests (CI's) is one of them.
+    assert sys.version_info >= tuple(int(x) for x in m.group(1).split("."))
+
+
+def test_license_file_matches_pyproject():
+    assert project_field("license") == '{ text = "MIT" }'
+    text = (ROOT / "LICENSE").read_text(encoding="utf-8")
+    assert text.startswith("MIT License") and "WITHOUT WARRANTY OF ANY KIND" in text
+
+
+def test_citation_cites_the_paper_and_the_software():
+    cff = yaml.safe_load((ROOT / "CITATION.cff").read_text(encoding="utf-8"))
+    assert cff["cff-version"] == "1.2.0" and cff["type"] == "software"
+    assert cff["version"] == project_field("version").strip('"')
+    assert cff["license"] == "MIT"
+    paper = cff["preferred-citation"]
+    assert "Feedback Memory" in paper["title"] and "2002.09402" in paper["url"]
+    assert "arXiv:2002.09402" in readme()  # the BibTeX block
+
+
+def test_readme_picture_exists():
+    pictures = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", readme())
+    assert pictures and all((ROOT / p).is_file() for p in pictures)
+
+
+def make_dry_run(target: str) -> str:
+    """The commands ``make TARGET`` would run for a checkout without a virtual environment."""
+    out = subprocess.run(["make", "-n", target, "VENV=/nonexistent/venv"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+def test_make_install_installs_no_dev_tools_and_make_test_does():
+    install = make_dry_run("install")
+    assert "pip install -e ." in install
+    assert "[dev]" not in install and "pytest" not in install
+    train = make_dry_run("train")
+    assert "[dev]" not in train
+    for target in ("test", "lint"):
+        assert "pip install -e '.[dev]'" in make_dry_run(target)
