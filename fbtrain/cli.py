@@ -243,7 +243,7 @@ def train(
     A run that already has checkpoints is continued only with --resume, never overwritten.
     """
     if list_keys:
-        from fbtrain.config_reference import text_table
+        from fbtrain.config.reference import text_table
 
         typer.echo(text_table())
         return

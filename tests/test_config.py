@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from fbtrain.config import SECTIONS, Config, ConfigError, describe_fields, load_config
+from fbtrain.config import SECTIONS, Config, ConfigError, load_config
+from fbtrain.config.reference import markdown_table
 from fbtrain.schedule import Curriculum
 
 CONFIGS = sorted((Path(__file__).resolve().parent.parent / "configs").glob("*.yaml"))
@@ -98,8 +99,8 @@ def test_tiny_config_is_tiny():
     assert total_tokens(cfg) < 10_000
 
 
-def test_describe_fields_covers_every_section():
-    text = describe_fields()
+def test_the_key_reference_covers_every_section():
+    text = markdown_table()
     for key in ("run.name", "model.d_model", "train.lr", "checkpoint.keep_last",
                 "logging.tensorboard"):
         assert f"`{key}`" in text

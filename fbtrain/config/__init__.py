@@ -11,7 +11,6 @@ imports nothing of fbtrain at run time). The names below are re-exported for the
 outside the package; inside it, modules import from the module that owns a name.
 """
 
-from fbtrain.config.describe import describe_fields
 from fbtrain.config.errors import ConfigError
 from fbtrain.config.fields import INT64_MAX
 from fbtrain.config.load import load_config, save_config
@@ -32,6 +31,6 @@ from fbtrain.config.validate import config_from_dict
 __all__ = [
     "INT64_MAX", "MAX_VAL_FRACTION", "MODEL_KINDS", "SECTIONS", "CheckpointConfig", "Config",
     "ConfigError", "CurriculumStage", "DataConfig", "LoggingConfig", "ModelConfig",
-    "RunConfig", "TrainConfig", "config_from_dict", "describe_fields", "load_config",
+    "RunConfig", "TrainConfig", "config_from_dict", "load_config",
     "save_config",
 ]

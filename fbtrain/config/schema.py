@@ -1,6 +1,6 @@
 """The config's sections: one dataclass each, every field with its default, help text and
 allowed values (``metadata``, read by :func:`fbtrain.config.fields.field_problems` and
-:func:`fbtrain.config.describe.describe_fields`), and each section's own ``problems()``:
+:mod:`fbtrain.config.reference`), and each section's own ``problems()``:
 the checks that need only that section. Checks across sections are in validate.py.
 """
 
