@@ -336,6 +336,7 @@ struct Forward {
     const int64_t L = s.L, H = s.H, dk = lay.dk, D = lay.D, T = lay.T, n0 = lay.n0;
     const int64_t n_kv = lay.n_kv, S = n0 + T, nbH = nb * H, n_pos = p[0][RT].size(-1);
     const bool drop = s.dropout > 0, loops = loops_for(hidden);
+    const bool prefilled = !loops && lay.keep;  // see prefill_biases
     const std::vector<int64_t> shape{D};
     // This shard's rows of the memory buffers, and of the same seen as [n_kv, nb, H, S, dk].
     const Tensor keys_s = keys.narrow(1, b0 * H, nbH), values_s = values.narrow(1, b0 * H, nbH);
@@ -359,7 +360,8 @@ struct Forward {
           const Tensor a = std::get<0>(at::native_layer_norm(x, shape, w[LN1_W], w[LN1_B], s.eps));
           Tensor qu = tape.att(QU, l, t, b0, nb);
           if (loops) at::addmm_out(qu, w[UQ], a, w[WQ]);  // (q + u) / sqrt(dk): [nb, D]
-          else at::addmm_out(qu, query[l].b, a, query[l].w);  // [nb, H*(dk+P)]: AtenQuery
+          else if (prefilled) qu.addmm_(a, query[l].w);  // [nb, H*(dk+P)]: AtenQuery
+          else at::addmm_out(qu, query[l].b, a, query[l].w);
           Tensor o = tape.att(O, l, t, b0, nb);
           if (loops) {
             const Tensor prob = tape.prob(PROB, l, t, ell, b0, nb);
@@ -392,24 +394,38 @@ struct Forward {
             Tensor o3 = o.view({nbH, 1, dk});
             at::bmm_out(o3, prob_used.view({nbH, 1, ell}), v_w[set]);
           }
-          Tensor z = at::addmm(w[BO], o, w[WO_T]);
-          if (drop) z.mul_(tape.att(MASK_ATT, l, t, b0, nb));
-          at::add_out(y, z, x);
+          if (prefilled) {  // y holds bo already (prefill_biases)
+            y.addmm_(o, w[WO_T]);
+            if (drop) at::addcmul_out(y, x, y, tape.att(MASK_ATT, l, t, b0, nb));
+            else y.add_(x);
+          } else {
+            Tensor z = at::addmm(w[BO], o, w[WO_T]);
+            if (drop) z.mul_(tape.att(MASK_ATT, l, t, b0, nb));
+            at::add_out(y, z, x);
+          }
         } else {
           y.copy_(x);
         }
         const Tensor c = std::get<0>(at::native_layer_norm(y, shape, w[LN2_W], w[LN2_B], s.eps));
         Tensor h = tape.ff(HID, l, t, b0, nb);
-        at::addmm_out(h, w[B1], c, w[W1_T]).relu_();  // [nb, F]
+        if (prefilled) h.addmm_(c, w[W1_T]).relu_();  // h holds b1 already
+        else at::addmm_out(h, w[B1], c, w[W1_T]).relu_();  // [nb, F]
         Tensor h_used = h;
         if (drop) {
           h_used = tape.ff(H_USED, l, t, b0, nb);
           at::mul_out(h_used, h, tape.ff(MASK_H, l, t, b0, nb));
         }
-        Tensor f = at::addmm(w[B2], h_used, w[W2_T]);
-        if (drop) f.mul_(tape.ff(MASK_FF, l, t, b0, nb));
-        x = hid_t.select(0, l + 1);
-        at::add_out(x, y, f);
+        if (loops) {
+          Tensor f = at::addmm(w[B2], h_used, w[W2_T]);
+          if (drop) f.mul_(tape.ff(MASK_FF, l, t, b0, nb));
+          x = hid_t.select(0, l + 1);
+          at::add_out(x, y, f);
+        } else {  // the ATen path: hidden holds b2 already (prefill_biases)
+          x = hid_t.select(0, l + 1);
+          x.addmm_(h_used, w[W2_T]);
+          if (drop) at::addcmul_out(x, y, x, tape.ff(MASK_FF, l, t, b0, nb));
+          else x.add_(y);
+        }
       }
       // m_t = sum_l softmax(w)_l h_t^l, then its keys/values for every key set at once.
       Tensor m = memory.select(0, t).narrow(0, b0, nb), m_row = m.view({1, nb * D});  // [nb, D]
@@ -468,6 +484,24 @@ void record_memory_norm(const Spec& s, const Tensor& memory, std::vector<Tensor>
   rec[MEM_RS] = rs;
 }
 
+// The ATen path's bias prefill: every step's output rows of the query projection, the
+// attention block (Y), the first feed-forward matmul (HID) and each layer (hidden) start
+// as their bias, a few calls per call of the core, so that each step's matmul accumulates
+// into them in place (addmm_) instead of copying its bias in first and adding the
+// residual apart. Records are per step only with a tape (Layout::keep); without one the
+// steps share scratch rows and take the plain calls.
+void prefill_biases(const Spec& s, const Layout& lay, const std::vector<std::vector<Tensor>>& p,
+                    const std::vector<AtenQuery>& query, const Tensor& hidden,
+                    std::vector<Tensor>& rec) {
+  for (int64_t l = 0; l < s.L; ++l) {
+    hidden.select(1, l + 1).copy_(p[l][B2]);
+    if (!lay.keep) continue;
+    rec[QU].select(0, l).copy_(query[l].b);
+    rec[Y].select(0, l).copy_(p[l][BO]);
+    rec[HID].select(0, l).copy_(p[l][B1]);
+  }
+}
+
 Spec make_spec(int64_t n_layers, int64_t n_heads, bool shared_kv, int64_t window,
                double dropout, double eps, bool memory_norm) {
   TORCH_CHECK(n_layers > 0 && n_heads > 0 && window > 0, "fbtrain core: bad spec");
@@ -507,8 +541,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, std::vector<Tensor>> core_forward(
              x0.new_empty({T, s.L + 1, B, D}), x0.new_empty({T, B, D}),
              x0.new_empty({n_kv, B * H, S, dk}), x0.new_empty({n_kv, B * H, S, dk}),
              make_tape(s, lay, x0, loops_for(x0) ? D : H * (dk + p[0][RT].size(-1))), {}};
-  if (!loops_for(x0))
+  if (!loops_for(x0)) {
     for (const auto& w : p) fw.query.push_back(aten_query(w, H));
+    prefill_biases(s, lay, p, fw.query, fw.hidden, fw.tape.rec);
+  }
   fw.keys.narrow(2, 0, n0).copy_(mem_k);
   fw.values.narrow(2, 0, n0).copy_(mem_v);
   fw.hidden.select(1, 0).copy_(x0.transpose(0, 1));
@@ -545,6 +581,10 @@ struct Backward {
   // `mix` on the host, which on a GPU would be a sync).
   std::vector<AtenQuery> query;
   Tensor mix_t;
+  // The ATen path's key/value gradients, slot-major [S, B, 2, n_kv, H, dk] (d_keys, d_values
+  // and d_kv stay empty): a slot's gradients are then one row block for the d_memory
+  // matmul, with no per-step gather, and the last T slots are d_kv for the weight gradient.
+  Tensor d_kv_slots;
 
   Tensor grad(int r, int64_t l, int64_t step, int64_t b0, int64_t nb) const {
     return rows(g[r], l * g[r].size(1) + step, b0, nb);
@@ -557,19 +597,31 @@ struct Backward {
     const std::vector<int64_t> shape{D};
     const std::array<bool, 3> input_grad_only{true, false, false};
     const Tensor keys_s = keys.narrow(1, b0 * H, nbH), values_s = values.narrow(1, b0 * H, nbH);
-    const Tensor d_keys_s = d_keys.narrow(1, b0 * H, nbH);
-    const Tensor d_values_s = d_values.narrow(1, b0 * H, nbH);
-    const Tensor d_key_rows = d_keys_s.view({n_kv, nb, H, S, dk});
-    const Tensor d_value_rows = d_values_s.view({n_kv, nb, H, S, dk});
+    Tensor d_keys_s, d_values_s, d_key_rows, d_value_rows;  // [n_kv, nb(H), (H,) S, dk]
+    if (loops) {
+      d_keys_s = d_keys.narrow(1, b0 * H, nbH);
+      d_values_s = d_values.narrow(1, b0 * H, nbH);
+      d_key_rows = d_keys_s.view({n_kv, nb, H, S, dk});
+      d_value_rows = d_values_s.view({n_kv, nb, H, S, dk});
+    } else {  // views of d_kv_slots, [n_kv, nb, H, S, dk]
+      const Tensor rows_s = d_kv_slots.narrow(1, b0, nb);
+      d_key_rows = rows_s.select(2, 0).permute({2, 1, 3, 0, 4});
+      d_value_rows = rows_s.select(2, 1).permute({2, 1, 3, 0, 4});
+    }
     std::vector<Tensor> k_w(n_kv), v_t(n_kv), dk_w(n_kv), dv_w(n_kv);
     for (int64_t t = T - 1; t >= 0; --t) {
       const int64_t slot = n0 + t;
       const auto [lo, ell] = window_of(slot, s.window);
       Tensor dm;  // gradient of this step's memory vector, [nb, D]
       if (t < T - 1) {  // the newest slot is read by no later step of this call
-        Tensor dkv_t = d_kv.select(0, t).narrow(0, b0, nb);  // [nb, 2, n_kv, H, dk]
-        dkv_t.select(1, 0).copy_(d_key_rows.select(3, slot).transpose(0, 1));
-        dkv_t.select(1, 1).copy_(d_value_rows.select(3, slot).transpose(0, 1));
+        Tensor dkv_t;  // [nb, 2, n_kv, H, dk]
+        if (loops) {
+          dkv_t = d_kv.select(0, t).narrow(0, b0, nb);
+          dkv_t.select(1, 0).copy_(d_key_rows.select(3, slot).transpose(0, 1));
+          dkv_t.select(1, 1).copy_(d_value_rows.select(3, slot).transpose(0, 1));
+        } else {
+          dkv_t = d_kv_slots.select(0, slot).narrow(0, b0, nb);
+        }
         dm = d_memory.select(0, t).narrow(0, b0, nb);
         at::mm_out(dm, dkv_t.view({nb, -1}), wkv_t);
         if (s.memory_norm) {  // through the normalisation, back to m_t
@@ -581,8 +633,13 @@ struct Backward {
       for (int64_t kv = 0; ell && kv < n_kv; ++kv) {
         k_w[kv] = keys_s.select(0, kv).narrow(1, lo, ell);  // [nbH, ell, dk]
         v_t[kv] = values_s.select(0, kv).narrow(1, lo, ell).transpose(1, 2);  // [nbH, dk, ell]
-        dk_w[kv] = d_keys_s.select(0, kv).narrow(1, lo, ell);
-        dv_w[kv] = d_values_s.select(0, kv).narrow(1, lo, ell);
+        if (loops) {
+          dk_w[kv] = d_keys_s.select(0, kv).narrow(1, lo, ell);
+          dv_w[kv] = d_values_s.select(0, kv).narrow(1, lo, ell);
+        } else {  // [nb, H, ell, dk]
+          dk_w[kv] = d_key_rows.select(0, kv).narrow(2, lo, ell);
+          dv_w[kv] = d_value_rows.select(0, kv).narrow(2, lo, ell);
+        }
       }
       // Each gradient is written straight where it is recorded: the gradient of layer l's
       // output is (without dropout) its DF record, that of y its DZ record, and that of
@@ -648,7 +705,7 @@ struct Backward {
             Tensor d_prob = at::bmm(d_o, v_t[set]).view({nbH, 1, ell});
             // Rank-1 updates, broadcast in place (baddbmm_ into a strided view falls back
             // to one small matmul per batch row).
-            dv_w[set].addcmul_(prob_used.view({nbH, ell, 1}), d_o);
+            dv_w[set].addcmul_(prob_used.view({nb, H, ell, 1}), d_o.view({nb, H, 1, dk}));
             if (drop) d_prob.mul_(tape.prob(MASK_PROB, l, t, ell, b0, nb).view({nbH, 1, ell}));
             const Tensor dqp = dqu.view({nbH, dk + n_pos}), qp = qu.view({nbH, dk + n_pos});
             // Computed apart and copied in: the CPU kernel's out= variant writes a strided
@@ -658,7 +715,8 @@ struct Backward {
             dqp.narrow(1, dk + n_pos - ell, ell).copy_(d_scores.squeeze(1));
             Tensor dqu3 = dqp.narrow(1, 0, dk).unsqueeze(1);
             at::bmm_out(dqu3, d_scores, k_w[set]);
-            dk_w[set].addcmul_(d_scores.transpose(1, 2), qp.narrow(1, 0, dk).unsqueeze(1));
+            dk_w[set].addcmul_(d_scores.view({nb, H, ell, 1}),
+                               qp.narrow(1, 0, dk).view({nb, H, 1, dk}));
           }
           Tensor da = grad(DA, l, t - lay.first_att, b0, nb);
           at::mm_out(da, dqu, loops ? wq_b : query[l].w_t);
@@ -733,10 +791,12 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, std::vector<Tensor>> 
   }();
   const int64_t shards = shard_count(hidden, B), n_att = lay.n_att;
   const Tensor wkv_t = wkv.t();
+  const Tensor none = hidden.new_empty({0});
   Backward bw{s, lay, p, back, tape, mix_f, wkv_t, d_top, hidden, memory, keys, values,
-              at::zeros_like(keys), at::zeros_like(values),
-              hidden.new_zeros({T, B, 2, n_kv, s.H, lay.dk}), hidden.new_zeros({T, B, D}),
-              hidden.new_empty({B, T, D}), {}, {}, {}};
+              loops ? at::zeros_like(keys) : none, loops ? at::zeros_like(values) : none,
+              loops ? hidden.new_zeros({T, B, 2, n_kv, s.H, lay.dk}) : none,
+              hidden.new_zeros({T, B, D}), hidden.new_empty({B, T, D}), {}, {}, {}};
+  if (!loops) bw.d_kv_slots = hidden.new_zeros({n0 + T, B, 2, n_kv, s.H, lay.dk});
   // On the ATen path DQU is AtenQuery's [H, dk + P] row, zero outside each step's window.
   const int64_t n_pos = p[0][RT].size(-1);
   bw.g = {hidden.new_empty({L, n_att, B, D}),
@@ -803,10 +863,16 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, std::vector<Tensor>> 
     grads.insert(grads.end(), gl.begin(), gl.end());
   }
   const Tensor d_mix = at::einsum("tbd,tlbd->l", {bw.d_memory, hidden});
-  const Tensor d_kv_flat = bw.d_kv.view({T * B, -1});
+  const Tensor d_kv_flat = (loops ? bw.d_kv : bw.d_kv_slots.narrow(0, n0, T)).view({T * B, -1});
   const Tensor& kv_in = s.memory_norm ? tape.rec[MEM_HAT] : memory;  // what was projected
   const Tensor d_wkv = at::mm(kv_in.reshape({T * B, D}).t(), d_kv_flat);
   // The carried slots' key/value gradients, for callers that projected them differentiably.
+  if (!loops) {  // the carried slots' gradients in the keys' layout [n_kv, B*H, n0, dk]
+    const Tensor carried = bw.d_kv_slots.narrow(0, 0, n0).permute({2, 3, 1, 4, 0, 5});
+    const std::vector<int64_t> kv_shape{n_kv, B * s.H, n0, lay.dk};
+    return {bw.d_x0, carried.select(0, 0).reshape(kv_shape),
+            carried.select(0, 1).reshape(kv_shape), d_mix, d_wkv, d_kv_flat.sum(0), grads};
+  }
   return {bw.d_x0, bw.d_keys.narrow(2, 0, n0), bw.d_values.narrow(2, 0, n0), d_mix, d_wkv,
           d_kv_flat.sum(0), grads};
 }
