@@ -116,7 +116,7 @@ def count_step(kind: str = "feedback_kv", batch: int = 16, seq_len: int = 64,
     """Profile one training step (forward, cross-entropy, backward, AdamW step) of ``kind``
     on the CPU's ATen path after one warm-up step; :func:`count_events` of it, plus the
     step's token-layer count under ``"token_layers"``."""
-    sizes = {**SIZES, **(sizes or {})}
+    sizes = {k: v for k, v in {**SIZES, **(sizes or {})}.items() if k != "dropout"}
     saved = os.environ.get("FBTRAIN_CORE_ATEN"), torch.get_num_threads()
     os.environ["FBTRAIN_CORE_ATEN"] = "1"  # read by the C++ core on every call
     torch.set_num_threads(1)  # one shard, as on a GPU

@@ -109,3 +109,17 @@ def test_aten_path_reads_no_tensor_on_the_host(kind):
                                      inputs.mix, inputs.wkv, inputs.layers)
     assert grads.x0.shape == (B, T, 8) and grads.x0.is_meta
     assert [g.shape for g in grads.layers] == [t.shape for t in inputs.layers]
+
+
+def test_gpu_check_graphs_section_cpu_stand_in():
+    """scripts/gpu_check.py's graphs section on the CPU: eager steps timed and the ATen
+    path's launches counted per kind, no graphs (and no bitwise check) without CUDA."""
+    import gpu_check
+
+    rows = gpu_check.graph_steps(torch.device("cpu"), gpu_check.TOY_SIZES, (2,), 4, 1,
+                                 gpu_check.Budget(600))
+    assert set(rows) == {"feedback_kv/batch=2", "feedback/batch=2"}
+    for row in rows.values():
+        assert row["eager_ms"] > 0 and row["eager_tokens_per_sec"] > 0
+        assert row["eager_launches"] > 0
+        assert "graphed_ms" not in row and "bitwise_equal" not in row
