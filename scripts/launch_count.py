@@ -64,7 +64,8 @@ NO_KERNEL = frozenset(f"aten::{n}" for n in (
 OWN_KERNEL = frozenset(f"aten::{n}" for n in (
     "mm", "bmm", "addmm", "addmm_", "baddbmm", "baddbmm_", "addbmm", "addmv", "mv", "dot",
     "_addmm_activation"))
-SYNC_OPS = frozenset({"aten::item", "aten::_local_scalar_dense", "fbtrain::host_sync"})
+# (aten::item calls aten::_local_scalar_dense: counting both would count each sync twice)
+SYNC_OPS = frozenset({"aten::_local_scalar_dense", "fbtrain::host_sync"})
 SECTIONS = ("forward sweep", "backward sweep", "core other", "rest")
 SWEEP_MARKS = {"fbtrain::forward_sweep": "forward sweep",
                "fbtrain::backward_sweep": "backward sweep"}
