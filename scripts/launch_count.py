@@ -56,7 +56,7 @@ NO_KERNEL = frozenset(f"aten::{n}" for n in (
     "unsqueeze", "squeeze", "alias", "detach", "detach_", "lift_fresh", "contiguous",
     "unbind", "split", "chunk", "view_as", "flatten", "unflatten", "diagonal", "movedim",
     "numpy_T", "set_", "resize_", "_has_compatible_shallow_copy_type", "result_type",
-    "is_nonzero", "size", "stride", "to", "_to_copy", "clone", "linear", "matmul",
+    "is_nonzero", "item", "size", "stride", "to", "_to_copy", "clone", "linear", "matmul",
     "layer_norm", "dropout", "zeros", "zeros_like", "ones", "ones_like", "einsum",
     "cross_entropy_loss", "log_softmax", "softmax", "embedding", "index_select_backward",
 ))
