@@ -7,11 +7,15 @@ training steps (forward, cross-entropy, backward, AdamW step) of:
                             feedback_kv / feedback, on the same weights as fbtrain's
   feedback_kv / feedback    fbtrain's models, the exact path ``fbtrain train`` uses
   transformer               fbtrain's parallel baseline of the same sizes
+  gpt                       a standard GPT of the same sizes (pre-LayerNorm blocks, causal
+                            attention through scaled_dot_product_attention, learned
+                            absolute positions, GELU feed-forward): the yardstick a reader
+                            knows; reported apart, as feedback_kv's step time over its
 
-and reports median ms per step, tokens/s, the ratios fbtrain/reference and
-fbtrain/transformer, and the peak memory of a training step at several lengths. Before
-timing it checks that fbtrain's loss and gradients equal the reference's (float64, same
-weights), so a fast wrong model cannot pass. Exits 1 if a target is missed.
+and reports median ms per step, tokens/s, the ratios fbtrain/reference,
+fbtrain/transformer and feedback_kv/gpt, and the peak memory of a training step at several
+lengths. Before timing it checks that fbtrain's loss and gradients equal the reference's
+(float64, same weights), so a fast wrong model cannot pass. Exits 1 if a target is missed.
 
     python scripts/benchmark.py                 # the full run (a few minutes on 2 cores)
     python scripts/benchmark.py --json out.json
@@ -113,8 +117,48 @@ class Entry:
         return time.perf_counter() - start
 
 
+class GPT(torch.nn.Module):
+    """A standard GPT: token + learned absolute position embeddings, pre-LayerNorm blocks of
+    causal self-attention (``scaled_dot_product_attention``) and a GELU feed-forward, a
+    final LayerNorm and a linear head. Sizes as ModelConfig's (d_model, n_heads, d_ff,
+    n_layers, dropout); ``max_len`` positions."""
+
+    def __init__(self, cfg: ModelConfig, vocab: int, max_len: int):
+        super().__init__()
+        D = cfg.d_model
+        self.n_heads, self.dropout = cfg.n_heads, cfg.dropout
+        self.embed = torch.nn.Embedding(vocab, D)
+        self.pos = torch.nn.Embedding(max_len, D)
+        self.blocks = torch.nn.ModuleList(torch.nn.ModuleDict({
+            "ln1": torch.nn.LayerNorm(D), "qkv": torch.nn.Linear(D, 3 * D),
+            "out": torch.nn.Linear(D, D), "ln2": torch.nn.LayerNorm(D),
+            "ff1": torch.nn.Linear(D, cfg.d_ff), "ff2": torch.nn.Linear(cfg.d_ff, D),
+        }) for _ in range(cfg.n_layers))
+        self.ln_f = torch.nn.LayerNorm(D)
+        self.head = torch.nn.Linear(D, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [B, T] -> logits [B, T, vocab]."""
+        B, T = tokens.shape
+        x = self.embed(tokens) + self.pos(torch.arange(T, device=tokens.device))
+        drop = self.dropout if self.training else 0.0
+        for b in self.blocks:
+            q, k, v = b["qkv"](b["ln1"](x)).view(B, T, 3, self.n_heads, -1).unbind(2)
+            a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                               v.transpose(1, 2), dropout_p=drop,
+                                               is_causal=True)
+            x = x + F.dropout(b["out"](a.transpose(1, 2).reshape(B, T, -1)), drop,
+                              self.training)
+            h = F.dropout(F.gelu(b["ff1"](b["ln2"](x))), drop, self.training)
+            x = x + F.dropout(b["ff2"](h), drop, self.training)
+        return self.head(self.ln_f(x))
+
+
 def make_entries(device: torch.device, precision: torch.dtype | None,
-                 with_reference: bool, sizes: dict | None = None) -> list[Entry]:
+                 with_reference: bool, sizes: dict | None = None,
+                 gpt_len: int = 0) -> list[Entry]:
+    """The timed entries (see the module docstring); a GPT with ``gpt_len`` positions
+    where that is set."""
     entries = []
     for kind in ("feedback_kv", "feedback"):
         torch.manual_seed(0)
@@ -128,15 +172,21 @@ def make_entries(device: torch.device, precision: torch.dtype | None,
     transformer = build_model(model_config("transformer", sizes), VOCAB).to(device)
     entries.append(Entry("transformer", transformer, lambda x, m=transformer: m(x)[0],
                          device, precision))
+    if gpt_len:
+        torch.manual_seed(0)
+        gpt = GPT(model_config("transformer", sizes), VOCAB, gpt_len).to(device)
+        entries.append(Entry("gpt", gpt, gpt, device, precision))
     return entries
 
 
 def time_steps(seq_len: int, repeats: int, warmup: int, device: torch.device,
                precision: torch.dtype | None, with_reference: bool,
-               sizes: dict | None = None, batch: int = BATCH) -> dict[str, dict]:
+               sizes: dict | None = None, batch: int = BATCH,
+               with_gpt: bool = False) -> dict[str, dict]:
     """Median ms/step and tokens/s of every entry (interleaved), at ``sizes`` and ``batch``
-    (default: the benchmark's)."""
-    entries = make_entries(device, precision, with_reference, sizes)
+    (default: the benchmark's); ``with_gpt`` adds the GPT entry."""
+    entries = make_entries(device, precision, with_reference, sizes,
+                           seq_len if with_gpt else 0)
     gen = torch.Generator().manual_seed(seq_len)
     x = torch.randint(0, VOCAB, (batch, seq_len), generator=gen).to(device)
     y = torch.randint(0, VOCAB, (batch, seq_len), generator=gen).to(device)
@@ -232,7 +282,8 @@ def main() -> int:
         "threads": torch.get_num_threads(), "torch": torch.__version__,
         "machine": platform.processor() or platform.machine(),
         "precision": "bf16 autocast" if precision else "fp32",
-        "sizes": {**SIZES, "vocab": VOCAB, "batch": BATCH}, "timings": {}, "memory_mb": {},
+        "sizes": {**SIZES, "vocab": VOCAB, "batch": BATCH}, "timings": {}, "gpt": {},
+        "memory_mb": {},
     }
     print(f"device {report['device']} ({report['threads']} threads), {report['precision']}, "
           f"torch {torch.__version__}; sizes {report['sizes']}")
@@ -247,12 +298,17 @@ def main() -> int:
 
     for seq_len in args.seq_lens:
         result = time_steps(seq_len, args.repeats, args.warmup, device, precision,
-                            not args.no_reference)
+                            not args.no_reference, with_gpt=True)
+        gpt = result.pop("gpt")
+        gpt["feedback_kv_over_gpt"] = result["feedback_kv"]["ms_per_step"] / gpt["ms_per_step"]
         report["timings"][seq_len] = result
+        report["gpt"][seq_len] = gpt
         print(f"\nseq_len {seq_len}, batch {BATCH}: median of {args.repeats} steps")
         print(f"  {'model':22s} {'ms/step':>9s} {'tokens/s':>10s}")
-        for name, r in result.items():
+        for name, r in [*result.items(), ("gpt", gpt)]:
             print(f"  {name:22s} {r['ms_per_step']:9.1f} {r['tokens_per_sec']:10.0f}")
+        print(f"  feedback_kv  {gpt['feedback_kv_over_gpt']:5.2f}x the GPT's step time "
+              "(same sizes, causal scaled_dot_product_attention, learned positions)")
         for kind in ("feedback_kv", "feedback"):
             ms = result[kind]["ms_per_step"]
             vs_tf = ms / result["transformer"]["ms_per_step"]

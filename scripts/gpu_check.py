@@ -12,6 +12,12 @@ Sections, in order (each timed; the report ends with a summary line per check):
   train    200 steps of configs/gpu.yaml (``fbtrain train``, bf16) on --data or a generated
            text: first and last logged loss, which must fall
   sample   cached generation (fbtrain.sample.generate), characters/s, at both sizes
+  graphs   feedback_kv and feedback at configs/gpu.yaml's sizes, T = 64, batch gpu.yaml's,
+           16, 128 and 512, fp32: kernel launches per step (counted by torch.profiler on
+           the GPU), eager and CUDA-graphed (FBTRAIN_CUDA_GRAPHS=1) ms/step and tokens/s,
+           the GPU-busy share of each, and whether graphed and eager steps agree bitwise
+           (loss and every gradient, dropout 0.1). On the CPU stand-in: the ATen path's
+           launches (scripts/launch_count.py) and the eager step; no graphs
   profile  one feedback_kv training step at configs/gpu.yaml's sizes (T = 64) under
            torch.profiler: the share of its wall time the GPU is busy. Well below 1 means the
            step is launch-bound (the GPU waits for the CPU to queue thousands of small
@@ -27,7 +33,9 @@ the figures then mean nothing, the code paths are exercised). Exits 1 if a check
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import platform
 import random
 import statistics
@@ -35,6 +43,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -44,10 +53,12 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 import bench_sample  # noqa: E402
 import benchmark  # noqa: E402
+import launch_count  # noqa: E402
 
 from fbtrain.config import load_config  # noqa: E402
 from fbtrain.data.tokenizers import CharTokenizer  # noqa: E402
 from fbtrain.models import build_model  # noqa: E402
+from fbtrain.models.core import graphs  # noqa: E402
 from fbtrain.sample import generate  # noqa: E402
 
 GPU_CONFIG = ROOT / "configs" / "gpu.yaml"
@@ -56,6 +67,7 @@ BUDGET_S = 480.0  # 8 minutes
 # The CPU stand-in: every section at these sizes, on the CPU.
 TOY_SIZES = dict(d_model=32, n_heads=2, d_ff=64, n_layers=2, dropout=0.0, max_rel_pos=64)
 TOY_BATCH, TOY_SEQ_LENS, TOY_TRAIN_STEPS, TOY_CHARS = 4, (8,), 12, 20
+GRAPH_BATCHES = (16, 128, 512)  # with gpu.yaml's own, for the graphs section
 
 
 class Budget:
@@ -225,6 +237,99 @@ def busy_share(device: torch.device, precision: torch.dtype | None, sizes: dict,
             "batch": batch, "launch_bound": None if share is None else share < 0.5}
 
 
+@contextlib.contextmanager
+def cuda_graphs(on: bool) -> Iterator[None]:
+    """``$FBTRAIN_CUDA_GRAPHS`` set to ``on`` for the block."""
+    saved = os.environ.get(graphs.GRAPHS_ENV)
+    os.environ[graphs.GRAPHS_ENV] = "1" if on else "0"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(graphs.GRAPHS_ENV, None)
+        else:
+            os.environ[graphs.GRAPHS_ENV] = saved
+
+
+def _entry(kind: str, sizes: dict, batch: int, seq_len: int, device: torch.device,
+           dropout: float = 0.0) -> tuple[benchmark.Entry, torch.Tensor]:
+    """A fresh fp32 model of ``kind`` (seed 0) in a benchmark Entry, and a batch for it."""
+    torch.manual_seed(0)
+    model = build_model(benchmark.model_config(kind, {**sizes, "dropout": dropout}),
+                        benchmark.VOCAB).to(device).train()
+    x = torch.randint(0, benchmark.VOCAB, (batch, seq_len), device=device)
+    return benchmark.Entry(kind, model, lambda t: model(t)[0], device, None), x
+
+
+def _kernels(entry: benchmark.Entry, x: torch.Tensor) -> tuple[int, float]:
+    """Kernels launched by one training step on the GPU and the time they ran (ms)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        entry.step(x, x)
+    events = [e for e in prof.key_averages() if str(getattr(e, "device_type", "")).endswith("CUDA")]
+    busy_us = sum(getattr(e, "self_device_time_total", 0) or 0 for e in events)
+    return sum(e.count for e in events), busy_us / 1000
+
+
+def graphs_agree(kind: str, sizes: dict, batch: int, seq_len: int,
+                 device: torch.device) -> bool:
+    """Two forward/backward steps (dropout 0.1, same seed) eager and graphed: the same
+    loss and gradients bit for bit (fp32)."""
+    results = []
+    for on in (False, True):
+        with cuda_graphs(on):
+            entry, x = _entry(kind, sizes, batch, seq_len, device, dropout=0.1)
+            torch.manual_seed(1)
+            got = []
+            for _ in range(2):
+                entry.model.zero_grad(set_to_none=True)
+                loss = torch.nn.functional.cross_entropy(
+                    entry.forward(x).reshape(-1, benchmark.VOCAB), x.reshape(-1))
+                loss.backward()
+                got += [loss.detach()] + [p.grad.clone() for p in entry.model.parameters()
+                                          if p.grad is not None]
+            results.append(got)
+    return all(torch.equal(a, b) for a, b in zip(*results, strict=True))
+
+
+def graph_steps(device: torch.device, sizes: dict, batches: tuple[int, ...], seq_len: int,
+                repeats: int, budget: Budget) -> dict:
+    """The graphs section (see the module docstring): per kind and batch, launches per
+    step, eager and graphed ms/step and tokens/s, busy shares and bitwise agreement."""
+    out: dict = {}
+    cuda = device.type == "cuda"
+    for kind in ("feedback_kv", "feedback"):
+        for batch in batches:
+            key = f"{kind}/batch={batch}"
+            if budget.left() < 60:
+                out[key] = "skipped: time budget"
+                continue
+            row: dict = {"kind": kind, "batch": batch, "seq_len": seq_len}
+            modes = (False, True) if cuda else (False,)
+            for on in modes:
+                with cuda_graphs(on):
+                    entry, x = _entry(kind, sizes, batch, seq_len, device)
+                    for _ in range(3):  # warm-up (and, graphed, the captures)
+                        entry.step(x, x)
+                    ms = statistics.median(entry.step(x, x) for _ in range(repeats)) * 1000
+                    name = "graphed" if on else "eager"
+                    row[f"{name}_ms"] = ms
+                    row[f"{name}_tokens_per_sec"] = batch * seq_len / ms * 1000
+                    if cuda:
+                        launches, busy_ms = _kernels(entry, x)
+                        row[f"{name}_launches"] = launches
+                        row[f"{name}_busy_share"] = busy_ms / ms
+            if cuda:
+                row["bitwise_equal"] = graphs_agree(kind, sizes, min(batch, 16), seq_len,
+                                                    device)
+            else:  # the ATen path's count, on the CPU (what a GPU would launch)
+                counts = launch_count.count_step(kind, batch, seq_len, sizes=sizes)
+                row["eager_launches"] = launch_count.summary(counts, 5.0)["launches_total"]
+            out[key] = row
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--data", type=Path, help="text to train on (default: generated)")
@@ -306,6 +411,29 @@ def main(argv: list[str] | None = None) -> int:
         rate = sample_speed(device, sizes, chars)
         report["sample_chars_per_s"][label] = rate
         print(f"  {label}: {rate:.1f} characters/s ({chars} characters)")
+
+    section("graphs: launches, eager vs CUDA-graphed steps (fp32)")
+    sizes, batch = next(iter(size_sets.values()))
+    batches = tuple(dict.fromkeys((batch, *GRAPH_BATCHES))) if cuda else (batch,)
+    graph_rows = graph_steps(device, sizes, batches, seq_lens[0], args.repeats, budget)
+    report["graphs"] = graph_rows
+    if cuda:
+        report["checks"]["graphed = eager"] = all(
+            r["bitwise_equal"] for r in graph_rows.values() if isinstance(r, dict))
+    for key, r in graph_rows.items():
+        if isinstance(r, str):
+            print(f"  {key}: {r}")
+            continue
+        line = (f"  {key:24s} eager {r['eager_ms']:8.1f} ms {r['eager_tokens_per_sec']:9.0f} "
+                f"tok/s {r['eager_launches']:6d} launches")
+        if cuda:
+            line += (f" busy {r['eager_busy_share']:.0%}; graphed {r['graphed_ms']:8.1f} ms "
+                     f"{r['graphed_tokens_per_sec']:9.0f} tok/s {r['graphed_launches']:6d} "
+                     f"launches busy {r['graphed_busy_share']:.0%}; bitwise "
+                     f"{'equal' if r['bitwise_equal'] else 'DIFFERENT'}")
+        else:
+            line += " (ATen path, counted on the CPU; no CUDA graphs here)"
+        print(line)
 
     section("profile: share of a training step the device is busy")
     sizes, batch = next(iter(size_sets.values()))

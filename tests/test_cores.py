@@ -11,11 +11,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 from torch.utils import cpp_extension
 
 from fbtrain.config import ModelConfig
 from fbtrain.models import build_model
-from fbtrain.models.core import native, python, select
+from fbtrain.models.core import graphs, native, python, select
+from fbtrain.models.core.autograd import flatten_layers
+from fbtrain.models.core.spec import CoreInputs, CoreSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTICE = "Running on the PyTorch core instead"
@@ -181,3 +184,123 @@ def test_native_choice_with_a_compiler_that_fails_its_check_exits_2(tmp_path):
                       "compiler (false --version exited with status 1; set CXX to name "
                       "another compiler)"]
     assert NOTICE not in result.stderr and "Traceback" not in result.stderr
+
+
+# CUDA graphs (fbtrain/models/core/graphs.py): off by default, CUDA calls only.
+
+def _graph_model(dropout: float = 0.0) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return build_model(ModelConfig(kind="feedback_kv", d_model=16, n_heads=2, d_ff=32,
+                                   n_layers=2, max_rel_pos=16, dropout=dropout), 11)
+
+
+@pytest.mark.parametrize("switch", [None, "0", "1"])
+def test_cuda_graph_switch_leaves_the_cpu_path_as_it_was(switch, monkeypatch):
+    """Off (or on, for a CPU call) the autograd Function runs the plain core object itself,
+    exactly as without the graphs module."""
+    if switch is None:
+        monkeypatch.delenv(graphs.GRAPHS_ENV, raising=False)
+    else:
+        monkeypatch.setenv(graphs.GRAPHS_ENV, switch)
+    model = _graph_model()
+    top = model(torch.randint(0, 11, (2, 5)))[0]
+    todo, seen = [top.grad_fn], []
+    while todo:  # the graph down to the core's autograd node
+        node = todo.pop()
+        if hasattr(node, "core"):
+            seen.append(node.core)
+        todo += [n for n, _ in node.next_functions if n is not None]
+    assert seen == [select.core()]
+    assert graphs.maybe_graphed(native.NativeCore, torch.zeros(1)) is native.NativeCore
+
+
+def test_graph_capture_failure_falls_back_to_eager_with_one_notice(monkeypatch, capsys):
+    """A capture that fails (here: any, faked) leaves one notice line and the eager
+    result, and is not tried again for that shape."""
+    tries = []
+
+    def broken(fn, args):
+        tries.append(1)
+        raise RuntimeError("operation not permitted when stream is capturing\nmore")
+
+    monkeypatch.setattr(graphs, "_Graph", broken)
+    model = _graph_model(0.0)
+    layers, wkv, bkv = model.core_params(4)
+    inputs = CoreInputs(torch.randn(2, 4, 16), torch.zeros(1, 4, 0, 8), torch.zeros(1, 4, 0, 8),
+                        model.memory_weights().detach(), wkv.detach(), bkv,
+                        [t.detach() for t in flatten_layers(layers)])
+    spec = CoreSpec(n_layers=2, n_heads=2, shared_kv=True, window=16, dropout=0.0)
+    graphed = graphs.GraphedCore(native.NativeCore)
+    eager = native.NativeCore.core_forward(spec, inputs, keep_tape=True)
+    for _ in range(2):
+        out = graphed.core_forward(spec, inputs, keep_tape=True)
+        assert torch.equal(out.hidden, eager.hidden)
+    assert len(tries) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["fbtrain: CUDA graph capture of the core failed (operation not permitted "
+                   "when stream is capturing); running it eagerly for this shape"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.cuda
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_cuda_graphed_training_steps_equal_eager_bitwise(dropout, monkeypatch):
+    """Three training steps (same seed), graphed and eager, fp32: the same logits and
+    gradients bit for bit, dropout masks included; the graphs are captured once."""
+    results = {}
+    for switch in ("0", "1"):
+        monkeypatch.setenv(graphs.GRAPHS_ENV, switch)
+        model = _graph_model(dropout).cuda().train()
+        torch.manual_seed(1)
+        x = torch.randint(0, 11, (4, 9), device="cuda")
+        steps = []
+        for _ in range(3):
+            model.zero_grad(set_to_none=True)
+            logits = model(x)[0]
+            logits.square().mean().backward()
+            steps.append([logits.detach().clone()]
+                         + [p.grad.clone() for p in model.parameters() if p.grad is not None])
+        results[switch] = steps
+    for eager, graphed in zip(results["0"], results["1"], strict=True):
+        for a, b in zip(eager, graphed, strict=True):
+            assert torch.equal(a, b)
+    cached = graphs._graphed[id(select.core())].graphs
+    assert len(cached) == 2 and all(g is not None for g in cached.values())
+
+
+def test_graphed_core_hands_each_call_its_own_inputs_and_outputs(monkeypatch):
+    """GraphedCore's plumbing on the CPU, with a stand-in for the CUDA graph that records
+    the call once and replays it from static copies of the inputs: a training step
+    through it (forward, backward, two chunks carrying memory) equals the plain core's
+    bit for bit, and each spec and shape is captured once."""
+    captured = []
+
+    class FakeGraph:
+        def __init__(self, fn, args):
+            captured.append(fn)
+            self.fn, self.static = fn, [None if a is None else a.clone() for a in args]
+
+        def __call__(self, args):
+            for s, a in zip(self.static, args, strict=True):
+                if s is not None:
+                    s.copy_(a)
+            return self.fn(self.static)
+
+    monkeypatch.setattr(graphs, "_Graph", FakeGraph)
+    tokens = torch.randint(0, 11, (2, 6))
+    runs = []
+    for graphed in (False, True):
+        model = _graph_model(0.1)
+        if graphed:
+            wrapper = graphs.GraphedCore(select.core())
+            monkeypatch.setattr("fbtrain.models.core.autograd.maybe_graphed",
+                                lambda core, like, w=wrapper: w)
+        torch.manual_seed(3)
+        logits, state = model(tokens[:, :3])
+        logits2, _ = model(tokens[:, 3:], state)  # carried memory: a second shape
+        torch.cat([logits, logits2], 1).square().mean().backward()
+        runs.append([logits.detach(), logits2.detach()]
+                    + [p.grad for p in model.parameters() if p.grad is not None])
+    for a, b in zip(*runs, strict=True):
+        assert torch.equal(a, b)
+    assert len(captured) == 4  # forward and backward, for each of the two shapes

@@ -228,10 +228,14 @@ def threads() -> Iterator[None]:
 
 @pytest.mark.parametrize("kind", FEEDBACK_KINDS)
 @pytest.mark.parametrize("dropout", [0.0, 0.3])
-def test_result_does_not_depend_on_batch_sharding(kind, dropout, threads):
+@pytest.mark.parametrize("path", ["loops", "aten"])
+def test_result_does_not_depend_on_batch_sharding(kind, dropout, path, threads, monkeypatch):
     """On a CPU the C++ core sweeps one batch shard per thread. One shard and three uneven
     ones (5 rows: 1 + 2 + 2) must give the same logits, memory and gradients; with dropout
-    too, since the masks are drawn before the sweep."""
+    too, since the masks are drawn before the sweep. On both paths (the ATen one's
+    prefilled biases and slot-major key/value gradients are per shard too)."""
+    if path == "aten":
+        monkeypatch.setenv("FBTRAIN_CORE_ATEN", "1")
     model = randomized(small(kind, dropout=dropout, mem_len=4)).train()
     tokens = torch.randint(0, 11, (5, 7))
     runs = []
@@ -254,10 +258,13 @@ def test_result_does_not_depend_on_batch_sharding(kind, dropout, threads):
 
 
 @pytest.mark.parametrize("kind", FEEDBACK_KINDS)
-def test_no_grad_shards_never_share_scratch(kind, threads):
+@pytest.mark.parametrize("path", ["loops", "aten"])
+def test_no_grad_shards_never_share_scratch(kind, path, threads, monkeypatch):
     """No-grad calls keep no tape: each shard writes one step's records into scratch, and
     shards run at their own pace. Three threads on fewer cores make them drift apart; every
     call must still equal the one-shard result (this caught overlapping scratch rows)."""
+    if path == "aten":
+        monkeypatch.setenv("FBTRAIN_CORE_ATEN", "1")
     model = build_model(small(kind, mem_len=6), 11).eval()
     tokens = torch.randint(0, 11, (5, 12))
     with torch.no_grad():

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from fbtrain.models.core.graphs import maybe_graphed
 from fbtrain.models.core.select import core
 from fbtrain.models.core.spec import LAYER_PARAMS, CoreInputs, CoreOutputs, CoreSpec
 
@@ -18,14 +19,15 @@ class FeedbackCoreFunction(torch.autograd.Function):
     non-differentiable: memory is carried on detached, as in truncated BPTT. The carried
     keys/values ``mem_k``, ``mem_v`` do get gradients, so a caller may project them from
     carried memory vectors with the current weights. The backward runs on the core the
-    forward ran on.
+    forward ran on (CUDA-graphed where ``$FBTRAIN_CUDA_GRAPHS`` asks: ``graphs``).
     """
 
     @staticmethod
     def forward(ctx, spec: CoreSpec, *flat: Tensor | None):
         """Run the core with a tape; keep what the backward needs on ``ctx``."""
         inputs = CoreInputs.from_flat(flat)
-        ctx.core = core()
+        # The plain core unless CUDA graphs are asked for and this is a CUDA call (graphs).
+        ctx.core = maybe_graphed(core(), inputs.x0)
         hidden, memory, keys, values, tape = ctx.core.core_forward(spec, inputs, keep_tape=True)
         # Outputs are fresh tensors, never views of saved buffers (that would make a cycle)
         # nor inference tensors (the cores run in inference mode; see CoreOutputs).

@@ -19,6 +19,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/record_function.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -117,7 +118,9 @@ struct Tape {
   }
 };
 
-Tape make_tape(const Spec& s, const Layout& lay, const Tensor& like) {
+// qu_width: the QU record's width, D on the CPU loops, H * (dk + P) on the ATen path
+// (there each head's row holds its query and its position scores; see AtenQuery).
+Tape make_tape(const Spec& s, const Layout& lay, const Tensor& like, int64_t qu_width) {
   const int64_t L = s.L, B = lay.B, D = lay.D, F = lay.F;
   const int64_t n_att = lay.keep ? lay.n_att : 1, n_ff = lay.keep ? lay.T : 1;
   const bool drop = s.dropout > 0;
@@ -126,7 +129,7 @@ Tape make_tape(const Spec& s, const Layout& lay, const Tensor& like) {
   std::vector<Tensor> r(N_RECORDS);
   // LayerNorm outputs and statistics (A, MU1, RS1, CN, MU2, RS2) are not written in the
   // sweep: record_layer_norms recomputes them afterwards, one call per layer.
-  r[QU] = buf({L, n_att, B, D});
+  r[QU] = buf({L, n_att, B, qu_width});
   r[O] = buf({L, n_att, B, D});
   r[PROB] = buf({L, lay.prob_size});
   r[Y] = buf({L, n_ff, B, D});
@@ -296,6 +299,29 @@ bool loops_for(const Tensor& x) {
          std::getenv("FBTRAIN_CORE_ATEN") == nullptr;
 }
 
+// The ATen path (any device but the CPU's loops) folds the position terms into the query
+// projection, so a step's attention is four calls and its backward has no position terms:
+// qu_h . r_hj + c_hj = a (Wq_h r_h) + (u_h . r_h + c_hj), one projection to a row of
+// [H, dk + P] per batch row (each head's query, then its P position scores), whose
+// position part the content scores are then added into in place (baddbmm_). Its gradient
+// [H, dk + P] (d_qu, then the score gradients; zero outside a step's window) goes back
+// through the same projection in one matmul, and the gradients of wq, uq, rt and c follow
+// from that of the folded projection once per call (aten_query_grads).
+struct AtenQuery {
+  Tensor w, b, w_t;  // [D, H*(dk+P)], [H*(dk+P)], w transposed
+};
+
+AtenQuery aten_query(const std::vector<Tensor>& w, int64_t H) {
+  const Tensor &wq = w[WQ], &rt = w[RT];
+  const int64_t D = wq.size(0), dk = D / H, P = rt.size(-1);
+  const Tensor wq_h = wq.view({D, H, dk});
+  const Tensor w_pos = at::bmm(wq_h.transpose(0, 1), rt).transpose(0, 1);  // [D, H, P]
+  const Tensor b_pos = at::bmm(w[UQ].view({H, 1, dk}), rt).view({H, P}) + w[CPOS].view({H, P});
+  const Tensor fw = at::cat({wq_h, w_pos}, 2).reshape({D, H * (dk + P)});
+  const Tensor fb = at::cat({w[UQ].view({H, dk}), b_pos}, 1).reshape({-1});
+  return {fw, fb, fw.t()};
+}
+
 struct Forward {
   const Spec& s;
   const Layout& lay;
@@ -304,11 +330,13 @@ struct Forward {
   const std::optional<Tensor>& bkv;
   Tensor hidden, memory, keys, values;  // [T, L+1, B, D], [T, B, D], [n_kv, B*H, S, dk] x2
   Tape tape;
+  std::vector<AtenQuery> query;  // per layer, on the ATen path only
 
   void shard(int64_t b0, int64_t nb) const {
     const int64_t L = s.L, H = s.H, dk = lay.dk, D = lay.D, T = lay.T, n0 = lay.n0;
     const int64_t n_kv = lay.n_kv, S = n0 + T, nbH = nb * H, n_pos = p[0][RT].size(-1);
     const bool drop = s.dropout > 0, loops = loops_for(hidden);
+    const bool prefilled = !loops && lay.keep;  // see prefill_biases
     const std::vector<int64_t> shape{D};
     // This shard's rows of the memory buffers, and of the same seen as [n_kv, nb, H, S, dk].
     const Tensor keys_s = keys.narrow(1, b0 * H, nbH), values_s = values.narrow(1, b0 * H, nbH);
@@ -331,7 +359,9 @@ struct Forward {
         if (ell) {  // attention is skipped while memory is empty
           const Tensor a = std::get<0>(at::native_layer_norm(x, shape, w[LN1_W], w[LN1_B], s.eps));
           Tensor qu = tape.att(QU, l, t, b0, nb);
-          at::addmm_out(qu, w[UQ], a, w[WQ]);  // (q + u) / sqrt(dk): [nb, D]
+          if (loops) at::addmm_out(qu, w[UQ], a, w[WQ]);  // (q + u) / sqrt(dk): [nb, D]
+          else if (prefilled) qu.addmm_(a, query[l].w);  // [nb, H*(dk+P)]: AtenQuery
+          else at::addmm_out(qu, query[l].b, a, query[l].w);
           Tensor o = tape.att(O, l, t, b0, nb);
           if (loops) {
             const Tensor prob = tape.prob(PROB, l, t, ell, b0, nb);
@@ -348,14 +378,14 @@ struct Forward {
                           o.data_ptr<scalar_t>());
             });
           } else {  // any other device: the same, in ATen calls
-            Tensor scores = at::bmm(qu.view({nbH, 1, dk}), k_t[set]).view({nb, H, ell});
-            // Position scores per head ([H, nb, dk] @ [H, dk, ell]): H gemms on the
-            // [H, dk, P] table itself, not nb*H matvecs on per-row copies.
-            scores += at::baddbmm(w[CPOS].narrow(2, n_pos - ell, ell),
-                                  qu.view({nb, H, dk}).transpose(0, 1),
-                                  w[RT].narrow(2, n_pos - ell, ell)).transpose(0, 1);
+            // Content scores plus the projected position scores (out of place: an in-place
+            // baddbmm_ on the strided record runs one gemm per batch entry on a CPU).
+            const Tensor qp = qu.view({nbH, dk + n_pos});
+            const Tensor scores = at::baddbmm(qp.narrow(1, dk + n_pos - ell, ell).unsqueeze(1),
+                                              qp.narrow(1, 0, dk).unsqueeze(1), k_t[set]);
             Tensor prob = tape.prob(PROB, l, t, ell, b0, nb);
-            at::_softmax_out(prob, scores, -1, false);
+            Tensor prob3 = prob.view({nbH, 1, ell});
+            at::_softmax_out(prob3, scores, -1, false);
             Tensor prob_used = prob;
             if (drop) {
               prob_used = tape.prob(PROB_USED, l, t, ell, b0, nb);
@@ -364,24 +394,38 @@ struct Forward {
             Tensor o3 = o.view({nbH, 1, dk});
             at::bmm_out(o3, prob_used.view({nbH, 1, ell}), v_w[set]);
           }
-          Tensor z = at::addmm(w[BO], o, w[WO_T]);
-          if (drop) z.mul_(tape.att(MASK_ATT, l, t, b0, nb));
-          at::add_out(y, z, x);
+          if (prefilled) {  // y holds bo already (prefill_biases)
+            y.addmm_(o, w[WO_T]);
+            if (drop) at::addcmul_out(y, x, y, tape.att(MASK_ATT, l, t, b0, nb));
+            else y.add_(x);
+          } else {
+            Tensor z = at::addmm(w[BO], o, w[WO_T]);
+            if (drop) z.mul_(tape.att(MASK_ATT, l, t, b0, nb));
+            at::add_out(y, z, x);
+          }
         } else {
           y.copy_(x);
         }
         const Tensor c = std::get<0>(at::native_layer_norm(y, shape, w[LN2_W], w[LN2_B], s.eps));
         Tensor h = tape.ff(HID, l, t, b0, nb);
-        at::addmm_out(h, w[B1], c, w[W1_T]).relu_();  // [nb, F]
+        if (prefilled) h.addmm_(c, w[W1_T]).relu_();  // h holds b1 already
+        else at::addmm_out(h, w[B1], c, w[W1_T]).relu_();  // [nb, F]
         Tensor h_used = h;
         if (drop) {
           h_used = tape.ff(H_USED, l, t, b0, nb);
           at::mul_out(h_used, h, tape.ff(MASK_H, l, t, b0, nb));
         }
-        Tensor f = at::addmm(w[B2], h_used, w[W2_T]);
-        if (drop) f.mul_(tape.ff(MASK_FF, l, t, b0, nb));
-        x = hid_t.select(0, l + 1);
-        at::add_out(x, y, f);
+        if (loops) {
+          Tensor f = at::addmm(w[B2], h_used, w[W2_T]);
+          if (drop) f.mul_(tape.ff(MASK_FF, l, t, b0, nb));
+          x = hid_t.select(0, l + 1);
+          at::add_out(x, y, f);
+        } else {  // the ATen path: hidden holds b2 already (prefill_biases)
+          x = hid_t.select(0, l + 1);
+          x.addmm_(h_used, w[W2_T]);
+          if (drop) at::addcmul_out(x, y, x, tape.ff(MASK_FF, l, t, b0, nb));
+          else x.add_(y);
+        }
       }
       // m_t = sum_l softmax(w)_l h_t^l, then its keys/values for every key set at once.
       Tensor m = memory.select(0, t).narrow(0, b0, nb), m_row = m.view({1, nb * D});  // [nb, D]
@@ -440,6 +484,24 @@ void record_memory_norm(const Spec& s, const Tensor& memory, std::vector<Tensor>
   rec[MEM_RS] = rs;
 }
 
+// The ATen path's bias prefill: every step's output rows of the query projection, the
+// attention block (Y), the first feed-forward matmul (HID) and each layer (hidden) start
+// as their bias, a few calls per call of the core, so that each step's matmul accumulates
+// into them in place (addmm_) instead of copying its bias in first and adding the
+// residual apart. Records are per step only with a tape (Layout::keep); without one the
+// steps share scratch rows and take the plain calls.
+void prefill_biases(const Spec& s, const Layout& lay, const std::vector<std::vector<Tensor>>& p,
+                    const std::vector<AtenQuery>& query, const Tensor& hidden,
+                    std::vector<Tensor>& rec) {
+  for (int64_t l = 0; l < s.L; ++l) {
+    hidden.select(1, l + 1).copy_(p[l][B2]);
+    if (!lay.keep) continue;
+    rec[QU].select(0, l).copy_(query[l].b);
+    rec[Y].select(0, l).copy_(p[l][BO]);
+    rec[HID].select(0, l).copy_(p[l][B1]);
+  }
+}
+
 Spec make_spec(int64_t n_layers, int64_t n_heads, bool shared_kv, int64_t window,
                double dropout, double eps, bool memory_norm) {
   TORCH_CHECK(n_layers > 0 && n_heads > 0 && window > 0, "fbtrain core: bad spec");
@@ -478,11 +540,18 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, std::vector<Tensor>> core_forward(
   Forward fw{s, lay, p, mix, wkv, bkv,
              x0.new_empty({T, s.L + 1, B, D}), x0.new_empty({T, B, D}),
              x0.new_empty({n_kv, B * H, S, dk}), x0.new_empty({n_kv, B * H, S, dk}),
-             make_tape(s, lay, x0)};
+             make_tape(s, lay, x0, loops_for(x0) ? D : H * (dk + p[0][RT].size(-1))), {}};
+  if (!loops_for(x0)) {
+    for (const auto& w : p) fw.query.push_back(aten_query(w, H));
+    prefill_biases(s, lay, p, fw.query, fw.hidden, fw.tape.rec);
+  }
   fw.keys.narrow(2, 0, n0).copy_(mem_k);
   fw.values.narrow(2, 0, n0).copy_(mem_v);
   fw.hidden.select(1, 0).copy_(x0.transpose(0, 1));
-  for_each_shard(shard_count(x0, B), B, [&](int64_t, int64_t b0, int64_t nb) { fw.shard(b0, nb); });
+  {
+    RECORD_FUNCTION("fbtrain::forward_sweep", std::vector<c10::IValue>());  // launch_count.py
+    for_each_shard(shard_count(x0, B), B, [&](int64_t, int64_t b0, int64_t nb) { fw.shard(b0, nb); });
+  }
   if (!keep_tape) {
     fw.tape.rec.clear();
   } else {
@@ -508,6 +577,14 @@ struct Backward {
   Tensor d_keys, d_values, d_kv, d_memory, d_x0;  // d_kv: [T, B, 2, n_kv, H, dk]
   std::vector<Tensor> g;  // Grad order
   std::vector<std::vector<Tensor>> d_rt, d_c;  // per shard, per layer: [H, dk, P], [H, P]
+  // The ATen path: the folded query projections, and mix as a tensor (the loops read
+  // `mix` on the host, which on a GPU would be a sync).
+  std::vector<AtenQuery> query;
+  Tensor mix_t;
+  // The ATen path's key/value gradients, slot-major [S, B, 2, n_kv, H, dk] (d_keys, d_values
+  // and d_kv stay empty): a slot's gradients are then one row block for the d_memory
+  // matmul, with no per-step gather, and the last T slots are d_kv for the weight gradient.
+  Tensor d_kv_slots;
 
   Tensor grad(int r, int64_t l, int64_t step, int64_t b0, int64_t nb) const {
     return rows(g[r], l * g[r].size(1) + step, b0, nb);
@@ -520,19 +597,31 @@ struct Backward {
     const std::vector<int64_t> shape{D};
     const std::array<bool, 3> input_grad_only{true, false, false};
     const Tensor keys_s = keys.narrow(1, b0 * H, nbH), values_s = values.narrow(1, b0 * H, nbH);
-    const Tensor d_keys_s = d_keys.narrow(1, b0 * H, nbH);
-    const Tensor d_values_s = d_values.narrow(1, b0 * H, nbH);
-    const Tensor d_key_rows = d_keys_s.view({n_kv, nb, H, S, dk});
-    const Tensor d_value_rows = d_values_s.view({n_kv, nb, H, S, dk});
+    Tensor d_keys_s, d_values_s, d_key_rows, d_value_rows;  // [n_kv, nb(H), (H,) S, dk]
+    if (loops) {
+      d_keys_s = d_keys.narrow(1, b0 * H, nbH);
+      d_values_s = d_values.narrow(1, b0 * H, nbH);
+      d_key_rows = d_keys_s.view({n_kv, nb, H, S, dk});
+      d_value_rows = d_values_s.view({n_kv, nb, H, S, dk});
+    } else {  // views of d_kv_slots, [n_kv, nb, H, S, dk]
+      const Tensor rows_s = d_kv_slots.narrow(1, b0, nb);
+      d_key_rows = rows_s.select(2, 0).permute({2, 1, 3, 0, 4});
+      d_value_rows = rows_s.select(2, 1).permute({2, 1, 3, 0, 4});
+    }
     std::vector<Tensor> k_w(n_kv), v_t(n_kv), dk_w(n_kv), dv_w(n_kv);
     for (int64_t t = T - 1; t >= 0; --t) {
       const int64_t slot = n0 + t;
       const auto [lo, ell] = window_of(slot, s.window);
       Tensor dm;  // gradient of this step's memory vector, [nb, D]
       if (t < T - 1) {  // the newest slot is read by no later step of this call
-        Tensor dkv_t = d_kv.select(0, t).narrow(0, b0, nb);  // [nb, 2, n_kv, H, dk]
-        dkv_t.select(1, 0).copy_(d_key_rows.select(3, slot).transpose(0, 1));
-        dkv_t.select(1, 1).copy_(d_value_rows.select(3, slot).transpose(0, 1));
+        Tensor dkv_t;  // [nb, 2, n_kv, H, dk]
+        if (loops) {
+          dkv_t = d_kv.select(0, t).narrow(0, b0, nb);
+          dkv_t.select(1, 0).copy_(d_key_rows.select(3, slot).transpose(0, 1));
+          dkv_t.select(1, 1).copy_(d_value_rows.select(3, slot).transpose(0, 1));
+        } else {
+          dkv_t = d_kv_slots.select(0, slot).narrow(0, b0, nb);
+        }
         dm = d_memory.select(0, t).narrow(0, b0, nb);
         at::mm_out(dm, dkv_t.view({nb, -1}), wkv_t);
         if (s.memory_norm) {  // through the normalisation, back to m_t
@@ -544,8 +633,13 @@ struct Backward {
       for (int64_t kv = 0; ell && kv < n_kv; ++kv) {
         k_w[kv] = keys_s.select(0, kv).narrow(1, lo, ell);  // [nbH, ell, dk]
         v_t[kv] = values_s.select(0, kv).narrow(1, lo, ell).transpose(1, 2);  // [nbH, dk, ell]
-        dk_w[kv] = d_keys_s.select(0, kv).narrow(1, lo, ell);
-        dv_w[kv] = d_values_s.select(0, kv).narrow(1, lo, ell);
+        if (loops) {
+          dk_w[kv] = d_keys_s.select(0, kv).narrow(1, lo, ell);
+          dv_w[kv] = d_values_s.select(0, kv).narrow(1, lo, ell);
+        } else {  // [nb, H, ell, dk]
+          dk_w[kv] = d_key_rows.select(0, kv).narrow(2, lo, ell);
+          dv_w[kv] = d_value_rows.select(0, kv).narrow(2, lo, ell);
+        }
       }
       // Each gradient is written straight where it is recorded: the gradient of layer l's
       // output is (without dropout) its DF record, that of y its DZ record, and that of
@@ -556,7 +650,8 @@ struct Backward {
       };
       const Tensor top_t = d_top.select(1, t).narrow(0, b0, nb);
       Tensor dx = output_grad(L - 1);
-      if (dm.defined()) at::add_out(dx, top_t, dm, mix[L]);
+      if (dm.defined() && loops) at::add_out(dx, top_t, dm, mix[L]);
+      else if (dm.defined()) at::addcmul_out(dx, top_t, dm, mix_t.select(0, L));
       else dx.copy_(top_t);
       for (int64_t l = L - 1; l >= 0; --l) {
         const auto& w = p[l];
@@ -605,26 +700,26 @@ struct Backward {
                            d_rt[shard_id][l].data_ptr<scalar_t>(),
                            d_c[shard_id][l].data_ptr<scalar_t>(), scratch.data());
             });
-          } else {  // any other device: the same, in ATen calls
+          } else {  // any other device: the same, in ATen calls (AtenQuery's layout)
             d_o = d_o.view({nbH, 1, dk});
-            Tensor d_prob = at::bmm(d_o, v_t[set]).view({nb, H, ell});
+            Tensor d_prob = at::bmm(d_o, v_t[set]).view({nbH, 1, ell});
             // Rank-1 updates, broadcast in place (baddbmm_ into a strided view falls back
             // to one small matmul per batch row).
-            dv_w[set].addcmul_(prob_used.view({nbH, ell, 1}), d_o);
-            if (drop) d_prob.mul_(tape.prob(MASK_PROB, l, t, ell, b0, nb));
-            Tensor d_scores = at::_softmax_backward_data(d_prob, prob, -1, prob.scalar_type());
-            Tensor d_scores_hb = d_scores.transpose(0, 1);  // [H, nb, ell]
-            Tensor dqu3 = dqu.view({nbH, 1, dk});
-            at::bmm_out(dqu3, d_scores.view({nbH, 1, ell}), k_w[set]);
-            dqu.view({nb, H, dk}) += at::bmm(d_scores_hb, rt_b.narrow(1, n_pos - ell, ell))
-                                         .transpose(0, 1);
-            dk_w[set].addcmul_(d_scores.view({nbH, ell, 1}), qu.view({nbH, 1, dk}));
-            d_rt[shard_id][l].narrow(2, n_pos - ell, ell)
-                .add_(at::bmm(qu.view({nb, H, dk}).permute({1, 2, 0}), d_scores_hb));
-            d_c[shard_id][l].narrow(1, n_pos - ell, ell).add_(d_scores.sum(0));
+            dv_w[set].addcmul_(prob_used.view({nb, H, ell, 1}), d_o.view({nb, H, 1, dk}));
+            if (drop) d_prob.mul_(tape.prob(MASK_PROB, l, t, ell, b0, nb).view({nbH, 1, ell}));
+            const Tensor dqp = dqu.view({nbH, dk + n_pos}), qp = qu.view({nbH, dk + n_pos});
+            // Computed apart and copied in: the CPU kernel's out= variant writes a strided
+            // output wrongly (torch 2.x), and a GPU's may copy anyway.
+            const Tensor d_scores = at::_softmax_backward_data(
+                d_prob, prob.view({nbH, 1, ell}), -1, prob.scalar_type());  // [nbH, 1, ell]
+            dqp.narrow(1, dk + n_pos - ell, ell).copy_(d_scores.squeeze(1));
+            Tensor dqu3 = dqp.narrow(1, 0, dk).unsqueeze(1);
+            at::bmm_out(dqu3, d_scores, k_w[set]);
+            dk_w[set].addcmul_(d_scores.view({nb, H, ell, 1}),
+                               qp.narrow(1, 0, dk).view({nb, H, 1, dk}));
           }
           Tensor da = grad(DA, l, t - lay.first_att, b0, nb);
-          at::mm_out(da, dqu, wq_b);
+          at::mm_out(da, dqu, loops ? wq_b : query[l].w_t);
           const Tensor d_ln1 = std::get<0>(at::native_layer_norm_backward(
               da, rows(hidden, t * (L + 1) + l, b0, nb), shape,
               tape.att(MU1, l, t, b0, nb), tape.att(RS1, l, t, b0, nb), w[LN1_W], w[LN1_B],
@@ -633,7 +728,8 @@ struct Backward {
         } else {
           at::add_out(below, d_ln2, dx);
         }
-        if (dm.defined()) below.add_(dm, mix[l]);
+        if (dm.defined() && loops) below.add_(dm, mix[l]);
+        else if (dm.defined()) below.addcmul_(dm, mix_t.select(0, l));
         dx = below;
       }
     }
@@ -644,6 +740,23 @@ struct Backward {
 std::pair<Tensor, Tensor> layer_norm_affine_grads(const Tensor& d, const Tensor& x,
                                                   const Tensor& mu, const Tensor& rs) {
   return {(d * ((x - mu) * rs)).sum(0), d.sum(0)};
+}
+
+// The gradients of wq, uq, rt and c (into gl) from those of AtenQuery's folded projection:
+// d_w [D, H*(dk+P)] and d_b [H*(dk+P)].
+void aten_query_grads(const std::vector<Tensor>& w, int64_t H, const Tensor& d_w,
+                      const Tensor& d_b, std::vector<Tensor>& gl) {
+  const Tensor &wq = w[WQ], &rt = w[RT];
+  const int64_t D = wq.size(0), dk = D / H, P = rt.size(-1);
+  const Tensor dw3 = d_w.view({D, H, dk + P}), db2 = d_b.view({H, dk + P});
+  const Tensor dw_pos = dw3.narrow(2, dk, P).transpose(0, 1);  // [H, D, P]
+  const Tensor db_pos = db2.narrow(1, dk, P).unsqueeze(1);  // [H, 1, P]
+  const Tensor rt_t = rt.transpose(1, 2);  // [H, P, dk]
+  gl[WQ] = (dw3.narrow(2, 0, dk) + at::bmm(dw_pos, rt_t).transpose(0, 1)).reshape({D, D});
+  gl[UQ] = (db2.narrow(1, 0, dk) + at::bmm(db_pos, rt_t).squeeze(1)).reshape({D});
+  gl[RT] = at::bmm(wq.view({D, H, dk}).permute({1, 2, 0}), dw_pos) +
+           w[UQ].view({H, dk, 1}) * db_pos;
+  gl[CPOS] = db_pos.clone();
 }
 
 // Gradients given d_top [B, T, D], the gradient of the last layer's output, and what
@@ -669,17 +782,26 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, std::vector<Tensor>> 
   for (const auto& w : p)
     for (const Tensor& b : {w[WQ].t(), w[RT].transpose(1, 2), w[WO_T].t(), w[W1_T].t(), w[W2_T].t()})
       back.push_back(b);
+  const bool loops = loops_for(hidden);
   const auto mix_f = [&] {
+    if (!loops) return std::vector<double>();  // the ATen path reads mix as a tensor
+    RECORD_FUNCTION("fbtrain::host_sync", std::vector<c10::IValue>());  // launch_count.py
     const Tensor m = mix.to(at::kDouble).cpu();
     return std::vector<double>(m.data_ptr<double>(), m.data_ptr<double>() + m.numel());
   }();
   const int64_t shards = shard_count(hidden, B), n_att = lay.n_att;
   const Tensor wkv_t = wkv.t();
+  const Tensor none = hidden.new_empty({0});
   Backward bw{s, lay, p, back, tape, mix_f, wkv_t, d_top, hidden, memory, keys, values,
-              at::zeros_like(keys), at::zeros_like(values),
-              hidden.new_zeros({T, B, 2, n_kv, s.H, lay.dk}), hidden.new_zeros({T, B, D}),
-              hidden.new_empty({B, T, D}), {}, {}, {}};
-  bw.g = {hidden.new_empty({L, n_att, B, D}), hidden.new_empty({L, n_att, B, D}),
+              loops ? at::zeros_like(keys) : none, loops ? at::zeros_like(values) : none,
+              loops ? hidden.new_zeros({T, B, 2, n_kv, s.H, lay.dk}) : none,
+              hidden.new_zeros({T, B, D}), hidden.new_empty({B, T, D}), {}, {}, {}};
+  if (!loops) bw.d_kv_slots = hidden.new_zeros({n0 + T, B, 2, n_kv, s.H, lay.dk});
+  // On the ATen path DQU is AtenQuery's [H, dk + P] row, zero outside each step's window.
+  const int64_t n_pos = p[0][RT].size(-1);
+  bw.g = {hidden.new_empty({L, n_att, B, D}),
+          loops ? hidden.new_empty({L, n_att, B, D})
+                : hidden.new_zeros({L, n_att, B, s.H * (lay.dk + n_pos)}),
           hidden.new_empty({L, n_att, B, D}), hidden.new_empty({L, T, B, D}),
           hidden.new_empty({L, T, B, F}), hidden.new_empty({L, T, B, D})};
   // Position-table gradients are summed over steps as they come (a [T, T]-sized record
@@ -692,7 +814,14 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, std::vector<Tensor>> 
       bw.d_c.back().push_back(at::zeros({w[CPOS].size(0), w[CPOS].size(2)}, w[CPOS].options()));
     }
   }
-  for_each_shard(shards, B, [&](int64_t sh, int64_t b0, int64_t nb) { bw.shard(sh, b0, nb); });
+  if (!loops) {
+    for (const auto& w : p) bw.query.push_back(aten_query(w, s.H));
+    bw.mix_t = mix.to(hidden.scalar_type());
+  }
+  {
+    RECORD_FUNCTION("fbtrain::backward_sweep", std::vector<c10::IValue>());  // launch_count.py
+    for_each_shard(shards, B, [&](int64_t sh, int64_t b0, int64_t nb) { bw.shard(sh, b0, nb); });
+  }
 
   // Weight gradients: one large matmul per weight over all steps and rows.
   std::vector<Tensor> grads;
@@ -712,26 +841,38 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, std::vector<Tensor>> 
       const Tensor dz = rows(bw.g[DZ], l), dqu = rows(bw.g[DQU], l), da = rows(bw.g[DA], l);
       gl[WO_T] = at::mm(rows(tape.rec[O], l).t(), dz);
       gl[BO] = dz.sum(0);
-      gl[WQ] = at::mm(rows(tape.rec[A], l).t(), dqu);
-      gl[UQ] = dqu.sum(0);
+      if (loops) {
+        gl[WQ] = at::mm(rows(tape.rec[A], l).t(), dqu);
+        gl[UQ] = dqu.sum(0);
+      } else {
+        aten_query_grads(p[l], s.H, at::mm(rows(tape.rec[A], l).t(), dqu), dqu.sum(0), gl);
+      }
       const Tensor x_att = hidden.narrow(0, lay.first_att, n_att).select(1, l).reshape({-1, D});
       std::tie(gl[LN1_W], gl[LN1_B]) = layer_norm_affine_grads(
           da, x_att, rows(tape.rec[MU1], l), rows(tape.rec[RS1], l));
     }
-    gl[RT] = bw.d_rt[0][l];
-    gl[CPOS] = bw.d_c[0][l];
-    for (int64_t sh = 1; sh < shards; ++sh) {
-      gl[RT] = gl[RT] + bw.d_rt[sh][l];
-      gl[CPOS] = gl[CPOS] + bw.d_c[sh][l];
+    if (loops || n_att == 0) {
+      gl[RT] = bw.d_rt[0][l];
+      gl[CPOS] = bw.d_c[0][l];
+      for (int64_t sh = 1; sh < shards; ++sh) {
+        gl[RT] = gl[RT] + bw.d_rt[sh][l];
+        gl[CPOS] = gl[CPOS] + bw.d_c[sh][l];
+      }
+      gl[CPOS] = gl[CPOS].unsqueeze(1);
     }
-    gl[CPOS] = gl[CPOS].unsqueeze(1);
     grads.insert(grads.end(), gl.begin(), gl.end());
   }
   const Tensor d_mix = at::einsum("tbd,tlbd->l", {bw.d_memory, hidden});
-  const Tensor d_kv_flat = bw.d_kv.view({T * B, -1});
+  const Tensor d_kv_flat = (loops ? bw.d_kv : bw.d_kv_slots.narrow(0, n0, T)).view({T * B, -1});
   const Tensor& kv_in = s.memory_norm ? tape.rec[MEM_HAT] : memory;  // what was projected
   const Tensor d_wkv = at::mm(kv_in.reshape({T * B, D}).t(), d_kv_flat);
   // The carried slots' key/value gradients, for callers that projected them differentiably.
+  if (!loops) {  // the carried slots' gradients in the keys' layout [n_kv, B*H, n0, dk]
+    const Tensor carried = bw.d_kv_slots.narrow(0, 0, n0).permute({2, 3, 1, 4, 0, 5});
+    const std::vector<int64_t> kv_shape{n_kv, B * s.H, n0, lay.dk};
+    return {bw.d_x0, carried.select(0, 0).reshape(kv_shape),
+            carried.select(0, 1).reshape(kv_shape), d_mix, d_wkv, d_kv_flat.sum(0), grads};
+  }
   return {bw.d_x0, bw.d_keys.narrow(2, 0, n0), bw.d_values.narrow(2, 0, n0), d_mix, d_wkv,
           d_kv_flat.sum(0), grads};
 }

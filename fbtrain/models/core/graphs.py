@@ -1,0 +1,146 @@
+"""CUDA graphs for the core's sweeps (off by default; ``FBTRAIN_CUDA_GRAPHS=1`` turns them on).
+
+Why: on a GPU a training step of the core is thousands of tiny kernels, and the host's cost
+of launching each (a few microseconds) is the step's cost whatever the GPU. A CUDA graph
+records the kernels of one call once and replays them in one launch. The core can be
+captured because its ATen path makes no host syncs (``tests/test_launches.py`` holds it to
+that) and every shape in it follows from the input shapes.
+
+How: :class:`GraphedCore` wraps a :class:`~fbtrain.models.core.spec.Core`. The first call
+of ``core_forward`` / ``core_backward`` with a given spec and input shapes warms up on a
+side stream, then captures the call into a graph with static input buffers (the generator's
+state is restored around the warm-up, so dropout draws what eager would); each call copies
+its inputs into those buffers and replays. The outputs are cloned out of the graph's
+buffers, because a later replay (the next chunk's forward before this one's backward)
+overwrites them. Dropout masks come from the default CUDA generator, which graph capture
+registers (philox offsets advance per replay as eager calls would advance them), so graphed
+and eager calls agree bitwise in fp32. Where capture fails, one notice line says so and
+that shape runs eager from then on.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from fbtrain.models.core.spec import Core, CoreInputs, CoreOutputs, CoreSpec
+
+GRAPHS_ENV = "FBTRAIN_CUDA_GRAPHS"
+WARMUP_CALLS = 2  # eager calls on the side stream before capture (allocator, cuBLAS handles)
+
+
+def graphs_requested() -> bool:
+    """Whether ``$FBTRAIN_CUDA_GRAPHS`` asks for CUDA graphs (``1``, ``true``, ``yes``)."""
+    return os.environ.get(GRAPHS_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _signature(tensors: Sequence[Any]) -> tuple:
+    """Shapes, dtypes and devices of ``tensors`` (None and lists kept apart), a cache key."""
+    out = []
+    for t in tensors:
+        if t is None:
+            out.append(None)
+        elif isinstance(t, Tensor):
+            out.append((tuple(t.shape), t.dtype, str(t.device)))
+        else:
+            out.append(_signature(t))
+    return tuple(out)
+
+
+class _Graph:
+    """One captured call: its static inputs, the graph and its static outputs."""
+
+    def __init__(self, fn: Callable[[list[Tensor | None]], Any], args: list[Tensor | None]):
+        self.fn = fn
+        self.static = [None if a is None else a.clone() for a in args]
+        device = next(a.device for a in args if a is not None)
+        rng = torch.cuda.get_rng_state(device)
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            for _ in range(WARMUP_CALLS):
+                fn(self.static)
+        torch.cuda.current_stream(device).wait_stream(side)
+        torch.cuda.set_rng_state(rng, device)  # the warm-up's draws are not the caller's
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.out = fn(self.static)
+
+    def __call__(self, args: list[Tensor | None]) -> Any:
+        """Copy ``args`` into the static inputs and replay; the static outputs."""
+        for s, a in zip(self.static, args, strict=True):
+            if s is not None:
+                s.copy_(a)
+        self.graph.replay()
+        return self.out
+
+
+class GraphedCore:
+    """A :class:`Core` whose calls on CUDA tensors replay CUDA graphs, one per spec and
+    input shapes (see the module docstring). Calls on other devices go to ``inner``."""
+
+    def __init__(self, inner: Core):
+        self.inner = inner
+        self.graphs: dict[tuple, _Graph | None] = {}  # None: capture failed, run eager
+
+    def _run(self, key: tuple, fn: Callable[[list[Tensor | None]], Any],
+             args: list[Tensor | None]) -> Any:
+        """``fn(args)`` through the graph for ``key`` (captured on first use), or eagerly
+        where capture failed (one notice line when it does)."""
+        if key not in self.graphs:
+            try:
+                self.graphs[key] = _Graph(fn, args)
+            except RuntimeError as e:
+                self.graphs[key] = None
+                cause = (str(e).splitlines() or [repr(e)])[0]
+                print(f"fbtrain: CUDA graph capture of the core failed ({cause}); running "
+                      "it eagerly for this shape", file=sys.stderr, flush=True)
+        graph = self.graphs[key]
+        return fn(args) if graph is None else graph(args)
+
+    def core_forward(self, spec: CoreSpec, inputs: CoreInputs,
+                     keep_tape: bool = False) -> CoreOutputs:
+        """``Core.core_forward``, graphed; the outputs are clones (see the module docstring)."""
+        flat = list(inputs.flat())
+        n = len(CoreInputs._fields) - 1
+
+        def forward(args: list[Tensor | None]) -> CoreOutputs:
+            return self.inner.core_forward(spec, CoreInputs(*args[:n], tuple(args[n:])),
+                                           keep_tape)
+
+        out = self._run(("forward", spec, keep_tape, _signature(flat)), forward, flat)
+        return CoreOutputs(*(t.clone() for t in out[:4]), [t.clone() for t in out.tape])
+
+    def core_backward(self, spec: CoreSpec, d_top: Tensor, outputs: CoreOutputs, mix: Tensor,
+                      wkv: Tensor, layers: Sequence[Tensor]) -> CoreInputs:
+        """``Core.core_backward``, graphed; the gradients are the graph's own buffers (the
+        autograd Function clones them)."""
+        n_tape, n_layers = len(outputs.tape), len(layers)
+        flat = [d_top, *outputs[:4], *outputs.tape, mix, wkv, *layers]
+
+        def backward(args: list[Tensor | None]) -> CoreInputs:
+            tape = args[5:5 + n_tape]
+            rest = args[5 + n_tape:]
+            return self.inner.core_backward(
+                spec, args[0], CoreOutputs(*args[1:5], tape), rest[0], rest[1],
+                rest[2:2 + n_layers])
+
+        return self._run(("backward", spec, _signature(flat)), backward, flat)
+
+
+_graphed: dict[int, GraphedCore] = {}
+
+
+def maybe_graphed(core: Core, like: Tensor) -> Core:
+    """``core`` itself unless ``$FBTRAIN_CUDA_GRAPHS`` is on and ``like`` is a CUDA tensor;
+    then its :class:`GraphedCore` (one per core, so graphs are captured once per process)."""
+    if not (like.is_cuda and graphs_requested()):
+        return core
+    if id(core) not in _graphed:
+        _graphed[id(core)] = GraphedCore(core)
+    return _graphed[id(core)]

@@ -1,0 +1,125 @@
+"""The ATen path's launch count (scripts/launch_count.py) and its freedom from host syncs."""
+
+from __future__ import annotations
+
+import collections
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+
+import launch_count  # noqa: E402
+
+from fbtrain.config import ModelConfig  # noqa: E402
+from fbtrain.models import build_model  # noqa: E402
+from fbtrain.models.core.autograd import flatten_layers  # noqa: E402
+from fbtrain.models.core.native import NativeCore  # noqa: E402
+from fbtrain.models.core.spec import CoreInputs, CoreSpec  # noqa: E402
+
+TINY = dict(d_model=8, n_heads=2, d_ff=16, n_layers=1, max_rel_pos=16)
+
+# One attending token-layer of feedback_kv (one layer, no dropout, no key/value bias) on the
+# ATen path, counted by hand from csrc/feedback_core.cpp. Forward: LayerNorm, folded query
+# projection (addmm_ into its prefilled bias), content + position scores (baddbmm, which
+# first copies the position scores: copy_), softmax, probabilities @ values (bmm), output
+# projection (addmm_) + residual (add_), LayerNorm, W1 (addmm_) + relu (clamp_min_), W2
+# (addmm_) + residual (add_); per step: the memory mix and its keys/values (2 mm), written
+# into the key and value buffers (2 copy_).
+FORWARD_STEP = {"native_layer_norm": 2, "addmm_": 4, "baddbmm": 1, "_softmax": 1, "bmm": 1,
+                "add_": 2, "clamp_min_": 1, "mm": 2, "copy_": 3}
+# Backward: d_memory from the slot's key/value gradients (mm), the top gradient + mix *
+# d_memory (addcmul); W2^T (mm), relu (threshold_backward), W1^T (mm), LayerNorm backward,
+# + residual (add); Wo^T (mm), d_prob (bmm), d_values (addcmul_), softmax backward and its
+# copy into the folded query gradient (copy_), d_qu (bmm), d_keys (addcmul_), back through
+# the folded projection (mm), LayerNorm backward, + residual (add), + mix * d_memory
+# (addcmul_).
+BACKWARD_STEP = {"mm": 5, "copy_": 1, "addcmul": 1, "threshold_backward": 1,
+                 "native_layer_norm_backward": 2, "add": 2, "bmm": 2, "addcmul_": 3,
+                 "_softmax_backward_data": 1}
+BUDGET = 40  # core launches per token-layer (see the budget test): 38.4 now
+
+
+def sweep_counts(seq_len: int) -> dict[str, collections.Counter]:
+    """Launches per op of each sweep of one tiny feedback_kv step (no optimizer)."""
+    counts = launch_count.count_step(batch=2, seq_len=seq_len, sizes=TINY, optimizer=False)
+    return {sec: counts["launches"][sec] for sec in ("forward sweep", "backward sweep")}
+
+
+def test_launch_counter_matches_a_hand_count_of_one_token_layer():
+    """One more step (one layer) adds exactly the hand-counted calls to each sweep."""
+    short, long = sweep_counts(2), sweep_counts(3)
+    for sec, expected in (("forward sweep", FORWARD_STEP), ("backward sweep", BACKWARD_STEP)):
+        added = {op.removeprefix("aten::"): n for op, n in (long[sec] - short[sec]).items()}
+        assert added == expected, sec
+        assert not short[sec] - long[sec]
+
+
+def test_launch_summary_is_per_token_layer_with_a_modelled_floor():
+    counts = {"launches": {s: collections.Counter() for s in launch_count.SECTIONS},
+              "syncs": {s: collections.Counter() for s in launch_count.SECTIONS},
+              "token_layers": 8}
+    counts["launches"]["forward sweep"]["aten::mm"] = 40
+    counts["launches"]["rest"]["aten::add"] = 8
+    s = launch_count.summary(counts, us_per_launch=5.0)
+    assert s["launches_total"] == 48 and s["per_token_layer_total"] == 6.0
+    assert s["per_token_layer"]["forward sweep"] == 5.0
+    assert s["launch_bound_floor_ms"] == pytest.approx(0.24)
+
+
+def test_training_step_on_the_aten_path_stays_under_its_launch_budget():
+    """The restructured ATen path's core (both sweeps and its set-up) per token-layer, with
+    dropout: 49.9 calls before the restructuring at these sizes, and no host syncs."""
+    sizes = {**TINY, "n_layers": 4}
+    counts = launch_count.count_step(batch=2, seq_len=16, sizes=sizes, dropout=0.1)
+    s = launch_count.summary(counts, 5.0)
+    per = s["per_token_layer"]
+    assert per["forward sweep"] + per["backward sweep"] + per["core other"] < BUDGET
+    assert s["host_syncs"]["forward sweep"] == s["host_syncs"]["backward sweep"] == 0
+    assert s["host_syncs"]["core other"] == 0
+
+
+@pytest.mark.parametrize("kind", ["feedback_kv", "feedback"])
+def test_aten_path_reads_no_tensor_on_the_host(kind):
+    """The whole core (forward with dropout, backward) runs on the meta device, where any
+    read of a tensor's values on the host (``.item()``, ``.cpu()``, ``data_ptr`` loops)
+    fails: on a GPU each would be a sync."""
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(kind=kind, dropout=0.1, memory_norm="layernorm",
+                                    **{**TINY, "n_layers": 2}), 11)
+    B, T = 2, 3
+    layers, wkv, bkv = model.core_params(T)
+    n_kv = 1 if kind == "feedback_kv" else 2
+    H, dk = TINY["n_heads"], TINY["d_model"] // TINY["n_heads"]
+
+    def meta(t):
+        return None if t is None else t.detach().to("meta")
+
+    inputs = CoreInputs(torch.empty(B, T, 8, device="meta"),
+                        torch.empty(n_kv, B * H, 0, dk, device="meta"),
+                        torch.empty(n_kv, B * H, 0, dk, device="meta"),
+                        meta(model.memory_weights()), meta(wkv), meta(bkv),
+                        [meta(t) for t in flatten_layers(layers)])
+    spec = CoreSpec(n_layers=2, n_heads=H, shared_kv=kind == "feedback_kv", window=16,
+                    dropout=0.1, memory_norm=True)
+    outputs = NativeCore.core_forward(spec, inputs, keep_tape=True)
+    grads = NativeCore.core_backward(spec, torch.empty(B, T, 8, device="meta"), outputs,
+                                     inputs.mix, inputs.wkv, inputs.layers)
+    assert grads.x0.shape == (B, T, 8) and grads.x0.is_meta
+    assert [g.shape for g in grads.layers] == [t.shape for t in inputs.layers]
+
+
+def test_gpu_check_graphs_section_cpu_stand_in():
+    """scripts/gpu_check.py's graphs section on the CPU: eager steps timed and the ATen
+    path's launches counted per kind, no graphs (and no bitwise check) without CUDA."""
+    import gpu_check
+
+    rows = gpu_check.graph_steps(torch.device("cpu"), gpu_check.TOY_SIZES, (2,), 4, 1,
+                                 gpu_check.Budget(600))
+    assert set(rows) == {"feedback_kv/batch=2", "feedback/batch=2"}
+    for row in rows.values():
+        assert row["eager_ms"] > 0 and row["eager_tokens_per_sec"] > 0
+        assert row["eager_launches"] > 0
+        assert "graphed_ms" not in row and "bitwise_equal" not in row
