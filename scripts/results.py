@@ -1,7 +1,8 @@
-"""Reproduce the README's results table: train each shipped Tiny Shakespeare config, then
-score it with ``fbtrain eval`` on the whole validation split.
+"""Reproduce the Tiny Shakespeare results table (README, docs/results.md): train each
+shipped Tiny Shakespeare config, then score it with ``fbtrain eval`` on the whole
+validation split.
 
-    python scripts/results.py --data ../shared/data/tinyshakespeare.txt
+    python scripts/results.py --data tinyshakespeare.txt      # a local copy of the corpus
     python scripts/results.py --data input.txt --configs configs/tiny_shakespeare.yaml
 
 Each config trains into ``<out>/<config stem>`` (an existing run is evaluated, not

@@ -71,7 +71,7 @@ def test_render_page_refuses_a_page_without_markers():
 
 # `section.key` at the start of a code span, optionally followed by = or : and a value.
 KEY_MENTION = re.compile(r"`(run|data|model|train|checkpoint|logging)\.([a-z_0-9]+)(?=[`=: ])")
-FILE_SUFFIXES = {"py", "yaml", "jsonl", "json", "pt", "png", "md", "cpp", "txt"}
+FILE_SUFFIXES = {"py", "yaml", "jsonl", "json", "pt", "png", "md", "cpp", "txt", "safetensors"}
 
 
 def test_every_config_key_the_docs_name_exists():

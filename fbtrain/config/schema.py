@@ -244,7 +244,7 @@ class CheckpointConfig(Section):
 class LoggingConfig(Section):
     tensorboard: bool = _f(True, "Write TensorBoard events into the run directory "
                            "(tensorboard --logdir <out_dir>).")
-    progress: bool = _f(True, "Show a progress bar on a terminal (plain lines otherwise).")
+    progress: bool = _f(True, "Redraw one status line on a terminal (plain lines otherwise).")
 
 
 DEFAULT_CURRICULUM = [{"until_step": 300, "seq_len": 32}, {"seq_len": 64}]
