@@ -4,8 +4,7 @@ Thin on purpose (as torchtitan's ``train.py`` and litgpt's ``__main__.py``): eac
 parses its flags, calls one ``run()`` and maps the errors a user can cause to one line on
 stderr and an exit code. Nothing else happens here.
 
-Exit codes: 0 done; 1 training failed (e.g. a non-finite loss); 2 bad input (config, data,
-checkpoint, device or flag); 130 interrupted (Ctrl-C); 143 terminated (SIGTERM).
+Exit codes and the one-line errors: :mod:`fbtrain.cli_errors`.
 
 Heavy modules (torch and everything that imports it) are imported inside the commands, so
 ``fbtrain --help`` and ``fbtrain --version`` answer at once.
@@ -13,64 +12,22 @@ Heavy modules (torch and everything that imports it) are imported inside the com
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import sys
-from collections.abc import Iterator
 from enum import Enum
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
-from typer.core import TyperGroup
-
-try:  # newer typer vendors click; older releases use the click package
-    from typer import _click as click
-except ImportError:  # pragma: no cover
-    import click  # type: ignore[no-redef]
 
 from fbtrain import __version__
-from fbtrain.config import INT64_MAX, ConfigError
+from fbtrain.cli_errors import OneLineErrors, user_errors
+from fbtrain.config import INT64_MAX
 
 
 def _examples(*lines: str) -> str:
     """An epilog of example commands, kept verbatim (click's ``\\b`` stops rewrapping)."""
     return "\b\nExamples:\n" + "\n".join(f"  {line}" for line in lines)
-
-
-EXIT_USAGE = 2  # bad input, as click's own usage errors
-EXIT_INTERRUPTED = 130  # 128 + SIGINT
-
-
-class OneLineErrors(TyperGroup):
-    """Click's own usage errors (a flag value out of range, an unknown choice, a missing
-    option) as one ``error:`` line and exit code 2, like every other bad input, instead of
-    click's usage block. ``fbtrain`` alone still prints the help."""
-
-    def main(self, args: Any = None, prog_name: str | None = None,
-             complete_var: str | None = None, standalone_mode: bool = True,
-             **extra: Any) -> Any:
-        if not standalone_mode:
-            return super().main(args, prog_name, complete_var, standalone_mode, **extra)
-        try:
-            code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
-        except click.exceptions.NoArgsIsHelpError as e:
-            e.show()
-            sys.exit(e.exit_code)
-        except click.exceptions.UsageError as e:
-            message = e.format_message().rstrip(".")
-            where = f"{e.ctx.command_path}: " if e.ctx is not None else ""
-            _error(f"{where}{message[:1].lower()}{message[1:]}")
-            sys.exit(EXIT_USAGE)
-        except click.exceptions.ClickException as e:
-            e.show()
-            sys.exit(e.exit_code)
-        except typer.Abort:
-            typer.echo("Aborted!", err=True)
-            sys.exit(1)
-        # Without standalone mode click returns a command's result, or the code it exited
-        # with; fbtrain's commands return None.
-        sys.exit(code if isinstance(code, int) else 0)
 
 
 app = typer.Typer(
@@ -119,11 +76,6 @@ CheckpointOption = Annotated[
 ]
 
 
-def _error(message: str) -> None:
-    for line in str(message).splitlines() or [""]:
-        typer.echo(f"error: {line}", err=True)
-
-
 def _finite(value: float | None) -> float | None:
     """Option callback: refuse NaN and infinity (click's float ranges let NaN through)."""
     if value is not None and not math.isfinite(value):
@@ -136,37 +88,6 @@ def _probability(value: float | None) -> float | None:
     if value is not None and not 0 < value <= 1:
         raise typer.BadParameter(f"{value}: must be > 0 and <= 1")
     return value
-
-
-@contextlib.contextmanager
-def _user_errors(*, value_errors: bool = False) -> Iterator[None]:
-    """Turn the errors a user can cause into ``error: ...`` lines and exit code 2.
-
-    ``value_errors``: also treat ValueError as bad input (sample/eval check their arguments
-    with it); train leaves it alone, so a bug there keeps its traceback.
-    """
-    from fbtrain.checkpoint import CheckpointError
-    from fbtrain.data.errors import DataError
-    from fbtrain.device import DeviceError
-
-    # OSError: a folder that cannot be created, a full disk; its message names the file.
-    bad_input: tuple[type[Exception], ...] = (DataError, CheckpointError, DeviceError, OSError)
-    if value_errors:
-        bad_input += (ValueError,)
-    try:
-        yield
-    except BrokenPipeError:  # `fbtrain sample | head`: the reader has all it wanted
-        _quit_on_closed_stdout()
-    except ConfigError as e:
-        for problem in e.problems:
-            _error(problem)
-        raise typer.Exit(EXIT_USAGE) from None
-    except bad_input as e:
-        _error(str(e))
-        raise typer.Exit(EXIT_USAGE) from None
-    except KeyboardInterrupt:
-        typer.echo("interrupted", err=True)
-        raise typer.Exit(EXIT_INTERRUPTED) from None
 
 
 def _show_version(value: bool) -> None:
@@ -250,7 +171,7 @@ def train(
     overrides = list(overrides or [])
     if device is not None:
         overrides.append(f"run.device={device}")
-    with _user_errors():
+    with user_errors():
         from fbtrain.config import load_config
 
         cfg = load_config(config, overrides)
@@ -320,7 +241,7 @@ def sample(
 
     The text is streamed to stdout as it is produced.
     """
-    with _user_errors(value_errors=True):
+    with user_errors(value_errors=True):
         from fbtrain import sample as sampler
 
         sampler.run(
@@ -374,7 +295,7 @@ def evaluate(
 
     Loss is the mean cross-entropy in nats per character; bpc = loss / ln 2.
     """
-    with _user_errors(value_errors=True):
+    with user_errors(value_errors=True):
         from fbtrain import evaluate as evaluator
 
         result = evaluator.run(
@@ -402,7 +323,7 @@ def export(
     Writes DIR/model.safetensors (the weights), DIR/config.json (the model config) and
     DIR/vocab.json. fbtrain sample and fbtrain eval accept DIR as they accept a run.
     """
-    with _user_errors():
+    with user_errors():
         from fbtrain.checkpoint.contents import export_model
 
         source, written = export_model(checkpoint, out)
@@ -410,14 +331,6 @@ def export(
     weights = f"{size / 2**20:.1f} MiB" if size >= 2**20 else f"{size / 2**10:.0f} KiB"
     typer.echo(f"exported {source} to {written[0].parent}: {', '.join(p.name for p in written)}"
                f" ({weights} of weights)")
-
-
-def _quit_on_closed_stdout() -> None:
-    """Exit quietly (code 0) when stdout's reader has gone, as `head` does to a pipe."""
-    from fbtrain.metrics.console import silence_stdout
-
-    silence_stdout()
-    raise typer.Exit(0)
 
 
 def main() -> None:

@@ -29,8 +29,12 @@ def check_sampling_args(
     top_k: int | None,
     top_p: float | None,
     num_samples: int = 1,
+    prompt: str | None = None,
 ) -> None:
-    """Raise ValueError (one line) for arguments :func:`generate` cannot honour."""
+    """Raise ValueError (one line) for arguments :func:`generate` cannot honour (``prompt``
+    None: not given; an empty one is refused)."""
+    if prompt is not None and not prompt:
+        raise ValueError("prompt is empty: give at least one character (e.g. a newline)")
     if not isinstance(length, int) or length < 1:
         raise ValueError(f"length = {length!r}: must be an integer >= 1")
     if not temperature >= 0:  # also catches NaN
@@ -221,9 +225,7 @@ def generate(
     prompt holds characters outside the vocabulary and :class:`NonFiniteLogits` when the
     model predicts NaN or inf.
     """
-    check_sampling_args(length, temperature, top_k, top_p, num_samples)
-    if not prompt:
-        raise ValueError("prompt is empty: give at least one character (e.g. a newline)")
+    check_sampling_args(length, temperature, top_k, top_p, num_samples, prompt)
     ids = encode_prompt(tokenizer, prompt)  # [P]
     device = torch.device(device) if device is not None else _model_device(model)
     check_memory(model, tokenizer, len(ids), num_samples, length, device)
@@ -299,11 +301,9 @@ def run(
     from fbtrain.checkpoint.contents import resolve_model
     from fbtrain.device import resolve_device
 
-    check_sampling_args(length, temperature, top_k, top_p, num_samples)
+    check_sampling_args(length, temperature, top_k, top_p, num_samples, prompt)
     if not isinstance(seed, int) or seed < 0:
         raise ValueError(f"seed = {seed!r}: must be an integer >= 0")
-    if prompt is not None and not prompt:
-        raise ValueError("prompt is empty: give at least one character (e.g. a newline)")
     out = stream if stream is not None else sys.stdout
     target = resolve_device(device)
     file = resolve_model(checkpoint, prefer="best")  # a run, a checkpoint or an export

@@ -132,3 +132,14 @@ def refused_url() -> str:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     return f"http://127.0.0.1:{port}/text.txt"
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """Tiny models run faster (and steadier on a busy machine) on one thread."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -14,7 +14,8 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from fbtrain.cli import app, click  # click as typer ships it (vendored or not)
+from fbtrain.cli import app
+from fbtrain.cli_errors import click  # click as typer ships it (vendored or not)
 from fbtrain.config import SECTIONS, ConfigError, load_config
 from fbtrain.config.reference import BEGIN, END, config_keys, markdown_table, render_page
 

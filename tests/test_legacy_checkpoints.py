@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import random
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,12 +21,7 @@ WORDS = ["the", "king", "queen", "and", "to", "of", "my", "lord", "thou", "art",
          "night", "sweet", "prince", "ROMEO:", "JULIET:"]
 
 
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def legacy_config(tmp_path: Path, context: str, max_steps: int) -> Any:

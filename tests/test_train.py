@@ -94,13 +94,7 @@ def signal_handlers() -> Iterator[None]:
         signal.signal(s, handler)
 
 
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    """Tiny models run faster (and steadier on a busy machine) on one thread."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: tiny models, one thread
 
 
 def write_text(folder: Path) -> Path:
