@@ -160,7 +160,8 @@ def train(
     """Train a model from a config.
 
     Downloads (or reads) the text, tokenizes it, then trains, evaluates and checkpoints into
-    <run.out_dir>/<run.name>/ (config.yaml, vocab.json, metrics.jsonl, tb/, checkpoints/).
+    <run.out_dir>/<run.name>/ (config.yaml, vocab.json, metrics.jsonl, TensorBoard events in
+    train/ and val/, checkpoints/).
     A run that already has checkpoints is continued only with --resume, never overwritten.
     """
     if list_keys:

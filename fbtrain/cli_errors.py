@@ -49,9 +49,9 @@ class OneLineErrors(TyperGroup):
         except click.exceptions.ClickException as e:
             e.show()
             sys.exit(e.exit_code)
-        except typer.Abort:
-            typer.echo("Aborted!", err=True)
-            sys.exit(1)
+        except typer.Abort:  # Ctrl-C while click itself was running
+            typer.echo("interrupted", err=True)
+            sys.exit(EXIT_INTERRUPTED)
         # Without standalone mode click returns a command's result, or the code it exited
         # with; fbtrain's commands return None.
         sys.exit(code if isinstance(code, int) else 0)

@@ -66,8 +66,14 @@ def atomic_write(path: str | Path, write: Callable[[IO[bytes]], None]) -> None:
     raised as a one-line :class:`FileWriteError` naming ``path``, anything else as it is.
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as e:  # a full disk or read-only folder: one line about the target
+        failed = write_error(path, e)
+        if failed is not None:
+            raise failed from None
+        raise
     try:
         with os.fdopen(fd, "wb") as f:
             _set_default_mode(f.fileno())

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 from fbtrain.checkpoint import CHECKPOINT_DIR
-from fbtrain.config import ConfigError
+from fbtrain.config import Config, ConfigError, save_config
 from fbtrain.filelock import LockHeld, PidLock, describe_holder
 from fbtrain.io import FileWriteError, remove_stale_temps, write_error
+from fbtrain.metrics.tensorboard import event_files
 
 LOCK_NAME = ".lock"
 
@@ -124,3 +126,14 @@ def _file_error(path: Path, error: OSError) -> FileWriteError:
     """``error`` as one line naming ``path`` (a full disk says so in words)."""
     return write_error(path, error) or FileWriteError(error.errno, error.strerror or str(error),
                                                       str(path))
+
+
+def write_run_files(run_dir: Path, cfg: Config, tokenizer: Any, *, fresh: bool) -> None:
+    """``config.yaml`` (resolved) and ``vocab.json``; a fresh start also drops the
+    TensorBoard events a run killed before its first checkpoint left: its curves are not
+    this run's. Call as the directory's owner."""
+    save_config(cfg, run_dir / "config.yaml")
+    tokenizer.save(run_dir)
+    if fresh:
+        for events in event_files(run_dir):
+            events.unlink(missing_ok=True)

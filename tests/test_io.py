@@ -71,3 +71,19 @@ def test_current_umask_reads_it_and_leaves_it(monkeypatch: pytest.MonkeyPatch, p
     with umask(0o027):
         assert current_umask() == 0o027
         assert current_umask() == 0o027  # reading it did not change it
+
+
+def test_a_full_disk_when_the_temp_file_is_made_names_the_target(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno
+    import tempfile
+
+    from fbtrain.io import FileWriteError, atomic_write_text
+
+    def full(*args: object, **kwargs: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(tempfile, "mkstemp", full)
+    target = tmp_path / "config.yaml"
+    with pytest.raises(FileWriteError, match=rf"^{target}: cannot write: the disk is full"):
+        atomic_write_text(target, "x")

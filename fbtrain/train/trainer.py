@@ -40,14 +40,14 @@ import torch
 import fbtrain.train.report as report
 from fbtrain.checkpoint.contents import make_payload, summarize_names
 from fbtrain.checkpoint.files import CheckpointManager
-from fbtrain.config import Config, save_config
+from fbtrain.config import Config, TrainConfig
 from fbtrain.device import autocast
 from fbtrain.distributed import DistContext, session
 from fbtrain.evaluate import loss_figures
 from fbtrain.metrics.logger import MetricsLogger, text_block
-from fbtrain.metrics.tensorboard import event_files, hparams_of
+from fbtrain.metrics.tensorboard import hparams_of
 from fbtrain.rng import capture_rng, preserve_rng
-from fbtrain.rundir import RunDirLock
+from fbtrain.rundir import RunDirLock, write_run_files
 from fbtrain.scoring import window_scores
 from fbtrain.train.batches import CarriedStreams
 from fbtrain.train.setup import Progress, Run, set_up
@@ -114,7 +114,10 @@ class Trainer:
             self.run, self.progress, resume_path = set_up(self.cfg, self.ctx, self.manager,
                                                           resume)
             wrote = True
-            self._write_run_files(fresh=resume_path is None)
+            if self.ctx.is_main:
+                write_run_files(self.run_dir, self.cfg, self.run.data.tokenizer,
+                                fresh=resume_path is None)
+            self.ctx.barrier()
             self.logger = MetricsLogger(
                 self.run_dir, tensorboard=self.cfg.logging.tensorboard,
                 console=not self.quiet, progress=self.cfg.logging.progress,
@@ -129,17 +132,6 @@ class Trainer:
             if not wrote:
                 self.run_lock.remove_created()
             self.run_lock.release()
-
-    def _write_run_files(self, *, fresh: bool) -> None:
-        """config.yaml and vocab.json (rank 0); a fresh start also drops old TensorBoard runs."""
-        if self.ctx.is_main:
-            save_config(self.cfg, self.run_dir / "config.yaml")
-            self.run.data.tokenizer.save(self.run_dir)
-            if fresh:
-                # Left by a run killed before its first checkpoint: its curves are not ours.
-                for events in event_files(self.run_dir):
-                    events.unlink(missing_ok=True)
-        self.ctx.barrier()
 
     def _train(self, resume_path: Path | None, started: float) -> None:
         """Log the start, run the loop under the stop signals, log the end."""
@@ -207,7 +199,7 @@ class Trainer:
             if record:
                 self.logger.log(step, record)
                 record = {}
-            if self._sample_due(evaluated):
+            if sample_due(self.cfg.train, self.progress.step, evaluated):
                 self._log_sample(signals)
         except StopRequested:
             pass
@@ -247,21 +239,13 @@ class Trainer:
             self._evaluate(record, signals, candidate=False)
             if record:
                 self.logger.log(0, record)
-            if self._sample_due(evaluated=True):
+            if sample_due(self.cfg.train, 0, evaluated=True):
                 self._log_sample(signals)
         except StopRequested:
             received = signals.received or signal.SIGINT
             raise TrainingError(f"interrupted before the first step "
                                 f"({signal.Signals(received).name}); nothing was trained, so "
                                 "no checkpoint was written", EXIT_CODES[received]) from None
-
-    def _sample_due(self, evaluated: bool) -> bool:
-        """A sample with every evaluation (``sample_every: null``), or every N steps and at
-        the end (N > 0), or never (0)."""
-        every, step = self.cfg.train.sample_every, self.progress.step
-        if every is None:
-            return evaluated
-        return every > 0 and (step % every == 0 or step == self.cfg.train.max_steps)
 
     def _evaluate(self, record: dict[str, Any], signals: StopSignals,
                   candidate: bool = True) -> bool:
@@ -271,7 +255,7 @@ class Trainer:
         if not self.ctx.is_main:
             return False
         data, progress = self.run.data, self.progress
-        with signals.interruptible(), preserve_rng(self.ctx.device), \
+        with preserve_rng(self.ctx.device), signals.interruptible(), \
                 autocast(self.cfg.run.precision, self.ctx.device):
             scores = window_scores(self.run.raw_model, data.val_x, data.val_y, EVAL_BATCH)
         loss = scores.loss
@@ -297,7 +281,7 @@ class Trainer:
             from fbtrain.sample import generate
 
             generator = torch.Generator().manual_seed(self.cfg.run.seed + self.progress.step)
-            with signals.interruptible(), preserve_rng(self.ctx.device), \
+            with preserve_rng(self.ctx.device), signals.interruptible(), \
                     autocast(self.cfg.run.precision, self.ctx.device):
                 text = generate(model, tokenizer, tokenizer.start,
                                 self.cfg.train.sample_length, generator=generator)[0]
@@ -331,9 +315,10 @@ class Trainer:
         """Write last.pt (and step-N.pt / best.pt) on rank 0, never with non-finite weights.
 
         Every rank checks the weights (they are identical), so all stop together."""
-        with torch.no_grad():
-            bad = [n for n, p in self.run.raw_model.named_parameters()
-                   if not torch.isfinite(p).all()]
+        with torch.no_grad():  # one host sync for all parameters, not one each
+            named = list(self.run.raw_model.named_parameters())
+            finite = torch.stack([torch.isfinite(p).all() for _, p in named]).tolist()
+            bad = [n for (n, _), ok in zip(named, finite, strict=True) if not ok]
         if bad:
             raise TrainingError(
                 f"step {self.progress.step}: weights hold non-finite values "
@@ -341,3 +326,12 @@ class Trainer:
                 f"{self.manager.last_path})", EXIT_NONFINITE)
         if self.ctx.is_main:
             self.manager.save(self.progress.step, self.payload(), numbered=numbered, best=best)
+
+
+def sample_due(train: TrainConfig, step: int, evaluated: bool) -> bool:
+    """A sample with every evaluation (``sample_every: null``), or every N steps and at the
+    end (N > 0), or never (0)."""
+    every = train.sample_every
+    if every is None:
+        return evaluated
+    return every > 0 and (step % every == 0 or step == train.max_steps)
