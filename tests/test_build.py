@@ -149,6 +149,12 @@ def test_the_core_is_built_in_a_folder_named_for_its_source(tmp_path):
     edited = tmp_path / "feedback_core.cpp"
     edited.write_text(source.read_text() + "\n// another version\n")
     assert native.extension_name(base, edited, cflags, ldflags) != name
+    # Another checkout: the same text at another path (torch writes the path into its
+    # build.ninja, so sharing a folder would rebuild at every switch).
+    elsewhere = tmp_path / "other" / "feedback_core.cpp"
+    elsewhere.parent.mkdir()
+    elsewhere.write_bytes(source.read_bytes())
+    assert native.extension_name(base, elsewhere, cflags, ldflags) != name
 
 
 # --- the build lock ----------------------------------------------------------------------

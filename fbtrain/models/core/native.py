@@ -86,15 +86,17 @@ def _core_recipe() -> tuple[str, Path, list[str], list[str]]:
 
 def extension_name(base: str, source: Path, cflags: Sequence[str],
                    ldflags: Sequence[str]) -> str:
-    """``base`` and 8 hex digits of a hash of the source text, the flags and torch's version.
+    """``base`` and 8 hex digits of a hash of the source text and path, the flags and torch's
+    version.
 
-    torch keeps one build folder per extension name and rebuilds in it whenever the source
-    or flags differ from the last build there, so two checkouts (or fbtrain versions)
-    sharing a cache under one name would rebuild each time they alternate. One name per
-    source gives each its own folder.
+    torch keeps one build folder per extension name and rebuilds in it whenever the source,
+    its path (written into ``build.ninja``) or the flags differ from the last build there,
+    so two checkouts (or fbtrain versions) sharing a cache under one name would rebuild each
+    time they alternate. One name per source file gives each its own folder.
     """
     digest = hashlib.sha256(source.read_bytes())
-    digest.update(json.dumps([list(cflags), list(ldflags), torch.__version__]).encode())
+    digest.update(json.dumps([str(source.resolve()), list(cflags), list(ldflags),
+                              torch.__version__]).encode())
     return f"{base}_{digest.hexdigest()[:8]}"
 
 
