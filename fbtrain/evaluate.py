@@ -192,6 +192,10 @@ def run(
     except TypeError as e:
         raise CheckpointError(f"{file}: bad data config: {e}") from None
     if data_path is not None:
+        if data_cfg.dataset == "algorithmic":  # its programs are generated, never read
+            raise ValueError(f"--data-path {data_path}: {file} was trained on generated "
+                             "programs (data.dataset: algorithmic), which are not read from "
+                             "a file; leave --data-path out")
         data_cfg.path = str(data_path)
     if seq_len is None:
         seq_len = _last_seq_len(cfg.get("curriculum"))

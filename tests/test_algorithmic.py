@@ -366,6 +366,10 @@ def test_train_eval_test_and_sample_end_to_end(tmp_path: Path) -> None:
     assert figures["scored"] > 0 and figures["history"] > 0
     result = runner.invoke(app, ["eval", "-c", str(run_dir), "--split", "test"])
     assert result.exit_code == 0 and "accuracy" in result.stdout
+    # A file in place of generated programs would be ignored: refused in one line.
+    result = runner.invoke(app, ["eval", "-c", str(run_dir), "--data-path", "t.txt"])
+    assert result.exit_code == 2 and "leave --data-path out" in result.stderr
+    assert len(result.stderr.splitlines()) == 1
 
     result = runner.invoke(app, ["sample", "-c", str(run_dir), "--length", "12"])
     assert result.exit_code == 0, result.output
