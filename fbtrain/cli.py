@@ -13,16 +13,15 @@ Heavy modules (torch and everything that imports it) are imported inside the com
 from __future__ import annotations
 
 import json
-import math
 import sys
+from collections.abc import Callable
 from enum import Enum
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
 from fbtrain import __version__
 from fbtrain.cli_errors import OneLineErrors, user_errors
-from fbtrain.config import INT64_MAX
 
 
 def _examples(*lines: str) -> str:
@@ -76,18 +75,35 @@ CheckpointOption = Annotated[
 ]
 
 
-def _finite(value: float | None) -> float | None:
-    """Option callback: refuse NaN and infinity (click's float ranges let NaN through)."""
-    if value is not None and not math.isfinite(value):
-        raise typer.BadParameter(f"{value}: must be a finite number")
-    return value
+def _sampling_rule(name: str) -> Callable[[Any], Any]:
+    """Option callback: ``fbtrain.sample``'s rule for argument ``name`` (written once there)."""
+
+    def check(value: Any) -> Any:
+        from fbtrain.sample import check_argument
+
+        try:
+            check_argument(name, value)
+        except ValueError as e:
+            raise typer.BadParameter(str(e)) from None
+        return value
+
+    return check
 
 
-def _probability(value: float | None) -> float | None:
-    """Option callback for --top-p: a finite number in (0, 1]."""
-    if value is not None and not 0 < value <= 1:
-        raise typer.BadParameter(f"{value}: must be > 0 and <= 1")
-    return value
+def _count(name: str) -> Callable[[Any], Any]:
+    """Option callback: ``fbtrain.evaluate``'s rule for a window count (None: not given)."""
+
+    def check(value: Any) -> Any:
+        from fbtrain.evaluate import check_count
+
+        if value is not None:
+            try:
+                check_count(name, value)
+            except ValueError as e:
+                raise typer.BadParameter(str(e)) from None
+        return value
+
+    return check
 
 
 def _show_version(value: bool) -> None:
@@ -208,32 +224,33 @@ def sample(
     ] = None,
     length: Annotated[
         int,
-        typer.Option("--length", "-n", metavar="N", min=1, max=INT64_MAX,
+        typer.Option("--length", "-n", metavar="N", callback=_sampling_rule("length"),
                      help="Tokens to generate per sample: characters (bytes for enwik8, "
                           "words for algorithmic programs)."),
     ] = 500,
     temperature: Annotated[
         float,
-        typer.Option("--temperature", "-t", metavar="T", min=0.0, callback=_finite,
+        typer.Option("--temperature", "-t", metavar="T",
+                     callback=_sampling_rule("temperature"),
                      help="Softmax temperature: lower is more conservative."),
     ] = 0.8,
     top_k: Annotated[
         int | None,
-        typer.Option("--top-k", metavar="K", min=1, max=INT64_MAX, show_default=False,
+        typer.Option("--top-k", metavar="K", callback=_sampling_rule("top_k"), show_default=False,
                      help="Sample only from the K most likely characters."),
     ] = None,
     top_p: Annotated[
         float | None,
-        typer.Option("--top-p", metavar="P", show_default=False, callback=_probability,
+        typer.Option("--top-p", metavar="P", show_default=False, callback=_sampling_rule("top_p"),
                      help="Nucleus sampling: the smallest set of characters whose "
                      "probability adds up to P (0 < P <= 1)."),
     ] = None,
     num_samples: Annotated[
-        int, typer.Option("--num-samples", metavar="N", min=1, max=INT64_MAX,
+        int, typer.Option("--num-samples", metavar="N", callback=_sampling_rule("num_samples"),
                           help="Independent samples to draw."),
     ] = 1,
     seed: Annotated[
-        int, typer.Option("--seed", metavar="S", min=0, max=INT64_MAX,
+        int, typer.Option("--seed", metavar="S", callback=_sampling_rule("seed"),
                           help="Random seed (same seed, same text)."),
     ] = 1337,
     device: DeviceOption = None,
@@ -268,12 +285,12 @@ def evaluate(
     ] = Split.val,
     seq_len: Annotated[
         int | None,
-        typer.Option("--seq-len", metavar="N", min=1, max=INT64_MAX, show_default=False,
+        typer.Option("--seq-len", metavar="N", callback=_count("seq_len"), show_default=False,
                      help="Window length (default: the last curriculum stage's length)."),
     ] = None,
     batch_size: Annotated[
         int,
-        typer.Option("--batch-size", "-b", metavar="B", min=1, max=INT64_MAX,
+        typer.Option("--batch-size", "-b", metavar="B", callback=_count("batch_size"),
                      help="Windows per forward pass."),
     ] = 64,
     data_path: Annotated[

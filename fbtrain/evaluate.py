@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from fbtrain.config import INT64_MAX
 from fbtrain.data.streams import IGNORE_INDEX, Stream, as_stream, window
 from fbtrain.scoring import Scores, window_scores
 
@@ -104,10 +105,16 @@ def check_window_args(seq_len: int | None, batch_size: int, context: str) -> Non
     ``seq_len`` None: the checkpoint's own (checked later)."""
     if context not in CONTEXTS:
         raise ValueError(f"context = {context!r}: must be one of {', '.join(CONTEXTS)}")
-    if seq_len is not None and (not isinstance(seq_len, int) or seq_len < 1):
-        raise ValueError(f"seq_len = {seq_len!r}: must be an integer >= 1")
-    if not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size = {batch_size!r}: must be an integer >= 1")
+    if seq_len is not None:
+        check_count("seq_len", seq_len)
+    check_count("batch_size", batch_size)
+
+
+def check_count(name: str, value: Any) -> None:
+    """ValueError (one line) unless ``value`` is an integer in [1, 2^63 - 1]; the CLI's
+    ``--seq-len`` and ``--batch-size`` are checked with it too."""
+    if not (isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= INT64_MAX):
+        raise ValueError(f"{name} = {value!r}: must be an integer >= 1")
 
 
 def _check_split_args(ids: Tensor | Stream, seq_len: int, batch_size: int, context: str,

@@ -11,16 +11,44 @@ past ``max_rel_pos`` (the state keeps a sliding window of memory).
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import sys
 from collections.abc import Callable
-from typing import TextIO
+from typing import Any, TextIO
 
 import torch
 from torch import Tensor, nn
 
+from fbtrain.config import INT64_MAX
 from fbtrain.data.errors import DataError
 from fbtrain.data.tokenizers import Tokenizer
+
+
+def _int_at_least(low: int) -> Callable[[Any], bool]:
+    return lambda v: isinstance(v, int) and not isinstance(v, bool) and low <= v <= INT64_MAX
+
+
+# What each sampling argument must be: a test and its words. The CLI's flag callbacks check
+# with the same rules (:func:`check_argument`), so each rule is written once.
+SAMPLING_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "length": (_int_at_least(1), "an integer >= 1"),
+    "temperature": (lambda v: isinstance(v, (int, float)) and math.isfinite(v) and v >= 0,
+                    ">= 0 and finite (0 means greedy)"),
+    "top_k": (lambda v: v is None or _int_at_least(1)(v), "an integer >= 1 (or unset)"),
+    "top_p": (lambda v: v is None or (isinstance(v, (int, float)) and 0 < v <= 1),
+              "in (0, 1] (or unset)"),
+    "num_samples": (_int_at_least(1), "an integer >= 1"),
+    "seed": (_int_at_least(0), "an integer >= 0"),
+}
+
+
+def check_argument(name: str, value: Any) -> None:
+    """ValueError (one line) when ``value`` breaks :data:`SAMPLING_RULES`' rule for ``name``
+    (integers also at most 2^63 - 1, what torch can index)."""
+    ok, allowed = SAMPLING_RULES[name]
+    if not ok(value):
+        raise ValueError(f"{name} = {value!r}: must be {allowed}")
 
 
 def check_sampling_args(
@@ -35,16 +63,9 @@ def check_sampling_args(
     None: not given; an empty one is refused)."""
     if prompt is not None and not prompt:
         raise ValueError("prompt is empty: give at least one character (e.g. a newline)")
-    if not isinstance(length, int) or length < 1:
-        raise ValueError(f"length = {length!r}: must be an integer >= 1")
-    if not temperature >= 0:  # also catches NaN
-        raise ValueError(f"temperature = {temperature!r}: must be >= 0 (0 means greedy)")
-    if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
-        raise ValueError(f"top_k = {top_k!r}: must be an integer >= 1 (or unset)")
-    if top_p is not None and not 0 < top_p <= 1:
-        raise ValueError(f"top_p = {top_p!r}: must be in (0, 1] (or unset)")
-    if not isinstance(num_samples, int) or num_samples < 1:
-        raise ValueError(f"num_samples = {num_samples!r}: must be an integer >= 1")
+    for name, value in (("length", length), ("temperature", temperature), ("top_k", top_k),
+                        ("top_p", top_p), ("num_samples", num_samples)):
+        check_argument(name, value)
 
 
 def filter_logits(logits: Tensor, top_k: int | None = None, top_p: float | None = None) -> Tensor:
@@ -302,8 +323,7 @@ def run(
     from fbtrain.device import resolve_device
 
     check_sampling_args(length, temperature, top_k, top_p, num_samples, prompt)
-    if not isinstance(seed, int) or seed < 0:
-        raise ValueError(f"seed = {seed!r}: must be an integer >= 0")
+    check_argument("seed", seed)
     out = stream if stream is not None else sys.stdout
     target = resolve_device(device)
     file = resolve_model(checkpoint, prefer="best")  # a run, a checkpoint or an export
