@@ -68,8 +68,14 @@ class _Graph:
         torch.cuda.current_stream(device).wait_stream(side)
         torch.cuda.set_rng_state(rng, device)  # the warm-up's draws are not the caller's
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.out = fn(self.static)
+        try:
+            with torch.cuda.graph(self.graph):
+                self.out = fn(self.static)
+        except BaseException:
+            # A failed capture must not move the generator either: the eager fallback then
+            # draws the dropout masks an uncaptured run would.
+            torch.cuda.set_rng_state(rng, device)
+            raise
 
     def __call__(self, args: list[Tensor | None]) -> Any:
         """Copy ``args`` into the static inputs and replay; the static outputs."""
