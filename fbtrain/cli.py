@@ -12,6 +12,7 @@ Heavy modules (torch and everything that imports it) are imported inside the com
 
 from __future__ import annotations
 
+import importlib
 import json
 import sys
 from collections.abc import Callable
@@ -75,35 +76,29 @@ CheckpointOption = Annotated[
 ]
 
 
-def _sampling_rule(name: str) -> Callable[[Any], Any]:
-    """Option callback: ``fbtrain.sample``'s rule for argument ``name`` (written once there)."""
+def _rule(module: str, checker: str, name: str) -> Callable[[Any], Any]:
+    """Option callback applying the library's own rule for argument ``name``
+    (``fbtrain.<module>.<checker>(name, value)``, imported on use so ``--help`` stays
+    fast): each rule is written once, there. None (a flag not given) passes."""
 
     def check(value: Any) -> Any:
-        from fbtrain.sample import check_argument
-
-        try:
-            check_argument(name, value)
-        except ValueError as e:
-            raise typer.BadParameter(str(e)) from None
-        return value
-
-    return check
-
-
-def _count(name: str) -> Callable[[Any], Any]:
-    """Option callback: ``fbtrain.evaluate``'s rule for a window count (None: not given)."""
-
-    def check(value: Any) -> Any:
-        from fbtrain.evaluate import check_count
-
         if value is not None:
+            rule = getattr(importlib.import_module(f"fbtrain.{module}"), checker)
             try:
-                check_count(name, value)
+                rule(name, value)
             except ValueError as e:
                 raise typer.BadParameter(str(e)) from None
         return value
 
     return check
+
+
+def _sampling_rule(name: str) -> Callable[[Any], Any]:
+    return _rule("sample", "check_argument", name)
+
+
+def _count(name: str) -> Callable[[Any], Any]:
+    return _rule("evaluate", "check_count", name)
 
 
 def _show_version(value: bool) -> None:

@@ -10,12 +10,10 @@ import inspect
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 import yaml
 from typer.testing import CliRunner
 
@@ -390,14 +388,6 @@ def text_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path.write_text("\n".join(lines * 40), encoding="utf-8")
     return path
 
-
-@pytest.fixture
-def one_thread() -> Iterator[None]:
-    """Tiny models run faster (and steadier on a busy machine) on one thread."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.mark.usefixtures("one_thread")
