@@ -64,6 +64,15 @@ NO_KERNEL = frozenset(f"aten::{n}" for n in (
 OWN_KERNEL = frozenset(f"aten::{n}" for n in (
     "mm", "bmm", "addmm", "addmm_", "baddbmm", "baddbmm_", "addbmm", "addmv", "mv", "dot",
     "_addmm_activation"))
+# A batched matmul whose output or operands a CPU kernel cannot take as strided runs one
+# small matmul per batch entry there, or copies a strided output to a contiguous one and
+# back; CUDA's runs one strided-batched gemm on any operands and output with a unit-stride
+# dimension (aten/src/ATen/native/cuda/Blas.cpp, baddbmm_out_cuda_impl), which is what the
+# core passes it. So the matmuls below a batched matmul are not counted, nor, below an
+# in-place one, the copies (an out-of-place baddbmm's copy of its input into the output is
+# a kernel on CUDA too, and is counted).
+BATCHED = frozenset(f"aten::{n}" for n in ("bmm", "baddbmm", "baddbmm_"))
+BATCHED_IN_PLACE = frozenset({"aten::baddbmm_"})
 # (aten::item calls aten::_local_scalar_dense: counting both would count each sync twice)
 SYNC_OPS = frozenset({"aten::_local_scalar_dense", "fbtrain::host_sync"})
 SECTIONS = ("forward sweep", "backward sweep", "core other", "rest")
@@ -90,12 +99,15 @@ def count_events(events) -> dict:
             node = node.cpu_parent
         return "core other" if in_core else "rest"
 
-    def launching(event) -> bool:
-        """Counts ``event``'s own launch where it has one; True if it or an op below does."""
+    def launching(event, inside: str = "") -> bool:
+        """Counts ``event``'s own launch where it has one; True if it or an op below does.
+        ``inside``: the batched matmul (see BATCHED) the event runs in, if any."""
+        name = event.name
+        if inside in BATCHED_IN_PLACE or (inside and name in OWN_KERNEL):
+            return True
         below = False
         for child in event.cpu_children:
-            below |= launching(child)
-        name = event.name
+            below |= launching(child, inside or (name if name in BATCHED else ""))
         if name in SYNC_OPS:
             syncs[section_of(event)][name] += 1
             return below

@@ -25,6 +25,7 @@
 #include <algorithm>
 #include <array>
 #include <cstdlib>
+#include <limits>
 #include <tuple>
 #include <vector>
 
@@ -115,6 +116,13 @@ struct Tape {
     const int64_t H = lay->H;
     return buf.as_strided({nb, H, ell}, {H * ell, ell, 1},
                           buf.storage_offset() + l * buf.size(1) + lay->prob_start(t, ell, b0));
+  }
+  // [nb*H, ell, L]: the same for every layer at once (the layers' rows are a packed row
+  // apart), as the left factor of a matmul that sums over the layers.
+  Tensor prob_layers(int r, int64_t t, int64_t ell, int64_t b0, int64_t nb) const {
+    const Tensor& buf = rec[r];
+    return buf.as_strided({nb * lay->H, ell, buf.size(0)}, {ell, 1, buf.size(1)},
+                          buf.storage_offset() + lay->prob_start(t, ell, b0));
   }
 };
 
@@ -322,6 +330,41 @@ AtenQuery aten_query(const std::vector<Tensor>& w, int64_t H) {
   return {fw, fb, fw.t()};
 }
 
+// The ATen path keeps keys and values slot-major, [S, B, H, 2, n_kv, dk]: a new slot's keys
+// and values of every set are one row block, written by the projection in a single call
+// (its columns put in that order once per call), and the backward's gradients, laid out
+// alike, give a slot's memory gradient in one matmul and a step's window gradients in one
+// batched matmul. The keys and values the core returns are views of it in the
+// [n_kv, B*H, S, dk] shape; per (row, head) a window is still an [ell, dk] matrix with unit
+// stride along dk, which is all a batched matmul needs (cuBLAS takes any other stride).
+Tensor kv_slot_buffer(const Tensor& like, int64_t S, int64_t B, int64_t H, int64_t n_kv,
+                      int64_t dk) {
+  return like.new_empty({S, B, H, 2, n_kv, dk});
+}
+
+// Keys (c = 0) or values (c = 1) of a slot-major buffer, as [n_kv, B*H, S, dk] (a view).
+Tensor kv_view(const Tensor& slots, int64_t c) {
+  const int64_t S = slots.size(0), B = slots.size(1), H = slots.size(2);
+  return slots.select(3, c).permute({3, 1, 2, 0, 4}).view({slots.size(4), B * H, S, slots.size(5)});
+}
+
+// The last dimension of w, 2 * n_kv * H * dk wide, from the projection's order
+// (key/value, set, head, dk) to the slot-major buffer's (head, key/value, set, dk), or back
+// (to_slots = false).
+Tensor kv_columns(const Tensor& w, int64_t n_kv, int64_t H, bool to_slots) {
+  std::vector<int64_t> shape(w.sizes().begin(), w.sizes().end() - 1), perm;
+  const int64_t lead = static_cast<int64_t>(shape.size()), dk = w.size(-1) / (2 * n_kv * H);
+  for (int64_t i = 0; i < lead; ++i) perm.push_back(i);
+  if (to_slots) {
+    shape.insert(shape.end(), {2, n_kv, H, dk});
+    perm.insert(perm.end(), {lead + 2, lead, lead + 1, lead + 3});
+  } else {
+    shape.insert(shape.end(), {H, 2, n_kv, dk});
+    perm.insert(perm.end(), {lead + 1, lead + 2, lead, lead + 3});
+  }
+  return w.reshape(shape).permute(perm).reshape(w.sizes());
+}
+
 struct Forward {
   const Spec& s;
   const Layout& lay;
@@ -331,6 +374,10 @@ struct Forward {
   Tensor hidden, memory, keys, values;  // [T, L+1, B, D], [T, B, D], [n_kv, B*H, S, dk] x2
   Tape tape;
   std::vector<AtenQuery> query;  // per layer, on the ATen path only
+  // The ATen path: the slot-major buffer that keys and values are views of, and the
+  // projection with its columns in that buffer's order (kv_columns).
+  Tensor kv_slots, wkv_slots;
+  std::optional<Tensor> bkv_slots;
 
   void shard(int64_t b0, int64_t nb) const {
     const int64_t L = s.L, H = s.H, dk = lay.dk, D = lay.D, T = lay.T, n0 = lay.n0;
@@ -434,10 +481,16 @@ struct Forward {
       // into wkv/bkv by the caller, so only the normalisation happens here.
       const Tensor kv_in =
           s.memory_norm ? std::get<0>(at::native_layer_norm(m, shape, {}, {}, s.eps)) : m;
-      Tensor kv_new = bkv ? at::addmm(*bkv, kv_in, wkv) : at::mm(kv_in, wkv);
-      kv_new = kv_new.view({nb, 2, n_kv, H, dk});
-      key_rows.select(3, slot).copy_(kv_new.select(1, 0).transpose(0, 1));
-      value_rows.select(3, slot).copy_(kv_new.select(1, 1).transpose(0, 1));
+      if (loops) {
+        Tensor kv_new = bkv ? at::addmm(*bkv, kv_in, wkv) : at::mm(kv_in, wkv);
+        kv_new = kv_new.view({nb, 2, n_kv, H, dk});
+        key_rows.select(3, slot).copy_(kv_new.select(1, 0).transpose(0, 1));
+        value_rows.select(3, slot).copy_(kv_new.select(1, 1).transpose(0, 1));
+      } else {  // straight into the slot's row block
+        Tensor block = kv_slots.select(0, slot).narrow(0, b0, nb).view({nb, -1});
+        if (bkv_slots) at::addmm_out(block, *bkv_slots, kv_in, wkv_slots);
+        else at::mm_out(block, kv_in, wkv_slots);
+      }
     }
   }
 };
@@ -537,13 +590,19 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, std::vector<Tensor>> core_forward(
   // With dropout the full tape is kept anyway: its masks are drawn in one go, and a
   // no-grad call must draw the same ones as a training call from the same seed.
   const Layout lay(s, B, T, D, p[0][W1_T].size(1), n0, n_kv, keep_tape || s.dropout > 0);
+  const bool loops = loops_for(x0);
+  const Tensor kv_slots = loops ? Tensor() : kv_slot_buffer(x0, S, B, H, n_kv, dk);
   Forward fw{s, lay, p, mix, wkv, bkv,
              x0.new_empty({T, s.L + 1, B, D}), x0.new_empty({T, B, D}),
-             x0.new_empty({n_kv, B * H, S, dk}), x0.new_empty({n_kv, B * H, S, dk}),
-             make_tape(s, lay, x0, loops_for(x0) ? D : H * (dk + p[0][RT].size(-1))), {}};
-  if (!loops_for(x0)) {
+             loops ? x0.new_empty({n_kv, B * H, S, dk}) : kv_view(kv_slots, 0),
+             loops ? x0.new_empty({n_kv, B * H, S, dk}) : kv_view(kv_slots, 1),
+             make_tape(s, lay, x0, loops ? D : H * (dk + p[0][RT].size(-1))), {}};
+  if (!loops) {
     for (const auto& w : p) fw.query.push_back(aten_query(w, H));
     prefill_biases(s, lay, p, fw.query, fw.hidden, fw.tape.rec);
+    fw.kv_slots = kv_slots;
+    fw.wkv_slots = kv_columns(wkv, n_kv, H, true);
+    if (bkv) fw.bkv_slots = kv_columns(*bkv, n_kv, H, true);
   }
   fw.keys.narrow(2, 0, n0).copy_(mem_k);
   fw.values.narrow(2, 0, n0).copy_(mem_v);
@@ -581,10 +640,14 @@ struct Backward {
   // `mix` on the host, which on a GPU would be a sync).
   std::vector<AtenQuery> query;
   Tensor mix_t;
-  // The ATen path's key/value gradients, slot-major [S, B, 2, n_kv, H, dk] (d_keys, d_values
-  // and d_kv stay empty): a slot's gradients are then one row block for the d_memory
+  // The ATen path's key/value gradients, slot-major like its keys (kv_slot_buffer; d_keys,
+  // d_values and d_kv stay empty): a slot's gradients are one row block for the d_memory
   // matmul, with no per-step gather, and the last T slots are d_kv for the weight gradient.
   Tensor d_kv_slots;
+  // With one key/value set on the ATen path (feedback_kv), a step's window gradients from
+  // all its layers are two batched matmuls after the step (see shared_kv_grads) instead of
+  // two rank-1 updates per layer.
+  bool batch_kv_grads = false;
 
   Tensor grad(int r, int64_t l, int64_t step, int64_t b0, int64_t nb) const {
     return rows(g[r], l * g[r].size(1) + step, b0, nb);
@@ -605,9 +668,13 @@ struct Backward {
       d_value_rows = d_values_s.view({n_kv, nb, H, S, dk});
     } else {  // views of d_kv_slots, [n_kv, nb, H, S, dk]
       const Tensor rows_s = d_kv_slots.narrow(1, b0, nb);
-      d_key_rows = rows_s.select(2, 0).permute({2, 1, 3, 0, 4});
-      d_value_rows = rows_s.select(2, 1).permute({2, 1, 3, 0, 4});
+      d_key_rows = rows_s.select(3, 0).permute({3, 1, 2, 0, 4});
+      d_value_rows = rows_s.select(3, 1).permute({3, 1, 2, 0, 4});
     }
+    // Each layer's output-projection gradient of the current step, [L, nb, D], for
+    // shared_kv_grads.
+    const Tensor d_o_layers =
+        batch_kv_grads ? at::empty({L, nb, D}, hidden.options()) : Tensor();
     std::vector<Tensor> k_w(n_kv), v_t(n_kv), dk_w(n_kv), dv_w(n_kv);
     for (int64_t t = T - 1; t >= 0; --t) {
       const int64_t slot = n0 + t;
@@ -683,7 +750,13 @@ struct Backward {
           const Tensor prob_used = drop ? tape.prob(PROB_USED, l, t, ell, b0, nb) : prob;
           const Tensor qu = tape.att(QU, l, t, b0, nb);
           Tensor dqu = grad(DQU, l, t - lay.first_att, b0, nb);
-          Tensor d_o = at::mm(dz, wo_b);  // [nb, D]
+          Tensor d_o;  // [nb, D]
+          if (batch_kv_grads) {
+            d_o = d_o_layers.select(0, l);
+            at::mm_out(d_o, dz, wo_b);
+          } else {
+            d_o = at::mm(dz, wo_b);
+          }
           if (loops) {
             AT_DISPATCH_FLOATING_TYPES(qu.scalar_type(), "attend_backward", [&] {
               const WindowAttention<scalar_t> att{nb, H, dk, ell, n_pos, S * dk,
@@ -705,7 +778,8 @@ struct Backward {
             Tensor d_prob = at::bmm(d_o, v_t[set]).view({nbH, 1, ell});
             // Rank-1 updates, broadcast in place (baddbmm_ into a strided view falls back
             // to one small matmul per batch row).
-            dv_w[set].addcmul_(prob_used.view({nb, H, ell, 1}), d_o.view({nb, H, 1, dk}));
+            if (!batch_kv_grads)
+              dv_w[set].addcmul_(prob_used.view({nb, H, ell, 1}), d_o.view({nb, H, 1, dk}));
             if (drop) d_prob.mul_(tape.prob(MASK_PROB, l, t, ell, b0, nb).view({nbH, 1, ell}));
             const Tensor dqp = dqu.view({nbH, dk + n_pos}), qp = qu.view({nbH, dk + n_pos});
             // Computed apart and copied in: the CPU kernel's out= variant writes a strided
@@ -715,8 +789,9 @@ struct Backward {
             dqp.narrow(1, dk + n_pos - ell, ell).copy_(d_scores.squeeze(1));
             Tensor dqu3 = dqp.narrow(1, 0, dk).unsqueeze(1);
             at::bmm_out(dqu3, d_scores, k_w[set]);
-            dk_w[set].addcmul_(d_scores.view({nb, H, ell, 1}),
-                               qp.narrow(1, 0, dk).view({nb, H, 1, dk}));
+            if (!batch_kv_grads)
+              dk_w[set].addcmul_(d_scores.view({nb, H, ell, 1}),
+                                 qp.narrow(1, 0, dk).view({nb, H, 1, dk}));
           }
           Tensor da = grad(DA, l, t - lay.first_att, b0, nb);
           at::mm_out(da, dqu, loops ? wq_b : query[l].w_t);
@@ -732,7 +807,27 @@ struct Backward {
         else if (dm.defined()) below.addcmul_(dm, mix_t.select(0, l));
         dx = below;
       }
+      if (batch_kv_grads && ell) shared_kv_grads(t, ell, b0, nb, d_o_layers, dk_w[0], dv_w[0]);
     }
+  }
+
+  // Step t's gradients of its window's keys and values [nb, H, ell, dk] from every layer
+  // (one set, feedback_kv, on the ATen path): d_v += sum_l p_l^T d_o_l and
+  // d_k += sum_l d_scores_l^T q_l, each one batched matmul over (row, head) that sums over
+  // the layers, read in place from the tape (probabilities), the DQU gradients (score
+  // gradients), the QU record (queries) and d_o_layers.
+  void shared_kv_grads(int64_t t, int64_t ell, int64_t b0, int64_t nb, const Tensor& d_o_layers,
+                       const Tensor& dk_w, const Tensor& dv_w) const {
+    const int64_t H = s.H, dk = lay.dk, L = s.L, nbH = nb * H, qp = dk + p[0][RT].size(-1);
+    const Tensor &qu = tape.rec[QU], &dqu = g[DQU];  // [L, n_att, B, H * qp]
+    const int64_t row = H * qp, layer = qu.size(1) * lay.B * row;  // strides of the records
+    const int64_t first = ((t - lay.first_att) * lay.B + b0) * row;
+    const Tensor d_scores = dqu.as_strided({nbH, ell, L}, {qp, 1, layer},
+                                           dqu.storage_offset() + first + qp - ell);
+    const Tensor q = qu.as_strided({nbH, L, dk}, {qp, layer, 1}, qu.storage_offset() + first);
+    const Tensor prob = tape.prob_layers(s.dropout > 0 ? PROB_USED : PROB, t, ell, b0, nb);
+    dv_w.view({nbH, ell, dk}).baddbmm_(prob, d_o_layers.view({L, nbH, dk}).transpose(0, 1));
+    dk_w.view({nbH, ell, dk}).baddbmm_(d_scores, q);
   }
 };
 
@@ -790,13 +885,22 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, std::vector<Tensor>> 
     return std::vector<double>(m.data_ptr<double>(), m.data_ptr<double>() + m.numel());
   }();
   const int64_t shards = shard_count(hidden, B), n_att = lay.n_att;
-  const Tensor wkv_t = wkv.t();
+  // On the ATen path the memory gradient reads slot-major key/value gradients, whose
+  // columns are in kv_columns' order.
+  const Tensor wkv_t = loops ? wkv.t() : kv_columns(wkv, n_kv, s.H, true).t();
   const Tensor none = hidden.new_empty({0});
   Backward bw{s, lay, p, back, tape, mix_f, wkv_t, d_top, hidden, memory, keys, values,
               loops ? at::zeros_like(keys) : none, loops ? at::zeros_like(values) : none,
               loops ? hidden.new_zeros({T, B, 2, n_kv, s.H, lay.dk}) : none,
               hidden.new_zeros({T, B, D}), hidden.new_empty({B, T, D}), {}, {}, {}};
-  if (!loops) bw.d_kv_slots = hidden.new_zeros({n0 + T, B, 2, n_kv, s.H, lay.dk});
+  if (!loops) {
+    bw.d_kv_slots = kv_slot_buffer(hidden, n0 + T, B, s.H, n_kv, lay.dk).zero_();
+    // cuBLAS takes 32-bit leading dimensions: the layer strides of the records read in
+    // place must fit (they do but for records of many GB).
+    const int64_t qu_width = s.H * (lay.dk + p[0][RT].size(-1));
+    const int64_t widest = std::max(tape.rec[PROB].size(-1), lay.n_att * B * qu_width);
+    bw.batch_kv_grads = n_kv == 1 && widest <= std::numeric_limits<int32_t>::max();
+  }
   // On the ATen path DQU is AtenQuery's [H, dk + P] row, zero outside each step's window.
   const int64_t n_pos = p[0][RT].size(-1);
   bw.g = {hidden.new_empty({L, n_att, B, D}),
@@ -868,10 +972,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, std::vector<Tensor>> 
   const Tensor d_wkv = at::mm(kv_in.reshape({T * B, D}).t(), d_kv_flat);
   // The carried slots' key/value gradients, for callers that projected them differentiably.
   if (!loops) {  // the carried slots' gradients in the keys' layout [n_kv, B*H, n0, dk]
-    const Tensor carried = bw.d_kv_slots.narrow(0, 0, n0).permute({2, 3, 1, 4, 0, 5});
+    const Tensor carried = bw.d_kv_slots.narrow(0, 0, n0);
     const std::vector<int64_t> kv_shape{n_kv, B * s.H, n0, lay.dk};
-    return {bw.d_x0, carried.select(0, 0).reshape(kv_shape),
-            carried.select(0, 1).reshape(kv_shape), d_mix, d_wkv, d_kv_flat.sum(0), grads};
+    return {bw.d_x0, kv_view(carried, 0).reshape(kv_shape), kv_view(carried, 1).reshape(kv_shape),
+            d_mix, kv_columns(d_wkv, n_kv, s.H, false),
+            kv_columns(d_kv_flat.sum(0), n_kv, s.H, false), grads};
   }
   return {bw.d_x0, bw.d_keys.narrow(2, 0, n0), bw.d_values.narrow(2, 0, n0), d_mix, d_wkv,
           d_kv_flat.sum(0), grads};
