@@ -323,6 +323,29 @@ def test_failed_core_build_is_one_clear_line(monkeypatch):
     assert message.endswith("x.cpp:1:10: fatal error: ATen/ATen.h: No such file")
 
 
+@pytest.mark.parametrize("memory_norm", ["none", "layernorm"])
+@pytest.mark.parametrize("kind", FEEDBACK_KINDS)
+def test_bf16_autocast_leaves_the_core_and_its_tables_in_fp32(kind, memory_norm):
+    """Under bf16 autocast (CUDA's default precision; allowed on the CPU too) the core and
+    the tables folded for it (memory_norm's bias @ weight is a matmul, which autocast would
+    lower to bf16) stay fp32: it trains, its memory is fp32's bit for bit, and only the
+    head's rounding separates its logits from fp32's."""
+    torch.manual_seed(0)
+    model = build_model(small(kind, memory_norm=memory_norm), 11)
+    tokens = torch.randint(0, 11, (2, 6))
+    plain, plain_state = model(tokens)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits, state = model(tokens)
+    assert logits.dtype == torch.bfloat16
+    # The memory's keys and values are the core's alone: bitwise what fp32 gives.
+    assert torch.equal(state.keys, plain_state.keys)
+    assert torch.equal(state.values, plain_state.values)
+    assert torch.allclose(logits.float(), plain, atol=0.05, rtol=0.02)
+    logits.float().sum().backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all()
+               for p in model.parameters() if p.requires_grad)
+
+
 @pytest.mark.parametrize("kind", FEEDBACK_KINDS)
 def test_no_grad_calls_see_every_weight_update(kind, monkeypatch):
     """A fused optimizer updates weights in place without bumping version counters, so

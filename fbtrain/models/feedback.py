@@ -155,19 +155,20 @@ class FeedbackTransformer(nn.Module):
             state = self.empty_state(batch, x0)
         window = self.cfg.memory_window
         n_pos = max(1, min(state.slots + steps, window))
-        if torch.is_grad_enabled():
-            layers, wkv, bkv = self.core_params(n_pos)
-        else:  # a power of two, so one-token decoding calls reuse the cached tables
-            n_pos = min(window, 1 << (n_pos - 1).bit_length())
-            layers, wkv, bkv = self._no_grad_params(n_pos)
         spec = CoreSpec(
             n_layers=self.cfg.n_layers, n_heads=self.cfg.n_heads, shared_kv=self.shared_kv,
             window=window, dropout=self.cfg.dropout if self.training else 0.0,
             memory_norm=self.memory_norm,
         )
         # The core runs in the embedding's dtype even under autocast: its hand-written
-        # backward and the memory it accumulates over many steps want one precision.
+        # backward and the memory it accumulates over many steps want one precision. So do
+        # the tables folded for it (a bias @ weight is a matmul, which autocast would lower).
         with torch.autocast(device_type=x0.device.type, enabled=False):
+            if torch.is_grad_enabled():
+                layers, wkv, bkv = self.core_params(n_pos)
+            else:  # a power of two, so one-token decoding calls reuse the cached tables
+                n_pos = min(window, 1 << (n_pos - 1).bit_length())
+                layers, wkv, bkv = self._no_grad_params(n_pos)
             mem_k, mem_v = self._carried_keys_values(state, x0.dtype, wkv, bkv, spec.eps)
             top, keys, values, memory = self._core(spec, x0, mem_k, mem_v, layers, wkv, bkv)
         logits = self.head(self.ln_f(top))
