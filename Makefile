@@ -58,8 +58,8 @@ bench-sample: install
 
 # On a CUDA machine: tests, exactness, benchmarks, a short training run, sampling and
 # profiling in one report (at most about 8 minutes); elsewhere a toy run on the CPU.
-gpu-check: install
-	$(BIN)/python scripts/gpu_check.py $(if $(DATA),--data $(DATA))
+gpu-check: dev
+	$(BIN)/python scripts/gpu_check.py --require-cuda $(if $(DATA),--data $(DATA))
 
 # Build and tool caches; keeps $(VENV) and runs/ (see distclean).
 clean:

@@ -35,14 +35,17 @@ def resolve_device(name: str = "auto") -> torch.device:
 def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
     """The autocast dtype for ``precision`` on ``device``, or None for plain fp32.
 
-    ``auto`` means bf16 on CUDA (when the GPU supports it) and fp32 on the CPU, where
-    autocast's casts cost more than they save at these sizes.
+    ``auto`` means bf16 on CUDA (when that GPU has bf16 arithmetic: torch emulates it on
+    older ones, slower than fp32) and fp32 on the CPU, where autocast's casts cost more
+    than they save at these sizes.
     """
     if precision == "fp32":
         return None
     if precision == "auto":
-        if device.type == "cuda" and torch.cuda.is_bf16_supported():
-            return torch.bfloat16
+        if device.type == "cuda":
+            with torch.cuda.device(device):  # the check reads the current device
+                if torch.cuda.is_bf16_supported(including_emulation=False):
+                    return torch.bfloat16
         return None
     return torch.bfloat16 if precision == "bf16" else torch.float16
 

@@ -13,20 +13,23 @@ Sections, in order (each timed; the report ends with a summary line per check):
            text: first and last logged loss, which must fall
   sample   cached generation (fbtrain.sample.generate), characters/s, at both sizes
   graphs   feedback_kv and feedback at configs/gpu.yaml's sizes, T = 64, batch gpu.yaml's,
-           16, 128 and 512, fp32: kernel launches per step (counted by torch.profiler on
-           the GPU), eager and CUDA-graphed (FBTRAIN_CUDA_GRAPHS=1) ms/step and tokens/s,
-           the GPU-busy share of each, and whether graphed and eager steps agree bitwise
-           (loss and every gradient, dropout 0.1). On the CPU stand-in: the ATen path's
-           launches (scripts/launch_count.py) and the eager step; no graphs
+           16, 128 and 512, fp32: per step the host's launch calls (cudaLaunchKernel and
+           kin; a graph replay is one cudaGraphLaunch) and the kernels the GPU ran (both
+           from torch.profiler), eager and CUDA-graphed (FBTRAIN_CUDA_GRAPHS=1) ms/step and
+           tokens/s, the GPU-busy share of each, whether the graphs were captured, and
+           whether graphed and eager steps agree bitwise (loss and every gradient, dropout
+           0.1). On the CPU stand-in: the ATen path's launches (scripts/launch_count.py) and
+           the eager step; no graphs
   profile  one feedback_kv training step at configs/gpu.yaml's sizes (T = 64) under
            torch.profiler: the share of its wall time the GPU is busy. Well below 1 means the
            step is launch-bound (the GPU waits for the CPU to queue thousands of small
            kernels), which is what CUDA graphs would address
 
 Without CUDA it runs the same path on the CPU at toy sizes and says so (CI runs it that way:
-the figures then mean nothing, the code paths are exercised). Exits 1 if a check fails.
+the figures then mean nothing, the code paths are exercised), unless --require-cuda (what
+``make gpu-check`` passes) makes that a failure. Exits 1 if a check fails.
 
-    python scripts/gpu_check.py                       # on a CUDA machine (make gpu-check)
+    python scripts/gpu_check.py --require-cuda        # on a CUDA machine (make gpu-check)
     python scripts/gpu_check.py --data input.txt --json gpu_check.json
 """
 
@@ -68,6 +71,11 @@ BUDGET_S = 480.0  # 8 minutes
 TOY_SIZES = dict(d_model=32, n_heads=2, d_ff=64, n_layers=2, dropout=0.0, max_rel_pos=64)
 TOY_BATCH, TOY_SEQ_LENS, TOY_TRAIN_STEPS, TOY_CHARS = 4, (8,), 12, 20
 GRAPH_BATCHES = (16, 128, 512)  # with gpu.yaml's own, for the graphs section
+# Host-side CUDA runtime/driver calls that queue work on the GPU (torch.profiler records
+# them as CPU events): what a launch-bound step spends its host time on.
+LAUNCH_CALLS = frozenset({"cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel",
+                          "cuLaunchKernelEx", "cudaGraphLaunch", "cudaMemcpyAsync",
+                          "cudaMemsetAsync"})
 
 
 class Budget:
@@ -90,6 +98,19 @@ def gpu_sizes() -> tuple[dict, int]:
     sizes = dict(d_model=m.d_model, n_heads=m.n_heads, d_ff=m.d_ff, n_layers=m.n_layers,
                  dropout=0.0, max_rel_pos=m.max_rel_pos)
     return sizes, cfg.train.batch_size
+
+
+def device_work(events) -> dict:
+    """From ``prof.key_averages()`` of a CUDA run: ``kernels`` the GPU ran, the host's
+    ``launch_calls`` (LAUNCH_CALLS; a graph replay is one call for all its kernels) and
+    ``busy_ms``, the kernels' own time. Each kernel is its own device event; the CPU ops
+    that launched them carry the same time again, so only kernel events are summed, and
+    user annotations (``Optimizer.step#...`` spans) are not kernels."""
+    kernels = [e for e in events if str(getattr(e, "device_type", "")).endswith("CUDA")
+               and not getattr(e, "is_user_annotation", False)]
+    return {"kernels": sum(e.count for e in kernels),
+            "launch_calls": sum(e.count for e in events if e.key in LAUNCH_CALLS),
+            "busy_ms": sum(e.self_device_time_total or 0 for e in kernels) / 1000}
 
 
 def run_cuda_tests(paths: list[str], budget: Budget) -> dict:
@@ -225,16 +246,17 @@ def busy_share(device: torch.device, precision: torch.dtype | None, sizes: dict,
     with profile(activities=activities) as prof:
         entry.step(x, x)
     events = prof.key_averages()
-    if device.type == "cuda":  # kernel rows carry the device time (each kernel once)
-        kernels = [e for e in events if str(getattr(e, "device_type", "")).endswith("CUDA")]
-        busy_us = sum(getattr(e, "self_device_time_total", 0) or 0 for e in events)
+    if device.type == "cuda":
+        work = device_work(events)
+        busy_ms, count = work["busy_ms"], work["kernels"]
     else:
-        kernels = list(events)
-        busy_us = sum(e.self_cpu_time_total for e in events)
-    share = busy_us / (wall_s * 1e6) if device.type == "cuda" else None
-    return {"step_ms": wall_s * 1000, "busy_ms": busy_us / 1000, "share": share,
-            "launches_or_ops": sum(e.count for e in kernels), "seq_len": seq_len,
-            "batch": batch, "launch_bound": None if share is None else share < 0.5}
+        busy_ms = sum(e.self_cpu_time_total for e in events) / 1000
+        count = sum(e.count for e in events)
+    # No kernels seen (no CUPTI, say) is no measurement, not a launch-bound step.
+    share = busy_ms / (wall_s * 1000) if device.type == "cuda" and count else None
+    return {"step_ms": wall_s * 1000, "busy_ms": busy_ms, "share": share,
+            "launches_or_ops": count, "seq_len": seq_len, "batch": batch,
+            "launch_bound": None if share is None else share < 0.5}
 
 
 @contextlib.contextmanager
@@ -261,15 +283,13 @@ def _entry(kind: str, sizes: dict, batch: int, seq_len: int, device: torch.devic
     return benchmark.Entry(kind, model, lambda t: model(t)[0], device, None), x
 
 
-def _kernels(entry: benchmark.Entry, x: torch.Tensor) -> tuple[int, float]:
-    """Kernels launched by one training step on the GPU and the time they ran (ms)."""
+def _profiled_step(entry: benchmark.Entry, x: torch.Tensor) -> dict:
+    """:func:`device_work` of one training step on the GPU."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         entry.step(x, x)
-    events = [e for e in prof.key_averages() if str(getattr(e, "device_type", "")).endswith("CUDA")]
-    busy_us = sum(getattr(e, "self_device_time_total", 0) or 0 for e in events)
-    return sum(e.count for e in events), busy_us / 1000
+    return device_work(prof.key_averages())
 
 
 def graphs_agree(kind: str, sizes: dict, batch: int, seq_len: int,
@@ -308,6 +328,7 @@ def graph_steps(device: torch.device, sizes: dict, batches: tuple[int, ...], seq
             row: dict = {"kind": kind, "batch": batch, "seq_len": seq_len}
             modes = (False, True) if cuda else (False,)
             for on in modes:
+                graphs.release()  # this row's captures alone
                 with cuda_graphs(on):
                     entry, x = _entry(kind, sizes, batch, seq_len, device)
                     for _ in range(3):  # warm-up (and, graphed, the captures)
@@ -317,12 +338,17 @@ def graph_steps(device: torch.device, sizes: dict, batches: tuple[int, ...], seq
                     row[f"{name}_ms"] = ms
                     row[f"{name}_tokens_per_sec"] = batch * seq_len / ms * 1000
                     if cuda:
-                        launches, busy_ms = _kernels(entry, x)
-                        row[f"{name}_launches"] = launches
-                        row[f"{name}_busy_share"] = busy_ms / ms
+                        work = _profiled_step(entry, x)
+                        row[f"{name}_launches"] = work["launch_calls"]
+                        row[f"{name}_kernels"] = work["kernels"]
+                        row[f"{name}_busy_share"] = (work["busy_ms"] / ms if work["kernels"]
+                                                     else None)
+                    if on:  # a failed capture runs eagerly: the row must say so
+                        row["graphs"] = graphs.capture_status()
             if cuda:
                 row["bitwise_equal"] = graphs_agree(kind, sizes, min(batch, 16), seq_len,
                                                     device)
+                graphs.release()  # each shape's graphs hold memory pools of their own
             else:  # the ATen path's count, on the CPU (what a GPU would launch)
                 counts = launch_count.count_step(kind, batch, seq_len, sizes=sizes)
                 row["eager_launches"] = launch_count.summary(counts, 5.0)["launches_total"]
@@ -340,9 +366,16 @@ def main(argv: list[str] | None = None) -> int:
                         help="what pytest -m cuda collects (default: tests)")
     parser.add_argument("--budget", type=float, default=BUDGET_S, help="seconds (default 480)")
     parser.add_argument("--json", type=Path, help="also write the report here")
+    parser.add_argument("--require-cuda", action="store_true",
+                        help="fail at once without CUDA instead of running the CPU stand-in")
     args = parser.parse_args(argv)
     budget = Budget(args.budget)
     cuda = torch.cuda.is_available()
+    if args.require_cuda and not cuda:
+        print(f"error: no CUDA device (torch {torch.__version__}, CUDA build "
+              f"{torch.version.cuda or 'none'}); this check is for a CUDA machine",
+              file=sys.stderr)
+        return 1
     device = torch.device("cuda" if cuda else "cpu")
     precision = torch.bfloat16 if cuda else None
     if cuda:
@@ -365,6 +398,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n== {name} (at {budget.elapsed():.0f} s)", flush=True)
 
     section("tests: pytest -m cuda")
+    # The C++ core is built (first run: about a minute) before the tests, whose time limit
+    # is for the tests.
+    from fbtrain.models.core import native
+
+    try:
+        native.native_ops()
+    except native.CoreBuildError as e:
+        print(f"  the C++ core does not build here: {e}")
     tests = run_cuda_tests(args.tests, budget)
     report["tests"] = tests
     report["checks"]["cuda tests"] = tests["ok"]
@@ -418,8 +459,10 @@ def main(argv: list[str] | None = None) -> int:
     graph_rows = graph_steps(device, sizes, batches, seq_lens[0], args.repeats, budget)
     report["graphs"] = graph_rows
     if cuda:
-        report["checks"]["graphed = eager"] = all(
-            r["bitwise_equal"] for r in graph_rows.values() if isinstance(r, dict))
+        rows = [r for r in graph_rows.values() if isinstance(r, dict)]
+        report["checks"]["graphs captured"] = all(
+            r["graphs"]["captured"] > 0 and not r["graphs"]["failed"] for r in rows)
+        report["checks"]["graphed = eager"] = all(r["bitwise_equal"] for r in rows)
     for key, r in graph_rows.items():
         if isinstance(r, str):
             print(f"  {key}: {r}")
@@ -427,9 +470,15 @@ def main(argv: list[str] | None = None) -> int:
         line = (f"  {key:24s} eager {r['eager_ms']:8.1f} ms {r['eager_tokens_per_sec']:9.0f} "
                 f"tok/s {r['eager_launches']:6d} launches")
         if cuda:
-            line += (f" busy {r['eager_busy_share']:.0%}; graphed {r['graphed_ms']:8.1f} ms "
-                     f"{r['graphed_tokens_per_sec']:9.0f} tok/s {r['graphed_launches']:6d} "
-                     f"launches busy {r['graphed_busy_share']:.0%}; bitwise "
+            def busy(share: float | None) -> str:
+                return "n/a" if share is None else f"{share:.0%}"
+
+            captured = ("graphs captured" if r["graphs"]["captured"] and not r["graphs"]["failed"]
+                        else "CAPTURE FAILED (graphed = eager)")
+            line += (f" ({r['eager_kernels']} kernels) busy {busy(r['eager_busy_share'])}; "
+                     f"graphed {r['graphed_ms']:8.1f} ms {r['graphed_tokens_per_sec']:9.0f} "
+                     f"tok/s {r['graphed_launches']:6d} launches ({r['graphed_kernels']} "
+                     f"kernels) busy {busy(r['graphed_busy_share'])}; {captured}; bitwise "
                      f"{'equal' if r['bitwise_equal'] else 'DIFFERENT'}")
         else:
             line += " (ATen path, counted on the CPU; no CUDA graphs here)"
@@ -440,7 +489,9 @@ def main(argv: list[str] | None = None) -> int:
     prof = busy_share(device, precision, sizes, batch, seq_lens[0])
     report["profile"] = prof
     head = f"  feedback_kv T={prof['seq_len']} batch {prof['batch']}: step {prof['step_ms']:.1f} ms"
-    if cuda:
+    if cuda and prof["share"] is None:
+        print(f"{head}; the profiler saw no kernels (is CUPTI available?): no busy share")
+    elif cuda:
         verdict = "launch-bound" if prof["launch_bound"] else "not launch-bound"
         print(f"{head}, GPU busy {prof['busy_ms']:.1f} ms = {prof['share']:.0%} "
               f"({prof['launches_or_ops']} kernels: {verdict})")

@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+import types
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -216,7 +217,7 @@ def test_cuda_graph_switch_leaves_the_cpu_path_as_it_was(switch, monkeypatch):
 
 def test_graph_capture_failure_falls_back_to_eager_with_one_notice(monkeypatch, capsys):
     """A capture that fails (here: any, faked) leaves one notice line and the eager
-    result, and is not tried again for that shape."""
+    result, and no capture is tried again, for any shape."""
     tries = []
 
     def broken(fn, args):
@@ -232,13 +233,34 @@ def test_graph_capture_failure_falls_back_to_eager_with_one_notice(monkeypatch, 
     spec = CoreSpec(n_layers=2, n_heads=2, shared_kv=True, window=16, dropout=0.0)
     graphed = graphs.GraphedCore(native.NativeCore)
     eager = native.NativeCore.core_forward(spec, inputs, keep_tape=True)
-    for _ in range(2):
-        out = graphed.core_forward(spec, inputs, keep_tape=True)
+    for keep_tape in (True, True, False):  # the last: another graph key
+        out = graphed.core_forward(spec, inputs, keep_tape=keep_tape)
         assert torch.equal(out.hidden, eager.hidden)
-    assert len(tries) == 1
+    assert len(tries) == 1 and graphed.failed
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["fbtrain: CUDA graph capture of the core failed (operation not permitted "
-                   "when stream is capturing); running it eagerly for this shape"]
+                   "when stream is capturing); running it eagerly from now on"]
+
+
+def test_graphs_are_asked_only_of_the_cpp_core_outside_torch_distributed(monkeypatch,
+                                                                          capsys):
+    """With the switch on, a CUDA call of the PyTorch core (which reads the memory weights
+    on the host) or one under torch.distributed runs the plain core, after one notice
+    each; the C++ core gets its GraphedCore. (``like`` stands in for a CUDA tensor.)"""
+    monkeypatch.setenv(graphs.GRAPHS_ENV, "1")
+    monkeypatch.setattr(graphs, "_said", set())
+    monkeypatch.setattr(graphs, "_graphed", {})
+    like = types.SimpleNamespace(is_cuda=True)
+    for _ in range(2):
+        assert graphs.maybe_graphed(python, like) is python
+    assert isinstance(graphs.maybe_graphed(native.NativeCore, like), graphs.GraphedCore)
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    assert graphs.maybe_graphed(native.NativeCore, like) is native.NativeCore
+    assert capsys.readouterr().err.splitlines() == [
+        "fbtrain: FBTRAIN_CUDA_GRAPHS is set, but CUDA graphs need the C++ core (the PyTorch "
+        "core syncs with the host); running the core eagerly",
+        "fbtrain: FBTRAIN_CUDA_GRAPHS is set, but CUDA graphs are not used under "
+        "torch.distributed; running the core eagerly"]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -247,6 +269,7 @@ def test_graph_capture_failure_falls_back_to_eager_with_one_notice(monkeypatch, 
 def test_cuda_graphed_training_steps_equal_eager_bitwise(dropout, monkeypatch):
     """Three training steps (same seed), graphed and eager, fp32: the same logits and
     gradients bit for bit, dropout masks included; the graphs are captured once."""
+    monkeypatch.setattr(graphs, "_graphed", {})  # this test's captures alone
     results = {}
     for switch in ("0", "1"):
         monkeypatch.setenv(graphs.GRAPHS_ENV, switch)
@@ -264,8 +287,7 @@ def test_cuda_graphed_training_steps_equal_eager_bitwise(dropout, monkeypatch):
     for eager, graphed in zip(results["0"], results["1"], strict=True):
         for a, b in zip(eager, graphed, strict=True):
             assert torch.equal(a, b)
-    cached = graphs._graphed[id(select.core())].graphs
-    assert len(cached) == 2 and all(g is not None for g in cached.values())
+    assert graphs.capture_status() == {"captured": 2, "failed": False}
 
 
 def test_graphed_core_hands_each_call_its_own_inputs_and_outputs(monkeypatch):

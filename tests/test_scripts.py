@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -77,6 +78,41 @@ def test_gpu_check_runs_its_cpu_stand_in(tmp_path: Path):
     for section in ("== tests", "== exact", "== bench", "== train", "== sample",
                     "== profile", "== summary"):
         assert section in proc.stdout
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is here")
+def test_gpu_check_required_cuda_fails_at_once_without_it():
+    """``make gpu-check`` (--require-cuda) on a machine without CUDA (a CPU build of torch,
+    say) fails in one line instead of passing on the CPU stand-in."""
+    proc = run_script("gpu_check.py", "--require-cuda")
+    assert proc.returncode == 1 and proc.stdout == ""
+    assert proc.stderr.startswith("error: no CUDA device (torch ")
+    assert proc.stderr.strip().endswith("this check is for a CUDA machine")
+
+
+def test_gpu_check_counts_kernels_launch_calls_and_busy_time_once():
+    """The profile's device work: each kernel's time once (not again through the CPU op
+    that launched it), no user annotation counted as a kernel, and the host's launch
+    calls apart from the kernels they ran (a graph replay: one call, many kernels)."""
+    from types import SimpleNamespace as Event
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import gpu_check
+
+    events = [
+        Event(key="aten::mm", device_type="DeviceType.CPU", count=10,
+              self_device_time_total=900.0),  # the launching op, carrying its kernels' time
+        Event(key="ampere_sgemm", device_type="DeviceType.CUDA", count=10,
+              self_device_time_total=900.0),
+        Event(key="Optimizer.step#AdamW.step", device_type="DeviceType.CUDA", count=1,
+              self_device_time_total=5000.0, is_user_annotation=True),
+        Event(key="cudaLaunchKernel", device_type="DeviceType.CPU", count=4,
+              self_device_time_total=0.0),
+        Event(key="cudaGraphLaunch", device_type="DeviceType.CPU", count=2,
+              self_device_time_total=0.0),
+    ]
+    assert gpu_check.device_work(events) == {"kernels": 10, "launch_calls": 6,
+                                             "busy_ms": 0.9}
 
 
 def test_corpus_load_reports_first_and_cached_runs(tmp_path: Path):

@@ -614,6 +614,32 @@ def test_ddp_two_gloo_ranks(tmp_path: Path, context: str) -> None:
 # ----------------------------------------------------------------------------- CUDA
 
 
+@pytest.mark.parametrize("gpu, expected", [("ampere", torch.bfloat16), ("volta", None)])
+def test_auto_precision_is_bf16_only_where_the_chosen_gpu_has_it(gpu, expected, monkeypatch):
+    """``precision: auto`` asks the run's own GPU (made current: torch's check reads the
+    current one) for bf16 arithmetic, not for the emulation torch offers older GPUs."""
+    from fbtrain.device import autocast_dtype
+
+    current = []
+
+    @contextlib.contextmanager
+    def cuda_device(device):
+        current.append(device)
+        yield
+
+    def bf16_supported(including_emulation: bool = True) -> bool:
+        assert current, "asked outside torch.cuda.device"
+        return gpu == "ampere" or including_emulation
+
+    monkeypatch.setattr(torch.cuda, "device", cuda_device)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", bf16_supported)
+    assert autocast_dtype("auto", torch.device("cuda:1")) == expected
+    assert current == [torch.device("cuda:1")]
+    assert autocast_dtype("auto", torch.device("cpu")) is None
+    assert autocast_dtype("bf16", torch.device("cpu")) == torch.bfloat16
+
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_bf16_steps(tmp_path: Path) -> None:

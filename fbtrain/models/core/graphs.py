@@ -14,14 +14,20 @@ its inputs into those buffers and replays. The outputs are cloned out of the gra
 buffers, because a later replay (the next chunk's forward before this one's backward)
 overwrites them. Dropout masks come from the default CUDA generator, which graph capture
 registers (philox offsets advance per replay as eager calls would advance them), so graphed
-and eager calls agree bitwise in fp32. Where capture fails, one notice line says so and
-that shape runs eager from then on.
+and eager calls agree bitwise in fp32. Where a capture fails, one notice line says so and
+the core runs eagerly from then on (a failed capture can leave the allocator's capture
+state behind it, so no other shape is tried).
+
+Only the C++ core is captured (the PyTorch core reads the memory weights on the host), and
+not under torch.distributed (DDP's gradient all-reduces run alongside the backward's
+capture, which graph capture's global mode forbids); each says so once and runs eagerly.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -56,33 +62,48 @@ class _Graph:
     """One captured call: its static inputs, the graph and its static outputs."""
 
     def __init__(self, fn: Callable[[list[Tensor | None]], Any], args: list[Tensor | None]):
-        self.fn = fn
+        self.device = next(a.device for a in args if a is not None)
+        # Everything on the tensors' device, which need not be the current one (a run on
+        # cuda:1 without DDP never sets it): torch's default capture stream belongs to the
+        # device current when it was made, and a capture on one device's stream records
+        # nothing of another's kernels.
+        with torch.cuda.device(self.device):
+            self._capture(fn, args)
+
+    def _capture(self, fn: Callable[[list[Tensor | None]], Any],
+                 args: list[Tensor | None]) -> None:
+        device = self.device
         self.static = [None if a is None else a.clone() for a in args]
-        device = next(a.device for a in args if a is not None)
+        caller = torch.cuda.current_stream(device)
         rng = torch.cuda.get_rng_state(device)
         side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
+        side.wait_stream(caller)
         with torch.cuda.stream(side):
             for _ in range(WARMUP_CALLS):
                 fn(self.static)
-        torch.cuda.current_stream(device).wait_stream(side)
+        caller.wait_stream(side)
         torch.cuda.set_rng_state(rng, device)  # the warm-up's draws are not the caller's
         self.graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(self.graph):
+            with torch.cuda.graph(self.graph, stream=side):
                 self.out = fn(self.static)
         except BaseException:
-            # A failed capture must not move the generator either: the eager fallback then
-            # draws the dropout masks an uncaptured run would.
+            # torch leaves its capture stream current when a capture fails: give the caller
+            # its stream back and let what was queued finish. Nor may a failed capture move
+            # the generator: the eager fallback then draws the dropout masks an uncaptured
+            # run would.
+            torch.cuda.set_stream(caller)
+            torch.cuda.synchronize(device)
             torch.cuda.set_rng_state(rng, device)
             raise
 
     def __call__(self, args: list[Tensor | None]) -> Any:
         """Copy ``args`` into the static inputs and replay; the static outputs."""
-        for s, a in zip(self.static, args, strict=True):
-            if s is not None:
-                s.copy_(a)
-        self.graph.replay()
+        with torch.cuda.device(self.device):
+            for s, a in zip(self.static, args, strict=True):
+                if s is not None:
+                    s.copy_(a)
+            self.graph.replay()
         return self.out
 
 
@@ -92,22 +113,28 @@ class GraphedCore:
 
     def __init__(self, inner: Core):
         self.inner = inner
-        self.graphs: dict[tuple, _Graph | None] = {}  # None: capture failed, run eager
+        self.graphs: dict[tuple, _Graph] = {}
+        self.failed = False  # a capture failed: every call runs eagerly from then on
 
     def _run(self, key: tuple, fn: Callable[[list[Tensor | None]], Any],
              args: list[Tensor | None]) -> Any:
         """``fn(args)`` through the graph for ``key`` (captured on first use), or eagerly
-        where capture failed (one notice line when it does)."""
+        once a capture has failed (one notice line when it does)."""
+        if self.failed:
+            return fn(args)
         if key not in self.graphs:
             try:
-                self.graphs[key] = _Graph(fn, args)
-            except RuntimeError as e:
-                self.graphs[key] = None
+                with warnings.catch_warnings():
+                    # An empty capture would replay nothing: a failure, not a warning.
+                    warnings.filterwarnings("error", message=".*CUDA Graph is empty.*")
+                    self.graphs[key] = _Graph(fn, args)
+            except (RuntimeError, UserWarning) as e:
+                self.failed = True
                 cause = (str(e).splitlines() or [repr(e)])[0]
                 print(f"fbtrain: CUDA graph capture of the core failed ({cause}); running "
-                      "it eagerly for this shape", file=sys.stderr, flush=True)
-        graph = self.graphs[key]
-        return fn(args) if graph is None else graph(args)
+                      "it eagerly from now on", file=sys.stderr, flush=True)
+                return fn(args)
+        return self.graphs[key](args)
 
     def core_forward(self, spec: CoreSpec, inputs: CoreInputs,
                      keep_tape: bool = False) -> CoreOutputs:
@@ -140,13 +167,44 @@ class GraphedCore:
 
 
 _graphed: dict[int, GraphedCore] = {}
+_said: set[str] = set()  # notices printed (once per process each)
+
+
+def _eager_because(why: str) -> None:
+    if why not in _said:
+        _said.add(why)
+        print(f"fbtrain: {GRAPHS_ENV} is set, but {why}; running the core eagerly",
+              file=sys.stderr, flush=True)
 
 
 def maybe_graphed(core: Core, like: Tensor) -> Core:
     """``core`` itself unless ``$FBTRAIN_CUDA_GRAPHS`` is on and ``like`` is a CUDA tensor;
-    then its :class:`GraphedCore` (one per core, so graphs are captured once per process)."""
+    then its :class:`GraphedCore` (one per core, so graphs are captured once per process).
+    Only the C++ core is captured, and not under torch.distributed (module docstring)."""
     if not (like.is_cuda and graphs_requested()):
+        return core
+    from fbtrain.models.core.native import NativeCore
+
+    if core is not NativeCore:
+        _eager_because("CUDA graphs need the C++ core (the PyTorch core syncs with the host)")
+        return core
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        _eager_because("CUDA graphs are not used under torch.distributed")
         return core
     if id(core) not in _graphed:
         _graphed[id(core)] = GraphedCore(core)
     return _graphed[id(core)]
+
+
+def release() -> None:
+    """Forget every captured graph (and let the allocator hand their memory back): each
+    shape's graphs hold their own pools, about three times the shape's tape."""
+    _graphed.clear()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def capture_status() -> dict[str, int | bool]:
+    """Graphs captured so far in this process, and whether a capture failed."""
+    return {"captured": sum(len(g.graphs) for g in _graphed.values()),
+            "failed": any(g.failed for g in _graphed.values())}
