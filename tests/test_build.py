@@ -283,6 +283,21 @@ def test_a_compiler_that_fails_its_check_is_a_core_build_error(tmp_path, extensi
 
 
 @needs_compiler
+def test_a_source_that_does_not_compile_names_the_compilers_error(tmp_path, extensions):
+    """A working compiler that rejects the source (an old g++, missing Python headers)
+    gives the compiler's first error line, not a claim that no compiler is there."""
+    source = tmp_path / "broken.cpp"
+    source.write_text(f"// {uuid.uuid4()}\nint broken( {{ return 0; }}\n")
+    with pytest.raises(native.CoreBuildError) as info:
+        native.load_extension(BASE, source, [], [])
+    message = str(info.value)
+    assert message.startswith(f"could not build fbtrain's C++ core ({source}): the "
+                              "compiler failed: ")
+    assert "broken.cpp:2:" in message and "error:" in message
+    assert "\n" not in message and "needs a C++ compiler" not in message
+
+
+@needs_compiler
 def test_the_core_loads_past_the_lock_a_killed_build_left(tmp_path):
     """The reported hang: after a killed first build every run printed "compiling the C++
     core" and waited forever. The core's build (copied from this session's cache, so

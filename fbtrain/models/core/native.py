@@ -222,6 +222,11 @@ def load_extension(base: str, source: Path, cflags: Sequence[str],
             f"could not build fbtrain's C++ core ({source}); it needs a C++ compiler (g++) "
             f"on PATH: {cause.strip()}")
 
+    def compile_failed(cause: str) -> CoreBuildError:
+        return CoreBuildError(
+            f"could not build fbtrain's C++ core ({source}): the compiler failed: "
+            f"{cause.strip()}")
+
     try:
         name = extension_name(base, source, cflags, ldflags)
         build_dir = build_directory(name)
@@ -249,8 +254,10 @@ def load_extension(base: str, source: Path, cflags: Sequence[str],
         if isinstance(e, CoreBuildError):
             raise
         lines = str(e).splitlines() or [repr(e)]
-        cause = next((ln for ln in lines if "error:" in ln), lines[0])  # the compiler's
-        raise failed(cause) from None
+        cause = next((ln for ln in lines if "error:" in ln), None)  # the compiler's
+        if cause is not None:
+            raise compile_failed(cause) from None
+        raise failed(lines[0]) from None
     return Path(loaded)
 
 
