@@ -76,7 +76,9 @@ def _core_recipe() -> tuple[str, Path, list[str], list[str]]:
     openmp = ["-fopenmp"] if sys.platform.startswith("linux") else []
     # The attention loops are written for the compiler to vectorise: built for AVX2 where
     # torch itself runs AVX2 kernels (about 20% of a step at length 64), under a name of
-    # its own, so a cache shared with an older CPU never loads instructions it lacks.
+    # its own, so a cache shared with an older CPU never loads instructions it lacks. Also
+    # where torch runs AVX-512: a build for it was no faster (docs/performance.md) and
+    # sums in another order, so the same run would give other numbers there.
     capability = torch.backends.cpu.get_cpu_capability()
     avx2 = capability.startswith(("AVX2", "AVX512"))
     name = "fbtrain_core_avx2" if avx2 else "fbtrain_core"
