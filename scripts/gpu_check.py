@@ -60,6 +60,7 @@ import launch_count  # noqa: E402
 
 from fbtrain.config import load_config  # noqa: E402
 from fbtrain.data.tokenizers import CharTokenizer  # noqa: E402
+from fbtrain.device import autocast_dtype  # noqa: E402
 from fbtrain.models import build_model  # noqa: E402
 from fbtrain.models.core import graphs  # noqa: E402
 from fbtrain.sample import generate  # noqa: E402
@@ -295,9 +296,11 @@ def _profiled_step(entry: benchmark.Entry, x: torch.Tensor) -> dict:
 def graphs_agree(kind: str, sizes: dict, batch: int, seq_len: int,
                  device: torch.device) -> bool:
     """Two forward/backward steps (dropout 0.1, same seed) eager and graphed: the same
-    loss and gradients bit for bit (fp32)."""
+    loss and gradients bit for bit (fp32), the graphed ones from graphs that were
+    captured (a failed capture runs eagerly, which would agree trivially)."""
     results = []
     for on in (False, True):
+        graphs.release()
         with cuda_graphs(on):
             entry, x = _entry(kind, sizes, batch, seq_len, device, dropout=0.1)
             torch.manual_seed(1)
@@ -310,7 +313,9 @@ def graphs_agree(kind: str, sizes: dict, batch: int, seq_len: int,
                 got += [loss.detach()] + [p.grad.clone() for p in entry.model.parameters()
                                           if p.grad is not None]
             results.append(got)
-    return all(torch.equal(a, b) for a, b in zip(*results, strict=True))
+    status = graphs.capture_status()
+    captured = status["captured"] > 0 and not status["failed"]
+    return captured and all(torch.equal(a, b) for a, b in zip(*results, strict=True))
 
 
 def graph_steps(device: torch.device, sizes: dict, batches: tuple[int, ...], seq_len: int,
@@ -377,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 1
     device = torch.device("cuda" if cuda else "cpu")
-    precision = torch.bfloat16 if cuda else None
+    precision = autocast_dtype("auto", device)  # what training uses: bf16 where the GPU has it
     if cuda:
         sizes_gpu, batch_gpu = gpu_sizes()
         size_sets = {"gpu.yaml": (sizes_gpu, batch_gpu),
@@ -460,7 +465,7 @@ def main(argv: list[str] | None = None) -> int:
     report["graphs"] = graph_rows
     if cuda:
         rows = [r for r in graph_rows.values() if isinstance(r, dict)]
-        report["checks"]["graphs captured"] = all(
+        report["checks"]["graphs captured"] = bool(rows) and all(
             r["graphs"]["captured"] > 0 and not r["graphs"]["failed"] for r in rows)
         report["checks"]["graphed = eager"] = all(r["bitwise_equal"] for r in rows)
     for key, r in graph_rows.items():

@@ -10,8 +10,10 @@ What counts as a launch (a model, from the profiler's op tree): an ATen op that 
 its own, i.e. one that is not a view or allocation (``NO_KERNEL``) and either calls no
 launching op below it or is a matmul (which runs its own gemm whatever it calls first). A
 GPU may run a few ops as two kernels, or one cuBLAS call as several; the order of magnitude
-is what matters. Host syncs: ``aten::item`` / ``aten::_local_scalar_dense`` and device-to-
-host copies (``aten::to``/``copy_`` calls to the CPU device are what a GPU would sync on;
+is what matters. Below a call that is one kernel on CUDA but several ops on a CPU nothing
+is counted (``ONE_KERNEL``). Host syncs:
+``aten::item`` / ``aten::_local_scalar_dense`` and device-to-host copies
+(``aten::to``/``copy_`` calls to the CPU device are what a GPU would sync on;
 on a CPU run they show as ``fbtrain::host_sync`` markers where the core reads a tensor on the
 host, and as ``aten::item`` anywhere).
 
@@ -64,15 +66,17 @@ NO_KERNEL = frozenset(f"aten::{n}" for n in (
 OWN_KERNEL = frozenset(f"aten::{n}" for n in (
     "mm", "bmm", "addmm", "addmm_", "baddbmm", "baddbmm_", "addbmm", "addmv", "mv", "dot",
     "_addmm_activation"))
-# A batched matmul whose output or operands a CPU kernel cannot take as strided runs one
-# small matmul per batch entry there, or copies a strided output to a contiguous one and
-# back; CUDA's runs one strided-batched gemm on any operands and output with a unit-stride
-# dimension (aten/src/ATen/native/cuda/Blas.cpp, baddbmm_out_cuda_impl), which is what the
-# core passes it. So the matmuls below a batched matmul are not counted, nor, below an
-# in-place one, the copies (an out-of-place baddbmm's copy of its input into the output is
-# a kernel on CUDA too, and is counted).
-BATCHED = frozenset(f"aten::{n}" for n in ("bmm", "baddbmm", "baddbmm_"))
-BATCHED_IN_PLACE = frozenset({"aten::baddbmm_"})
+# Calls that are one kernel on CUDA (aten/src/ATen/native/cuda/Blas.cpp) but several ops on
+# a CPU, whose ops below them are not counted:
+# - an in-place batched matmul into a strided output (the core's key/value window
+#   gradients): a CPU runs one small matmul per batch entry; CUDA's baddbmm_out_cuda_impl
+#   one strided-batched gemm where each matrix has a unit stride and a leading stride at
+#   least its other size, as every operand and output the core passes it has (the copy_
+#   below it is the structured kernel's copy of the output onto itself, which does nothing);
+# - a matmul with bias and relu (_addmm_activation): a CPU runs the relu apart; CUDA puts it
+#   in cuBLASLt's epilogue (addmm_out_cuda_impl's Lt path: 1-D bias, contiguous output,
+#   more than one row, as the core's feed-forward matmul has at batch 2 and up).
+ONE_KERNEL = frozenset({"aten::baddbmm_", "aten::_addmm_activation"})
 # (aten::item calls aten::_local_scalar_dense: counting both would count each sync twice)
 SYNC_OPS = frozenset({"aten::_local_scalar_dense", "fbtrain::host_sync"})
 SECTIONS = ("forward sweep", "backward sweep", "core other", "rest")
@@ -99,15 +103,15 @@ def count_events(events) -> dict:
             node = node.cpu_parent
         return "core other" if in_core else "rest"
 
-    def launching(event, inside: str = "") -> bool:
+    def launching(event, inside: bool = False) -> bool:
         """Counts ``event``'s own launch where it has one; True if it or an op below does.
-        ``inside``: the batched matmul (see BATCHED) the event runs in, if any."""
-        name = event.name
-        if inside in BATCHED_IN_PLACE or (inside and name in OWN_KERNEL):
+        ``inside``: the event runs inside one of ONE_KERNEL (not counted)."""
+        if inside:
             return True
+        name = event.name
         below = False
         for child in event.cpu_children:
-            below |= launching(child, inside or (name if name in BATCHED else ""))
+            below |= launching(child, name in ONE_KERNEL)
         if name in SYNC_OPS:
             syncs[section_of(event)][name] += 1
             return below

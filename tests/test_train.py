@@ -620,24 +620,24 @@ def test_auto_precision_is_bf16_only_where_the_chosen_gpu_has_it(gpu, expected, 
     current one) for bf16 arithmetic, not for the emulation torch offers older GPUs."""
     from fbtrain.device import autocast_dtype
 
-    current = []
+    current, asked = [], []  # the device made current (a stack); where bf16 was asked
 
     @contextlib.contextmanager
     def cuda_device(device):
         current.append(device)
         yield
+        current.pop()
 
     def bf16_supported(including_emulation: bool = True) -> bool:
-        assert current, "asked outside torch.cuda.device"
+        asked.append(current[-1] if current else "no device made current")
         return gpu == "ampere" or including_emulation
 
     monkeypatch.setattr(torch.cuda, "device", cuda_device)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", bf16_supported)
     assert autocast_dtype("auto", torch.device("cuda:1")) == expected
-    assert current == [torch.device("cuda:1")]
+    assert asked == [torch.device("cuda:1")] and current == []
     assert autocast_dtype("auto", torch.device("cpu")) is None
     assert autocast_dtype("bf16", torch.device("cpu")) == torch.bfloat16
-
 
 
 @pytest.mark.cuda

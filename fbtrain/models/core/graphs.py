@@ -114,13 +114,13 @@ class GraphedCore:
     def __init__(self, inner: Core):
         self.inner = inner
         self.graphs: dict[tuple, _Graph] = {}
-        self.failed = False  # a capture failed: every call runs eagerly from then on
 
     def _run(self, key: tuple, fn: Callable[[list[Tensor | None]], Any],
              args: list[Tensor | None]) -> Any:
         """``fn(args)`` through the graph for ``key`` (captured on first use), or eagerly
         once a capture has failed (one notice line when it does)."""
-        if self.failed:
+        global _capture_failed
+        if _capture_failed:
             return fn(args)
         if key not in self.graphs:
             try:
@@ -129,7 +129,7 @@ class GraphedCore:
                     warnings.filterwarnings("error", message=".*CUDA Graph is empty.*")
                     self.graphs[key] = _Graph(fn, args)
             except (RuntimeError, UserWarning) as e:
-                self.failed = True
+                _capture_failed = True
                 cause = (str(e).splitlines() or [repr(e)])[0]
                 print(f"fbtrain: CUDA graph capture of the core failed ({cause}); running "
                       "it eagerly from now on", file=sys.stderr, flush=True)
@@ -168,6 +168,9 @@ class GraphedCore:
 
 _graphed: dict[int, GraphedCore] = {}
 _said: set[str] = set()  # notices printed (once per process each)
+# A capture failed in this process: every call runs eagerly from then on, whatever
+# release() forgets (torch can leave a failed capture's allocator state behind).
+_capture_failed = False
 
 
 def _eager_because(why: str) -> None:
@@ -198,7 +201,8 @@ def maybe_graphed(core: Core, like: Tensor) -> Core:
 
 def release() -> None:
     """Forget every captured graph (and let the allocator hand their memory back): each
-    shape's graphs hold their own pools, about three times the shape's tape."""
+    shape's graphs hold their own pools, about three times the shape's tape. A failed
+    capture is not forgotten."""
     _graphed.clear()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -207,4 +211,4 @@ def release() -> None:
 def capture_status() -> dict[str, int | bool]:
     """Graphs captured so far in this process, and whether a capture failed."""
     return {"captured": sum(len(g.graphs) for g in _graphed.values()),
-            "failed": any(g.failed for g in _graphed.values())}
+            "failed": _capture_failed}

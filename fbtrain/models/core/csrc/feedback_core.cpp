@@ -333,8 +333,8 @@ AtenQuery aten_query(const std::vector<Tensor>& w, int64_t H) {
 // The ATen path keeps keys and values slot-major, [S, B, H, 2, n_kv, dk]: a new slot's keys
 // and values of every set are one row block, written by the projection in a single call
 // (its columns put in that order once per call), and the backward's gradients, laid out
-// alike, give a slot's memory gradient in one matmul and a step's window gradients in one
-// batched matmul. The keys and values the core returns are views of it in the
+// alike, give a slot's memory gradient in one matmul and (with one key/value set) a step's
+// window gradients from all layers in two batched matmuls. The keys and values the core returns are views of it in the
 // [n_kv, B*H, S, dk] shape; per (row, head) a window is still an [ell, dk] matrix with unit
 // stride along dk, which is all a batched matmul needs (cuBLAS takes any other stride).
 Tensor kv_slot_buffer(const Tensor& like, int64_t S, int64_t B, int64_t H, int64_t n_kv,
@@ -454,9 +454,10 @@ struct Forward {
           y.copy_(x);
         }
         const Tensor c = std::get<0>(at::native_layer_norm(y, shape, w[LN2_W], w[LN2_B], s.eps));
-        Tensor h = tape.ff(HID, l, t, b0, nb);
-        if (prefilled) h.addmm_(c, w[W1_T]).relu_();  // h holds b1 already
-        else at::addmm_out(h, w[B1], c, w[W1_T]).relu_();  // [nb, F]
+        Tensor h = tape.ff(HID, l, t, b0, nb);  // [nb, F]
+        if (loops) at::addmm_out(h, w[B1], c, w[W1_T]).relu_();
+        else at::_addmm_activation_out(h, w[B1], c, w[W1_T]);  // CUDA: relu in cuBLASLt's
+                                                                // epilogue, one kernel
         Tensor h_used = h;
         if (drop) {
           h_used = tape.ff(H_USED, l, t, b0, nb);
@@ -538,8 +539,7 @@ void record_memory_norm(const Spec& s, const Tensor& memory, std::vector<Tensor>
 }
 
 // The ATen path's bias prefill: every step's output rows of the query projection, the
-// attention block (Y), the first feed-forward matmul (HID) and each layer (hidden) start
-// as their bias, a few calls per call of the core, so that each step's matmul accumulates
+// attention block (Y) and each layer (hidden) start as their bias, a few calls per call of the core, so that each step's matmul accumulates
 // into them in place (addmm_) instead of copying its bias in first and adding the
 // residual apart. Records are per step only with a tape (Layout::keep); without one the
 // steps share scratch rows and take the plain calls.
@@ -551,7 +551,6 @@ void prefill_biases(const Spec& s, const Layout& lay, const std::vector<std::vec
     if (!lay.keep) continue;
     rec[QU].select(0, l).copy_(query[l].b);
     rec[Y].select(0, l).copy_(p[l][BO]);
-    rec[HID].select(0, l).copy_(p[l][B1]);
   }
 }
 
@@ -776,8 +775,8 @@ struct Backward {
           } else {  // any other device: the same, in ATen calls (AtenQuery's layout)
             d_o = d_o.view({nbH, 1, dk});
             Tensor d_prob = at::bmm(d_o, v_t[set]).view({nbH, 1, ell});
-            // Rank-1 updates, broadcast in place (baddbmm_ into a strided view falls back
-            // to one small matmul per batch row).
+            // Rank-1 updates, broadcast in place (on a CPU, baddbmm_ into a strided view runs
+            // one small matmul per batch row; shared_kv_grads takes that cost for one set).
             if (!batch_kv_grads)
               dv_w[set].addcmul_(prob_used.view({nb, H, ell, 1}), d_o.view({nb, H, 1, dk}));
             if (drop) d_prob.mul_(tape.prob(MASK_PROB, l, t, ell, b0, nb).view({nbH, 1, ell}));
@@ -898,7 +897,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, std::vector<Tensor>> 
     // cuBLAS takes 32-bit leading dimensions: the layer strides of the records read in
     // place must fit (they do but for records of many GB).
     const int64_t qu_width = s.H * (lay.dk + p[0][RT].size(-1));
-    const int64_t widest = std::max(tape.rec[PROB].size(-1), lay.n_att * B * qu_width);
+    const int64_t widest = std::max({tape.rec[PROB].size(-1), lay.n_att * B * qu_width,
+                                     2 * n_kv * B * D});  // the last: the slot stride
     bw.batch_kv_grads = n_kv == 1 && widest <= std::numeric_limits<int32_t>::max();
   }
   // On the ATen path DQU is AtenQuery's [H, dk + P] row, zero outside each step's window.
@@ -973,9 +973,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, std::vector<Tensor>> 
   // The carried slots' key/value gradients, for callers that projected them differentiably.
   if (!loops) {  // the carried slots' gradients in the keys' layout [n_kv, B*H, n0, dk]
     const Tensor carried = bw.d_kv_slots.narrow(0, 0, n0);
-    const std::vector<int64_t> kv_shape{n_kv, B * s.H, n0, lay.dk};
-    return {bw.d_x0, kv_view(carried, 0).reshape(kv_shape), kv_view(carried, 1).reshape(kv_shape),
-            d_mix, kv_columns(d_wkv, n_kv, s.H, false),
+    return {bw.d_x0, kv_view(carried, 0), kv_view(carried, 1), d_mix, kv_columns(d_wkv, n_kv, s.H, false),
             kv_columns(d_kv_flat.sum(0), n_kv, s.H, false), grads};
   }
   return {bw.d_x0, bw.d_keys.narrow(2, 0, n0), bw.d_values.narrow(2, 0, n0), d_mix, d_wkv,
