@@ -34,6 +34,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from fbtrain.models.core.native import NativeCore
 from fbtrain.models.core.spec import Core, CoreInputs, CoreOutputs, CoreSpec
 
 GRAPHS_ENV = "FBTRAIN_CUDA_GRAPHS"
@@ -174,6 +175,7 @@ _capture_failed = False
 
 
 def _eager_because(why: str) -> None:
+    """The notice that graphs were asked for but the core runs eagerly, once per ``why``."""
     if why not in _said:
         _said.add(why)
         print(f"fbtrain: {GRAPHS_ENV} is set, but {why}; running the core eagerly",
@@ -186,8 +188,6 @@ def maybe_graphed(core: Core, like: Tensor) -> Core:
     Only the C++ core is captured, and not under torch.distributed (module docstring)."""
     if not (like.is_cuda and graphs_requested()):
         return core
-    from fbtrain.models.core.native import NativeCore
-
     if core is not NativeCore:
         _eager_because("CUDA graphs need the C++ core (the PyTorch core syncs with the host)")
         return core
