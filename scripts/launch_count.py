@@ -10,8 +10,9 @@ What counts as a launch (a model, from the profiler's op tree): an ATen op that 
 its own, i.e. one that is not a view or allocation (``NO_KERNEL``) and either calls no
 launching op below it or is a matmul (which runs its own gemm whatever it calls first). A
 GPU may run a few ops as two kernels, or one cuBLAS call as several; the order of magnitude
-is what matters. Below a call that is one kernel on CUDA but several ops on a CPU nothing
-is counted (``ONE_KERNEL``). Host syncs:
+is what matters (CUDA's softmax backward, for one, multiplies its two inputs in a kernel
+of its own first: one more a token-layer than counted here). Below a call that is one
+kernel on CUDA but several ops on a CPU nothing is counted (``ONE_KERNEL``). Host syncs:
 ``aten::item`` / ``aten::_local_scalar_dense`` and device-to-host copies
 (``aten::to``/``copy_`` calls to the CPU device are what a GPU would sync on;
 on a CPU run they show as ``fbtrain::host_sync`` markers where the core reads a tensor on the
