@@ -143,16 +143,6 @@ def test_trains_on_the_fallback_without_a_compiler(tmp_path):
     assert "'c++' not found" in notices[0]
 
 
-def test_native_choice_without_a_compiler_exits_2(tmp_path):
-    result = _train(tmp_path, _no_compiler_env(tmp_path, "native"))
-    assert result.returncode == 2, result.stderr
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert errors == [f"error: could not build fbtrain's C++ core ({native.CSRC}); it "
-                      "needs a C++ compiler (g++) on PATH: 'c++' not found (set CXX to name "
-                      "another compiler)"]
-    assert NOTICE not in result.stderr and "Traceback" not in result.stderr
-
-
 def _broken_compiler_env(tmp_path: Path, core: str) -> dict[str, str]:
     """CXX=false: a compiler that exists but fails the ``$CXX --version`` torch runs to
     check it (an empty extensions cache, so a build is attempted)."""
@@ -176,14 +166,20 @@ def test_a_compiler_that_fails_its_check_falls_back_with_the_notice(tmp_path):
         in notices[0]
 
 
-def test_native_choice_with_a_compiler_that_fails_its_check_exits_2(tmp_path):
-    result = _train(tmp_path, _broken_compiler_env(tmp_path, "native"))
+@pytest.mark.parametrize("compiler, cause", [
+    ("missing", "'c++' not found (set CXX to name another compiler)"),
+    ("broken", "'false' does not work as a C++ compiler (false --version exited with status 1; "
+               "set CXX to name another compiler)"),
+])
+def test_native_choice_without_a_working_compiler_exits_2(compiler, cause, tmp_path):
+    """FBTRAIN_CORE=native with no compiler, or one failing torch's check: one error line
+    naming the source and why, exit 2, no fallback notice."""
+    env = {"missing": _no_compiler_env, "broken": _broken_compiler_env}[compiler]
+    result = _train(tmp_path, env(tmp_path, "native"))
     assert result.returncode == 2, result.stderr
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert errors == [f"error: could not build fbtrain's C++ core ({native.CSRC}); it "
-                      "needs a C++ compiler (g++) on PATH: 'false' does not work as a C++ "
-                      "compiler (false --version exited with status 1; set CXX to name "
-                      "another compiler)"]
+                      f"needs a C++ compiler (g++) on PATH: {cause}"]
     assert NOTICE not in result.stderr and "Traceback" not in result.stderr
 
 
