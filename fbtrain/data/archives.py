@@ -53,7 +53,6 @@ log = logging.getLogger(__name__)
 
 SIZE = 100_000_000  # bytes of each unzipped file
 HELD_OUT = 5_000_000  # bytes of the test split, and of the validation split before it
-SPLITS = ("train", "val", "test")
 _CHUNK = 1 << 22  # bytes per copy/encode step: big enough to be fast, small enough to be lean
 
 
