@@ -45,7 +45,7 @@ from reference import reference_forward  # noqa: E402
 from fbtrain.config import ModelConfig, TrainConfig  # noqa: E402
 from fbtrain.device import resolve_device  # noqa: E402
 from fbtrain.models import build_model  # noqa: E402
-from fbtrain.schedule import build_optimizer  # noqa: E402
+from fbtrain.train.optim import build_optimizer  # noqa: E402
 
 VOCAB = 65
 SIZES = dict(d_model=128, n_heads=4, d_ff=512, n_layers=4, dropout=0.0, max_rel_pos=4096)

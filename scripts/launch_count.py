@@ -47,7 +47,7 @@ sys.path.insert(0, str(ROOT))
 
 from fbtrain.config import ModelConfig, TrainConfig  # noqa: E402
 from fbtrain.models import build_model  # noqa: E402
-from fbtrain.schedule import build_optimizer  # noqa: E402
+from fbtrain.train.optim import build_optimizer  # noqa: E402
 
 VOCAB = 65
 SIZES = dict(d_model=128, n_heads=4, d_ff=512, n_layers=4, max_rel_pos=4096)

@@ -416,7 +416,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
 
 def _live_optimizer(path: Path, cfg) -> torch.optim.Optimizer:
     """The optimizer a resuming trainer builds, over the checkpoint's model."""
-    from fbtrain.schedule import build_optimizer
+    from fbtrain.train.optim import build_optimizer
 
     model, _, _ = ck.load_model(path)
     return build_optimizer(model, cfg.train, torch.device("cpu"))

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from fbtrain.config import SECTIONS, Config, ConfigError, load_config
+from fbtrain.config.curriculum import Curriculum
 from fbtrain.config.reference import markdown_table
-from fbtrain.schedule import Curriculum
 
 CONFIGS = sorted((Path(__file__).resolve().parent.parent / "configs").glob("*.yaml"))
 CPU_BUDGET_TOKENS = 1_536_000  # what a 2-core CPU trains in ~15 minutes (see the configs)
@@ -440,8 +440,8 @@ def test_curriculum_stages_by_step():
 
 def test_the_config_and_the_cli_load_without_torch():
     """``fbtrain --help`` and config checking never import torch (seconds at start-up):
-    the memory estimate plans with fbtrain.schedule.Curriculum, so schedule.py may import
-    torch only where it builds an optimizer."""
+    the memory estimate plans with fbtrain.config.curriculum.Curriculum, which must not
+    import torch."""
     code = ("import sys, fbtrain.cli, fbtrain.config.budget; "
             "from fbtrain.config import load_config; load_config(None); "
             "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch')[:3])")

@@ -13,9 +13,9 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from fbtrain.config import load_config
+from fbtrain.config.curriculum import Curriculum
 from fbtrain.metrics.logger import MetricsLogger
 from fbtrain.metrics.tensorboard import HPARAM_METRICS, event_files, hparams_of
-from fbtrain.schedule import Curriculum
 
 
 def _events(tb_dir: Path) -> EventAccumulator:

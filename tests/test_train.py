@@ -31,8 +31,8 @@ from fbtrain.data.corpus import load_corpus
 from fbtrain.data.samplers import fixed_windows
 from fbtrain.evaluate import mean_loss
 from fbtrain.models import build_model
-from fbtrain.schedule import LRSchedule, param_groups
 from fbtrain.train import TrainingError, run
+from fbtrain.train.optim import LRSchedule, param_groups
 
 REPO = Path(__file__).resolve().parents[1]
 WORDS = ["the", "king", "queen", "and", "to", "of", "my", "lord", "thou", "art", "good",

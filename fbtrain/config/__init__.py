@@ -6,9 +6,10 @@ the validation report (validate.py) gives *every* problem at once as one line ea
 key, value, what is allowed) in a :class:`ConfigError`. The CLI turns that into exit code 2.
 budget.py refuses a config whose training cannot fit in memory.
 
-The bottom layer: imports nothing of fbtrain but fbtrain.io and fbtrain.schedule (which
-imports nothing of fbtrain at run time). The names below are re-exported for the code
-outside the package; inside it, modules import from the module that owns a name.
+The bottom layer: imports nothing of fbtrain but fbtrain.io. curriculum.py holds the
+curriculum's arithmetic, which the memory estimate plans with. The names below are
+re-exported for the code outside the package; inside it, modules import from the module
+that owns a name.
 """
 
 from fbtrain.config.errors import ConfigError

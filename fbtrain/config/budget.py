@@ -16,9 +16,9 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from fbtrain.config.curriculum import Curriculum
 from fbtrain.config.schema import CurriculumStage, ModelConfig
 from fbtrain.config.tree import Config
-from fbtrain.schedule import Curriculum
 
 FLOAT32 = 4  # bytes
 TOKEN_ID = 8  # int64, as the batches hold inputs and targets

@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from fbtrain.config.curriculum import Curriculum
 from fbtrain.metrics.values import is_number, plain
-from fbtrain.schedule import Curriculum
 
 if TYPE_CHECKING:
     from fbtrain.config import Config

@@ -6,6 +6,7 @@
     signals.py  SIGINT / SIGTERM / SIGHUP: save, then exit
     report.py   what the console says
     batches.py  where each step's micro-batches come from (random windows, carried streams)
+    optim.py    AdamW's parameter groups and the learning-rate schedule
 """
 
 from fbtrain.train.step import TrainingError

@@ -34,6 +34,7 @@ from fbtrain.checkpoint.files import (
     resolve_checkpoint,
 )
 from fbtrain.config import Config, ConfigError
+from fbtrain.config.curriculum import Curriculum
 from fbtrain.data.corpus import Corpus, load_corpus
 from fbtrain.data.errors import DataError, VocabularyError
 from fbtrain.data.samplers import BatchSampler, SegmentReader, fixed_windows
@@ -42,8 +43,8 @@ from fbtrain.device import autocast_dtype
 from fbtrain.distributed import DistContext
 from fbtrain.models import build_model
 from fbtrain.rng import rank_seed, restore_rng, seed_everything
-from fbtrain.schedule import Curriculum, LRSchedule, build_optimizer
 from fbtrain.train.batches import CarriedStreams, RandomWindows
+from fbtrain.train.optim import LRSchedule, build_optimizer
 
 
 @dataclass
