@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from fbtrain.messages import a_type, first_line, is_int
+from fbtrain.messages import a_type, first_line
 
 
 class RngStateError(ValueError):
@@ -29,14 +29,43 @@ def derived_seed(*parts: object) -> int:
     """A 63-bit seed from its parts whose stream is unrelated to other parts' streams.
 
     Hashing, because seed + rank would make rank 1 of seed s replay rank 0 of seed s + 1.
+    Every stream of fbtrain has a named derivation below; code elsewhere calls those, so
+    what each stream is drawn from reads in one place.
     """
     digest = hashlib.sha256(":".join(map(str, parts)).encode()).digest()
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
+# The streams of a run, each with its own tag. run.seed itself seeds Python's and torch's
+# global generators (seed_everything: initialisation, and dropout on rank 0).
+
+
+def sampler_seed(seed: int, rank: int) -> int:
+    """The batch sampler's generator on rank ``rank`` (which training windows it draws)."""
+    return derived_seed("fbtrain", seed, rank)
+
+
 def rank_seed(seed: int, rank: int, step: int = 0) -> int:
-    """A seed for rank ``rank`` unrelated to other ranks' (and to ``seed + 1``'s) streams."""
+    """A rank's own stream from ``step`` on, unrelated to other ranks' (and to ``seed + 1``'s):
+    the dropout of ranks > 0, and the fresh sampler of a rank whose state a resume lacks."""
     return derived_seed("fbtrain-rank", seed, rank, step)
+
+
+def sample_seed(seed: int, step: int) -> int:
+    """The generator of the text sample logged at ``step`` (its own stream: the logged
+    samples never move training's)."""
+    return derived_seed("fbtrain-sample", seed, step)
+
+
+def dataset_seed(seed: int, salt: str) -> int:
+    """A generated dataset's stream (``data.seed``), one per ``salt`` (say, a split's)."""
+    return derived_seed("algorithmic", seed, salt)
+
+
+def sample_generator(seed: int) -> torch.Generator:
+    """The CPU generator sampling draws from: the same seed gives the same text on CPU and
+    GPU (up to float noise), and the global streams are never touched."""
+    return torch.Generator(device="cpu").manual_seed(seed)
 
 
 def seed_everything(seed: int) -> None:
@@ -128,7 +157,7 @@ def rng_problem(state: Any) -> str:
         except (TypeError, ValueError, OverflowError, KeyError) as e:
             return f"rng.python: {first_line(e)}"
     if "torch" in state:
-        problem = _generator_problem(state["torch"])
+        problem = generator_problem(state["torch"])
         if problem:
             return f"rng.torch: {problem}"
     if "cuda" in state:
@@ -137,16 +166,6 @@ def rng_problem(state: Any) -> str:
             torch.is_tensor(s) and s.dtype == torch.uint8 for s in cuda
         ):
             return "rng.cuda: not a list of uint8 tensors (one per GPU)"
-    if "sampler" in state:
-        sampler = state["sampler"]
-        if not isinstance(sampler, dict) or "generator" not in sampler:
-            return "rng.sampler: not a dict holding the batch sampler's 'generator' state"
-        problem = _generator_problem(sampler["generator"])
-        if problem:
-            return f"rng.sampler.generator: {problem}"
-        for key in ("seed", "rank"):
-            if key in sampler and not is_int(sampler[key]):
-                return f"rng.sampler.{key} is {sampler[key]!r}, not an integer"
     return ""
 
 
@@ -173,7 +192,7 @@ def _python_state(py: Any) -> tuple[Any, ...]:
     return (py["version"], tuple(internal), py["gauss_next"])
 
 
-def _generator_problem(value: Any) -> str:
+def generator_problem(value: Any) -> str:
     """Why ``value`` is not a CPU ``torch.Generator`` state ('' when it is one)."""
     if not torch.is_tensor(value) or value.dtype != torch.uint8:
         kind = f"a {value.dtype} tensor" if torch.is_tensor(value) else a_type(value)

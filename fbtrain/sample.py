@@ -23,6 +23,7 @@ from torch import Tensor, nn
 from fbtrain.config import INT64_MAX
 from fbtrain.data.errors import DataError
 from fbtrain.data.tokenizers import Tokenizer
+from fbtrain.rng import sample_generator
 
 
 def _int_at_least(low: int) -> Callable[[Any], bool]:
@@ -330,8 +331,7 @@ def run(
     model, tokenizer, _ = load_model(file, target)
     if prompt is None:
         prompt = tokenizer.start
-    # A CPU generator: the same seed gives the same text on CPU and GPU (up to float noise).
-    generator = torch.Generator(device="cpu").manual_seed(seed)
+    generator = sample_generator(seed)  # a CPU generator: the same text on CPU and GPU
     # Check the prompt and the memory before printing anything, so an error is the only
     # output.
     check_memory(model, tokenizer, len(encode_prompt(tokenizer, prompt)), num_samples, length,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import pickle
 import random
+import re
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,8 @@ from fbtrain.checkpoint import (
     save_checkpoint,
 )
 from fbtrain.checkpoint import files as ck_files
+from fbtrain.data.errors import DataError
+from fbtrain.data.samplers import BatchSampler
 from fbtrain.rng import RngStateError, capture_rng, restore_rng
 
 
@@ -287,6 +290,19 @@ def _draws() -> list:
     ]
 
 
+def test_every_stream_has_its_own_named_derivation() -> None:
+    """No stream is a seed plus a step or rank: seed 7 at step 2 is not seed 8 at step 1
+    (the pattern the logged samples used), and no two streams share a seed."""
+    from fbtrain import rng
+
+    assert rng.sample_seed(7, 2) != rng.sample_seed(8, 1)
+    assert rng.rank_seed(7, 1) != rng.rank_seed(8, 0)
+    assert rng.sampler_seed(7, 1) != rng.sampler_seed(8, 0)
+    seeds = {rng.sample_seed(7, 0), rng.rank_seed(7, 0), rng.sampler_seed(7, 0),
+             rng.dataset_seed(7, "0")}
+    assert len(seeds) == 4
+
+
 def test_capture_restore_rng_reproduces_draws() -> None:
     random.seed(1)
     torch.manual_seed(1)
@@ -363,12 +379,6 @@ def _valid_rng() -> dict:
         (lambda r: r.update(torch=[1, 2, 3]), r"rng\.torch: is a list, not a generator state"),
         (lambda r: r.update(torch=r["torch"][:100]), r"rng\.torch: not a generator state"),
         (lambda r: r.update(cuda="no"), r"rng\.cuda: not a list of uint8 tensors"),
-        (lambda r: r.update(sampler=[1]), r"rng\.sampler: not a dict"),
-        (lambda r: r["sampler"].update(generator=r["sampler"]["generator"][:-8]),
-         r"rng\.sampler\.generator: not a generator state"),
-        (lambda r: r["sampler"].update(generator=torch.zeros(5056)),
-         r"rng\.sampler\.generator: is a torch\.float32 tensor"),
-        (lambda r: r["sampler"].update(seed="7"), r"rng\.sampler\.seed is '7', not an integer"),
     ],
 )
 def test_restore_rng_refuses_malformed_state_and_changes_nothing(damage, match: str) -> None:
@@ -383,6 +393,29 @@ def test_restore_rng_refuses_malformed_state_and_changes_nothing(damage, match: 
         restore_rng(rng, path="ck.pt")
     assert "\n" not in str(e.value)
     assert _draws() == expected  # checked whole first: no generator was half restored
+
+
+@pytest.mark.parametrize(
+    ("damage", "match"),
+    [
+        (lambda s: s.pop("generator"), r"not a dict holding the batch sampler's 'generator'"),
+        (lambda s: s.update(generator=s["generator"][:-8]), r"generator: not a generator state"),
+        (lambda s: s.update(generator=torch.zeros(5056)),
+         r"generator: is a torch\.float32 tensor"),
+        (lambda s: s.update(seed="7"), r"seed is '7', not an integer"),
+    ],
+)
+def test_the_sampler_checks_its_own_state(damage, match: str) -> None:
+    """The batch sampler owns its state's layout: rng.py knows nothing of it."""
+    sampler = BatchSampler(torch.arange(100), seed=7)
+    state = sampler.state_dict()
+    assert BatchSampler.state_problem(state) == ""
+    damage(state)
+    assert re.fullmatch(match + ".*", BatchSampler.state_problem(state))
+    before = sampler.generator.get_state()
+    with pytest.raises(DataError, match=rf"^batch sampler state is corrupt: {match}"):
+        sampler.load_state_dict(state)
+    assert torch.equal(sampler.generator.get_state(), before)
 
 
 def test_restore_rng_without_path_still_one_line() -> None:
@@ -453,7 +486,7 @@ def _poison(payload: dict) -> None:
         (lambda p: p["rng"]["python"].pop("gauss_next"),
          r"malformed RNG state: rng\.python: missing gauss_next"),
         (lambda p: p["rng"]["sampler"].update(generator=torch.zeros(3, dtype=torch.uint8)),
-         r"malformed RNG state: rng\.sampler\.generator: not a generator state"),
+         r"malformed RNG state: rng\.sampler: generator: not a generator state"),
     ],
 )
 def test_check_resume_payload_refuses_damage(trained, damage, match: str) -> None:

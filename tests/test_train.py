@@ -316,6 +316,26 @@ def test_fresh_start_drops_old_event_files(tmp_path: Path) -> None:
         assert len(list(folder.glob("events.out.tfevents.*"))) == 1
 
 
+def test_the_logged_sample_is_drawn_from_its_named_stream(tmp_path: Path) -> None:
+    """The sample logged at step s comes from rng.sample_seed(run.seed, s): re-drawn here
+    from the saved weights, it is the same text."""
+    from fbtrain.distributed import session
+    from fbtrain.rng import sample_generator, sample_seed
+    from fbtrain.sample import generate
+    from fbtrain.train import Trainer
+
+    cfg = make_cfg(tmp_path, train={"max_steps": 3})
+    with session("cpu") as ctx:
+        trainer = Trainer(cfg, ctx, quiet=True)
+        run_dir = trainer.fit(None)
+    assert trainer.last_sample is not None
+    step, text = trainer.last_sample
+    model, tokenizer, _ = load_model(run_dir / "checkpoints" / "last.pt")
+    generator = sample_generator(sample_seed(cfg.run.seed, step))
+    assert step == 3 and text == generate(model, tokenizer, tokenizer.start,
+                                          cfg.train.sample_length, generator=generator)[0]
+
+
 def test_constant_tokens_scales_the_batch(tmp_path: Path) -> None:
     cfg = make_cfg(tmp_path, train={"constant_tokens": True, "max_steps": 4, "eval_every": 4},
                    curriculum=[{"until_step": 2, "seq_len": 4}, {"seq_len": 16}])

@@ -31,6 +31,7 @@ from fbtrain.checkpoint.export import WEIGHTS_FILE, is_export, read_export, writ
 from fbtrain.checkpoint.files import CheckpointError, load_checkpoint, resolve_checkpoint
 from fbtrain.config import ModelConfig
 from fbtrain.data.errors import DataError
+from fbtrain.data.samplers import BatchSampler
 from fbtrain.data.tokenizers import make_tokenizer
 from fbtrain.messages import a_type, is_int, is_number
 from fbtrain.models import build_model
@@ -124,6 +125,9 @@ def check_resume_payload(
     rng = payload["rng"]
     needed = [k for k in ("python", "torch") if not isinstance(rng, dict) or k not in rng]
     problem = rng_problem(rng) or (f"rng lacks {', '.join(needed)}" if needed else "")
+    if not problem and "sampler" in rng:
+        problem = BatchSampler.state_problem(rng["sampler"])
+        problem = problem and f"rng.sampler: {problem}"
     if problem:
         raise refuse(f"malformed RNG state: {problem}")
 

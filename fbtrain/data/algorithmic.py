@@ -29,7 +29,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from fbtrain.rng import derived_seed
+from fbtrain.rng import dataset_seed
 
 VARIABLES = ("x", "y", "z", "p", "r")
 MIN_VALUE, MAX_VALUE = 1, 10
@@ -131,7 +131,7 @@ SPLIT_SALT = {"train": "train", "val": "valid", "test": "test"}
 
 def split_rng(seed: int, split: str) -> random.Random:
     """The generator of one split's programs: independent of the other splits'."""
-    return random.Random(derived_seed("algorithmic", seed, SPLIT_SALT[split]))
+    return random.Random(dataset_seed(seed, SPLIT_SALT[split]))
 
 
 def generate_split(seed: int, split: str, count: int, variables: int, length: int,

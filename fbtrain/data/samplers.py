@@ -14,7 +14,8 @@ import torch
 
 from fbtrain.data.errors import DataError
 from fbtrain.data.streams import IGNORE_INDEX, Stream, as_stream, require_tokens, window
-from fbtrain.rng import derived_seed
+from fbtrain.messages import is_int
+from fbtrain.rng import generator_problem, sampler_seed
 
 
 class BatchSampler:
@@ -31,7 +32,7 @@ class BatchSampler:
         self.seed = int(seed)
         self.rank = int(rank)
         self.generator = torch.Generator(device="cpu")
-        self.generator.manual_seed(derived_seed("fbtrain", self.seed, self.rank))
+        self.generator.manual_seed(sampler_seed(self.seed, self.rank))
 
     def sample(
         self, batch_size: int, seq_len: int, device: torch.device | str = "cpu"
@@ -55,13 +56,27 @@ class BatchSampler:
         """Generator state (uint8 tensor) plus seed/rank: safe for ``torch.load(weights_only)``."""
         return {"generator": self.generator.get_state(), "seed": self.seed, "rank": self.rank}
 
+    @staticmethod
+    def state_problem(state: Any) -> str:
+        """What is wrong with a saved :meth:`state_dict` ('' when nothing is): the generator
+        state is tried on a scratch generator, so what passes here loads."""
+        if not isinstance(state, dict) or "generator" not in state:
+            return "not a dict holding the batch sampler's 'generator' state"
+        problem = generator_problem(state["generator"])
+        if problem:
+            return f"generator: {problem}"
+        for key in ("seed", "rank"):
+            if key in state and not is_int(state[key]):
+                return f"{key} is {state[key]!r}, not an integer"
+        return ""
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`; the next batches equal those after it was taken."""
-        gen = state["generator"]
-        if not isinstance(gen, torch.Tensor):
-            raise DataError("batch sampler state is corrupt: 'generator' is not a tensor")
+        problem = self.state_problem(state)
+        if problem:
+            raise DataError(f"batch sampler state is corrupt: {problem}")
         # A checkpoint loaded with map_location='cuda' moves it; the generator needs CPU bytes.
-        self.generator.set_state(gen.detach().to("cpu", torch.uint8))
+        self.generator.set_state(state["generator"].detach().to("cpu", torch.uint8))
 
 
 def fixed_windows(

@@ -46,7 +46,7 @@ from fbtrain.distributed import DistContext, session
 from fbtrain.evaluate import loss_figures
 from fbtrain.metrics.logger import MetricsLogger, text_block
 from fbtrain.metrics.tensorboard import hparams_of
-from fbtrain.rng import capture_rng, preserve_rng
+from fbtrain.rng import capture_rng, preserve_rng, sample_generator, sample_seed
 from fbtrain.rundir import RunDirLock, write_run_files
 from fbtrain.scoring import window_scores
 from fbtrain.train.batches import CarriedStreams
@@ -280,7 +280,7 @@ class Trainer:
         try:
             from fbtrain.sample import generate
 
-            generator = torch.Generator().manual_seed(self.cfg.run.seed + self.progress.step)
+            generator = sample_generator(sample_seed(self.cfg.run.seed, self.progress.step))
             with preserve_rng(self.ctx.device), signals.interruptible(), \
                     autocast(self.cfg.run.precision, self.ctx.device):
                 text = generate(model, tokenizer, tokenizer.start,
