@@ -86,13 +86,10 @@ def preserve_rng(device: torch.device) -> Iterator[None]:
             random.setstate(state)
 
 
-def capture_rng(sampler_state: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Snapshot every random number generator, in a form ``weights_only`` loading accepts.
-
-    Holds Python's ``random``, torch's CPU generator, every CUDA device's generator (when CUDA
-    is available) and ``sampler_state`` as given (the data sampler's own state;
-    :func:`restore_rng` leaves it to the caller).
-    """
+def capture_rng() -> dict[str, Any]:
+    """Snapshot the global random number generators, in a form ``weights_only`` loading
+    accepts: Python's ``random``, torch's CPU generator and every CUDA device's generator
+    (when CUDA is available). The batch sampler's generator is the sampler's to save."""
     version, internal, gauss = random.getstate()
     state: dict[str, Any] = {
         # Python's state is (version, 625 ints, gauss_next). Tuples of ints do load under
@@ -107,8 +104,6 @@ def capture_rng(sampler_state: dict[str, Any] | None = None) -> dict[str, Any]:
     }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
-    if sampler_state is not None:
-        state["sampler"] = sampler_state
     return state
 
 
@@ -116,8 +111,7 @@ def restore_rng(state: dict[str, Any], path: str | Path | None = None) -> None:
     """Put back the generators saved by :func:`capture_rng` (those present in ``state``).
 
     CUDA states are restored only when CUDA is available now; a checkpoint made on a GPU can
-    be resumed on a CPU (and vice versa) with the CPU streams still exact. ``state["sampler"]``
-    is the caller's to restore (it is checked here, though).
+    be resumed on a CPU (and vice versa) with the CPU streams still exact.
 
     A malformed state (a hand-edited or damaged checkpoint) is an :class:`RngStateError`
     naming ``path`` and what is wrong; it is checked whole before anything is restored, so
@@ -140,6 +134,24 @@ def restore_rng(state: dict[str, Any], path: str | Path | None = None) -> None:
         except RuntimeError as e:  # a state of the wrong size for this CUDA generator
             raise RngStateError(f"{where}malformed RNG state: rng.cuda: "
                                   f"{first_line(e)}") from None
+
+
+class GlobalRng:
+    """The global streams (Python, torch, CUDA) as one part of a checkpoint
+    (:mod:`fbtrain.checkpoint.state`): a resume needs Python's and torch's."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return capture_rng()
+
+    def state_problem(self, state: Any) -> str:
+        if state is None:
+            return "missing"
+        needed = [k for k in ("python", "torch") if isinstance(state, dict) and k not in state]
+        problem = rng_problem(state) or (f"rng lacks {', '.join(needed)}" if needed else "")
+        return f"malformed RNG state: {problem}" if problem else ""
+
+    def load_state_dict(self, state: Any) -> None:
+        restore_rng(state)
 
 
 def rng_problem(state: Any) -> str:

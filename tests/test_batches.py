@@ -6,6 +6,7 @@ import pytest
 import torch
 from test_models import ALL_KINDS, randomized, small
 
+from fbtrain.data.errors import DataError
 from fbtrain.data.samplers import BatchSampler, SegmentReader
 from fbtrain.models import MemoryState
 from fbtrain.train.batches import CarriedStreams, RandomWindows
@@ -113,3 +114,51 @@ def test_carried_keys_are_reprojected_with_the_current_weights(kind: str,
         moved, _ = model(second, state)
         stale, _ = model(second, as_carried)
     assert not torch.allclose(moved, stale)
+
+
+def _carried(grad_accum: int, *, restores_memory: bool = True) -> CarriedStreams:
+    """4 streams of 6 inputs in ``grad_accum`` micro-batches, after one segment of 4 with a
+    memory kept for every micro-batch."""
+    streams = CarriedStreams(SegmentReader(torch.arange(25), n_streams=4), grad_accum,
+                             restores_memory=restores_memory)
+    model = randomized(small("feedback_kv"), vocab=25).eval()
+    with torch.no_grad():
+        for m, (x, _, state) in enumerate(streams.micro_batches(4, 0, torch.device("cpu"))):
+            streams.keep(m, model(x, state)[1])
+    return streams
+
+
+def test_carried_streams_resume_their_memory_and_refuse_memory_that_does_not_fit() -> None:
+    saved = _carried(2).state_dict()
+    again = CarriedStreams(SegmentReader(torch.arange(25), n_streams=4), 2)
+    assert again.state_problem(saved) == ""
+    again.load_state_dict(saved)
+    assert again.layout.cursor == 4
+    assert all(torch.equal(a.keys, b["keys"]) for a, b in zip(again.states, saved["memory"],
+                                                              strict=True))
+    # The same streams in one micro-batch of 4 rows: two memories of 2 rows cannot be used,
+    # and going on from empty memory in silence would train on a different context.
+    one = CarriedStreams(SegmentReader(torch.arange(25), n_streams=4), 1)
+    problem = one.state_problem(saved)
+    assert problem == ("the carried memory of 2 micro-batches does not fit "
+                       "train.grad_accum = 1; resume with the grad_accum (and batch_size) it "
+                       "was trained with")
+    with pytest.raises(DataError, match="^the carried memory of 2 micro-batches"):
+        one.load_state_dict(saved)
+    assert one.states == [None] and one.layout.cursor == 0  # refused: nothing loaded
+    rows = _carried(1).state_dict()
+    memory = rows["memory"][0]
+    memory["keys"], memory["values"] = memory["keys"][:, :3], memory["values"][:, :3]
+    assert one.state_problem(rows) == ("the carried memory of micro-batch 0: keys of 3 rows x "
+                                       "heads do not fit 4 rows")
+    assert "train.context reset" in one.state_problem(None)  # no streams saved at all
+
+
+def test_a_rank_that_saved_no_memory_resumes_the_cursor_on_empty_memory() -> None:
+    """Only rank 0's memory is in a checkpoint: the other ranks load the cursor alone."""
+    saved = _carried(2).state_dict()
+    other = CarriedStreams(SegmentReader(torch.arange(25), n_streams=4), 1,
+                           restores_memory=False)
+    assert other.state_problem(saved) == ""
+    other.load_state_dict(saved)
+    assert other.layout.cursor == 4 and other.states == [None]

@@ -26,31 +26,32 @@ from fbtrain.data.samplers import BatchSampler
 from fbtrain.rng import RngStateError, capture_rng, restore_rng
 
 
-def _training_state() -> dict:
-    """A payload shaped like the trainer's: model, AdamW, scheduler, scalars, RNG."""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10))
-    for _ in range(3):  # populate AdamW's exp_avg/exp_avg_sq and the scheduler's counters
-        model(torch.randn(5, 4)).pow(2).mean().backward()
-        opt.step()
-        opt.zero_grad()
-        sched.step()
-    return {
-        "model": model.state_dict(),
-        "optimizer": opt.state_dict(),
-        "scheduler": sched.state_dict(),
-        "step": 3,
-        "tokens_seen": 12_345_678_901,
-        "best_val_loss": 1.2345,
-        "run_name": "unit",
-        "config": {"model": {"kind": "feedback_kv", "d_model": 16}, "curriculum": [
-            {"seq_len": 8, "until_step": 2}, {"seq_len": 16}]},
-        "vocab": ["\n", " ", "a", "b"],
-        "rng": capture_rng({"generator": torch.Generator().manual_seed(7).get_state(),
-                            "epoch": 2}),
-    }
+def _live_run(tmp_path: Path, steps: int = 0, **sections):
+    """The run a trainer sets up (fresh, untrained) and its progress, from test_train's tiny
+    config; ``steps`` > 0 trains that many steps first (the run is then set up resumed)."""
+    from test_train import make_cfg
+
+    from fbtrain.distributed import DistContext
+    from fbtrain.train import run
+    from fbtrain.train.setup import set_up
+
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    cfg = make_cfg(tmp_path, train={"max_steps": max(steps, 1)}, **sections)
+    resume = None
+    if steps:
+        run(cfg, quiet=True)
+        resume = "auto"
+    manager = CheckpointManager(Path(cfg.run.out_dir) / cfg.run.name, 1)
+    return set_up(cfg, DistContext(device=torch.device("cpu")), manager, resume)[:2]
+
+
+@pytest.fixture(scope="module")
+def training_state(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """A checkpoint's contents as the trainer makes them (one trained step, so AdamW's
+    moments exist)."""
+    from fbtrain.train.setup import checkpoint_payload
+
+    return checkpoint_payload(*_live_run(tmp_path_factory.mktemp("state"), steps=1))
 
 
 def _assert_same(a, b) -> None:
@@ -72,22 +73,23 @@ def _assert_same(a, b) -> None:
 # ----------------------------------------------------------------------------- save / load
 
 
-def test_round_trip_full_training_state(tmp_path: Path) -> None:
-    payload = _training_state()
+def test_round_trip_full_training_state(tmp_path: Path, training_state: dict) -> None:
+    payload = training_state
     path = tmp_path / "ck.pt"
     save_checkpoint(path, payload)
     assert "format" not in payload  # the caller's dict is left alone
     loaded = load_checkpoint(path)
     assert loaded.pop("format") == FORMAT
     _assert_same(payload, loaded)
-    # The states must actually load back into fresh objects.
-    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
-    model.load_state_dict(loaded["model"])
-    opt = torch.optim.AdamW(model.parameters())
-    opt.load_state_dict(loaded["optimizer"])
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    sched.load_state_dict(loaded["scheduler"])
-    assert sched.last_epoch == 3
+    # The states load back into the parts of a fresh run, through the real restore.
+    from fbtrain.train.setup import state_parts
+
+    run, progress = _live_run(tmp_path / "fresh")
+    ck.restore_checkpoint(path, loaded, state_parts(run, progress), run.cfg.model)
+    assert progress.step == 1 and progress.tokens == payload["progress"]["tokens"]
+    _assert_same(run.raw_model.state_dict(), payload["model"])
+    _assert_same(run.optimizer.state_dict(), payload["optimizer"])
+    _assert_same(run.sampler.state_dict(), payload["sampler"])
 
 
 def test_missing_file(tmp_path: Path) -> None:
@@ -96,9 +98,9 @@ def test_missing_file(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("keep", [0.5, 0.1, 0.99])
-def test_truncated_file(tmp_path: Path, keep: float) -> None:
+def test_truncated_file(tmp_path: Path, keep: float, training_state: dict) -> None:
     path = tmp_path / "last.pt"
-    save_checkpoint(path, _training_state())
+    save_checkpoint(path, training_state)
     data = path.read_bytes()
     path.write_bytes(data[: int(len(data) * keep)])
     with pytest.raises(CheckpointError, match=r"last\.pt: checkpoint file is truncated or corrupt"):
@@ -317,13 +319,11 @@ def test_capture_restore_rng_reproduces_draws() -> None:
 def test_rng_state_survives_weights_only_load(tmp_path: Path) -> None:
     """The point of the conversion: the saved RNG dict must pass the safe unpickler."""
     random.gauss(0, 1)
-    sampler = {"generator": torch.Generator().manual_seed(3).get_state(), "offset": 17}
-    state = capture_rng(sampler)
+    state = capture_rng()
     path = tmp_path / "rng.pt"
     torch.save({"rng": state}, path)  # plain torch.save/torch.load, no fbtrain in between
     loaded = torch.load(path, weights_only=True)["rng"]
     _assert_same(state, loaded)
-    assert loaded["sampler"]["offset"] == 17
     first = _draws()
     restore_rng(loaded)
     assert _draws() == first
@@ -361,8 +361,7 @@ def test_refuses_reduce_payloads_in_the_same_words(tmp_path: Path) -> None:
 
 
 def _valid_rng() -> dict:
-    return capture_rng({"generator": torch.Generator().manual_seed(7).get_state(),
-                        "seed": 7, "rank": 0})
+    return capture_rng()
 
 
 @pytest.mark.parametrize(
@@ -447,67 +446,93 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
     return tmp / "runs" / "run" / "checkpoints" / "last.pt", cfg
 
 
-def _live_optimizer(path: Path, cfg) -> torch.optim.Optimizer:
-    """The optimizer a resuming trainer builds, over the checkpoint's model."""
-    from fbtrain.train.optim import build_optimizer
+def _fresh(path: Path, cfg):
+    """A freshly set-up run of ``cfg`` (elsewhere than ``path``'s run) and its progress: the
+    parts a resume of ``path`` restores."""
+    from fbtrain.distributed import DistContext
+    from fbtrain.train.setup import set_up
 
-    model, _, _ = ck.load_model(path)
-    return build_optimizer(model, cfg.train, torch.device("cpu"))
+    manager = CheckpointManager(path.parent.parent.parent / "elsewhere", 1)
+    return set_up(cfg, DistContext(device=torch.device("cpu")), manager, None)[:2]
 
 
-def test_check_resume_payload_accepts_a_trainer_checkpoint(trained) -> None:
+def test_a_trainer_checkpoint_resumes_through_its_parts(trained) -> None:
+    from fbtrain.train.setup import restore
+
     path, cfg = trained
     payload = load_checkpoint(path)
-    ck.check_resume_payload(path, payload)
-    ck.check_resume_payload(path, payload, _live_optimizer(path, cfg))
+    run, progress = _fresh(path, cfg)
+    restore(run, progress, payload, path)
+    assert progress.step == 3
+    _assert_same(run.raw_model.state_dict(), payload["model"])
 
 
 def _poison(payload: dict) -> None:
     payload["model"]["embed.weight"][0, 0] = float("nan")
 
 
+def _both_steps(payload: dict, value: object) -> None:
+    payload["step"] = payload["progress"]["step"] = value
+
+
 @pytest.mark.parametrize(
     ("damage", "match"),
     [
-        (lambda p: p.pop("rng"), r"missing rng"),
-        (lambda p: p.update(step="abc"), r"'step' is 'abc', not an integer >= 0"),
-        (lambda p: p.update(step=-1), r"'step' is -1, not an integer >= 0"),
-        (lambda p: p.update(step=True), r"'step' is True, not an integer >= 0"),
-        (lambda p: p.update(tokens=1.5), r"'tokens' is 1\.5, not an integer >= 0"),
-        (lambda p: p.update(best_val_loss="low"), r"'best_val_loss' is 'low', not a number"),
-        (lambda p: p.update(model=[1]), r"'model' is not a state dict"),
-        (_poison, r"the weights hold NaN or inf \(in embed\.weight\)"),
-        (lambda p: p.update(model_config="tiny"), r"'model_config' is not a dict"),
-        (lambda p: p.update(optimizer=[1, 2]), r"'optimizer' is a list, not an optimizer"),
-        (lambda p: p["optimizer"].pop("param_groups"), r"'optimizer' is not an optimizer"),
-        (lambda p: p.update(scaler=3), r"'scaler' is an int, not a dict"),
-        (lambda p: p.update(rng={"python": 5}), r"malformed RNG state: rng\.python: is an int"),
-        (lambda p: p["rng"].pop("torch"), r"malformed RNG state: rng lacks torch"),
+        (lambda p: p.pop("rng"), r"rng: missing"),
+        (lambda p: p.pop("progress"), r"progress: missing"),
+        (lambda p: p.pop("sampler"), r"sampler: missing"),
+        (lambda p: p.update(step=-1), r"step is -1 but progress\.step is 3"),
+        (lambda p: _both_steps(p, "abc"), r"progress: step is 'abc', not an integer >= 0"),
+        (lambda p: _both_steps(p, True), r"progress: step is True, not an integer >= 0"),
+        (lambda p: p["progress"].update(tokens=1.5), r"progress: tokens is 1\.5, not an integer"),
+        (lambda p: p["progress"].update(best_val_loss="low"),
+         r"progress: best_val_loss is 'low', not a number"),
+        (lambda p: p.update(model=[1]), r"model: not a state dict"),
+        (_poison, r"model: the weights hold NaN or inf \(in embed\.weight\)"),
+        (lambda p: p["model"].pop("head.bias"),
+         r"model: the weights do not fit the model: missing head\.bias"),
+        (lambda p: p.update(model_config="tiny"), r"model_config: is a str, not a dict"),
+        (lambda p: p.update(optimizer=[1, 2]), r"optimizer: is a list, not a dict"),
+        (lambda p: p["optimizer"].pop("param_groups"), r"optimizer: not an optimizer state"),
+        (lambda p: p["optimizer"]["param_groups"][0]["params"].pop(),
+         r"optimizer: parameter groups of \[\d+, \d+\] parameters, but the model's are"),
+        (lambda p: p.update(rng={"python": 5}), r"rng: malformed RNG state: rng\.python: is an"),
+        (lambda p: p["rng"].pop("torch"), r"rng: malformed RNG state: rng lacks torch"),
         (lambda p: p["rng"]["python"].pop("gauss_next"),
-         r"malformed RNG state: rng\.python: missing gauss_next"),
-        (lambda p: p["rng"]["sampler"].update(generator=torch.zeros(3, dtype=torch.uint8)),
-         r"malformed RNG state: rng\.sampler: generator: not a generator state"),
+         r"rng: malformed RNG state: rng\.python: missing gauss_next"),
+        (lambda p: p["sampler"].update(generator=torch.zeros(3, dtype=torch.uint8)),
+         r"sampler: generator: not a generator state"),
     ],
 )
-def test_check_resume_payload_refuses_damage(trained, damage, match: str) -> None:
-    path, _ = trained
+def test_a_damaged_checkpoint_is_refused_and_nothing_restored(trained, damage, match) -> None:
+    from fbtrain.train.setup import restore
+
+    path, cfg = trained
     payload = load_checkpoint(path)
     damage(payload)
+    run, progress = _fresh(path, cfg)
+    before = {k: v.clone() for k, v in run.raw_model.state_dict().items()}
+    rng_before = torch.get_rng_state()
     with pytest.raises(CheckpointError, match=rf"^{path}: cannot resume from it: {match}") as e:
-        ck.check_resume_payload(path, payload)
+        restore(run, progress, payload, path)
     assert "\n" not in str(e.value)
+    # Every part checked before any is loaded: nothing of the damaged checkpoint got in.
+    _assert_same(run.raw_model.state_dict(), before)
+    assert progress.step == 0 and torch.equal(torch.get_rng_state(), rng_before)
 
 
-def test_check_resume_payload_refuses_moments_of_the_wrong_shape(trained) -> None:
+def test_moments_of_the_wrong_shape_are_refused(trained) -> None:
     """load_state_dict does not compare shapes: the first step would fail mid-update."""
+    from fbtrain.train.setup import restore
+
     path, cfg = trained
     payload = load_checkpoint(path)
     moments = next(s for s in payload["optimizer"]["state"].values() if "exp_avg" in s)
     moments["exp_avg"] = moments["exp_avg"].flatten()[:3]
-    ck.check_resume_payload(path, payload)  # without the live optimizer: types only
-    with pytest.raises(CheckpointError, match=r"cannot resume from it: 'optimizer' state "
+    run, progress = _fresh(path, cfg)
+    with pytest.raises(CheckpointError, match=r"cannot resume from it: optimizer: state "
                                               r"exp_avg of parameter \d+ has shape \(3,\)"):
-        ck.check_resume_payload(path, payload, _live_optimizer(path, cfg))
+        restore(run, progress, payload, path)
 
 
 # ----------------------------------------------------------------------------- non-finite
@@ -525,3 +550,20 @@ def test_load_model_refuses_nonfinite_weights(tmp_path: Path) -> None:
                                               r"embed\.weight, head\.bias\); the checkpoint is "
                                               r"damaged or its training diverged$"):
         ck.load_model(ckpt)
+
+
+def test_a_v1_checkpoint_is_upgraded_to_the_layout_of_parts() -> None:
+    """Format v1 (tests/fixtures, written before the parts owned their state): progress at
+    the top level, the sampler inside rng, and two entries nothing read."""
+    path = Path(__file__).parent / "fixtures" / "legacy-v1-carry.pt"
+    old = load_checkpoint(path)
+    assert old["format"] == "fbtrain-checkpoint-v1" and "sampler" in old["rng"]
+    new = ck.read_checkpoint(path)
+    assert new["format"] == FORMAT
+    assert new["progress"] == {"step": 2, "tokens": old["tokens"], "val_loss": old["val_loss"],
+                               "best_val_loss": old["best_val_loss"]}
+    _assert_same(new["sampler"], old["rng"]["sampler"])
+    assert set(new["rng"]) == {"python", "torch"}
+    assert not {"scheduler", "curriculum_stage", "tokens", "val_loss"} & set(new)
+    _assert_same(new["streams"], old["streams"])
+    assert ck.upgrade(new) is new  # today's layout passes through

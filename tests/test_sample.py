@@ -12,7 +12,8 @@ from torch import Tensor, nn
 
 from fbtrain import sample
 from fbtrain.checkpoint import CheckpointError, load_model, save_checkpoint
-from fbtrain.config import DataConfig, ModelConfig
+from fbtrain.checkpoint.state import ModelState, make_checkpoint
+from fbtrain.config import ModelConfig, config_from_dict
 from fbtrain.data.errors import DataError
 from fbtrain.data.tokenizers import CharTokenizer
 from fbtrain.models import build_model
@@ -37,17 +38,16 @@ def tiny_model(kind: str = "feedback_kv", max_rel_pos: int = 32, seed: int = 0) 
 
 def write_run(run_dir: Path, model: nn.Module, *, text_path: Path | None = None,
               name: str = "best.pt", step: int = 7, vocab: list[str] | None = None) -> Path:
-    """Write a checkpoint shaped like the trainer's into ``<run_dir>/checkpoints/<name>``."""
-    data = dataclasses.asdict(DataConfig(path=str(text_path) if text_path else None))
-    payload = {
-        "model": model.state_dict(),
-        "model_config": dataclasses.asdict(model.cfg),
-        "vocab": vocab or VOCAB,
-        "config": {"data": data, "curriculum": [{"seq_len": 8, "until_step": 5},
-                                                {"seq_len": 16}]},
-        "step": step,
-        "tokens": step * 64,
-    }
+    """Write the model-only checkpoint the real code makes (the trainer's model part and
+    description, no training state) into ``<run_dir>/checkpoints/<name>``."""
+    config = config_from_dict({
+        "data": {"path": str(text_path) if text_path else None},
+        "model": dataclasses.asdict(model.cfg),
+        "curriculum": [{"seq_len": 8, "until_step": 5}, {"seq_len": 16}],
+    })
+    payload = make_checkpoint({"model": ModelState(model)}, model_cfg=model.cfg,
+                              tokenizer=CharTokenizer(vocab or VOCAB), step=step,
+                              config=config.to_dict())
     path = run_dir / "checkpoints" / name
     path.parent.mkdir(parents=True, exist_ok=True)
     save_checkpoint(path, payload)

@@ -282,7 +282,7 @@ def test_resume_under_a_changed_world_size_draws_from_the_saved_sampler(
     for _ in range(2):  # the two resumed steps, one micro-batch each
         expected.sample(4, 8)
     assert trainer.run.batches.sampler is trainer.run.sampler
-    saved = load_checkpoint(last)["rng"]["sampler"]["generator"]
+    saved = load_checkpoint(last)["sampler"]["generator"]
     assert torch.equal(saved, expected.generator.get_state())
 
 
@@ -317,7 +317,7 @@ from fbtrain.train import Trainer
 raw = json.loads(open(sys.argv[1]).read())
 with session("cpu") as ctx:
     Trainer(config_from_dict(raw), ctx, quiet=True).fit(None)
-    saved = load_checkpoint(f"{raw['run']['out_dir']}/run/checkpoints/last.pt")["rng"]
+    saved = load_checkpoint(f"{raw['run']['out_dir']}/run/checkpoints/last.pt")
     raw["train"]["max_steps"] += 2
     trainer = Trainer(config_from_dict(raw), ctx, quiet=True)
     trainer.fit("auto")

@@ -37,8 +37,8 @@ from fbtrain.train.optim import LRSchedule, param_groups
 REPO = Path(__file__).resolve().parents[1]
 WORDS = ["the", "king", "queen", "and", "to", "of", "my", "lord", "thou", "art", "good",
          "night", "sweet", "prince", "ROMEO:", "JULIET:"]
-PAYLOAD_KEYS = {"model", "model_config", "vocab", "config", "step", "tokens", "optimizer",
-                "scheduler", "rng", "best_val_loss", "val_loss", "curriculum_stage"}
+PAYLOAD_KEYS = {"model", "optimizer", "progress", "sampler", "rng", "model_config", "vocab",
+                "tokenizer", "config", "data", "world_size", "step", "format"}
 TRAIN_KEYS = {"step", "loss", "bpc", "lr", "grad_norm", "tokens_per_sec", "seq_len",
               "batch_size", "tokens", "memory_rms", "mem_weight/0", "mem_weight/1",
               "mem_weight/2"}
@@ -214,14 +214,15 @@ def test_train_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     assert all(r["val/perplexity"] == pytest.approx(math.exp(r["val/loss"])) for r in val)
 
     last = load_checkpoint(ckpts / "last.pt")
-    assert last.keys() >= PAYLOAD_KEYS
-    assert last["step"] == 9 and last["tokens"] == train[-1]["tokens"]
-    assert last["val_loss"] == val[-1]["val/loss"]
-    assert last["best_val_loss"] == min(r["val/loss"] for r in val[1:])  # step 0 is no best
-    assert last["curriculum_stage"] == 1 and last["model_config"]["kind"] == "feedback_kv"
-    assert "sampler" in last["rng"] and last["config"]["train"]["max_steps"] == 9
-    best = load_checkpoint(ckpts / "best.pt")
-    assert best["val_loss"] == best["best_val_loss"] == last["best_val_loss"]
+    assert last.keys() == PAYLOAD_KEYS  # fp32, context reset: no scaler, no streams
+    progress = last["progress"]
+    assert last["step"] == progress["step"] == 9 and progress["tokens"] == train[-1]["tokens"]
+    assert progress["val_loss"] == val[-1]["val/loss"]
+    assert progress["best_val_loss"] == min(r["val/loss"] for r in val[1:])  # step 0: no best
+    assert last["model_config"]["kind"] == "feedback_kv"
+    assert last["config"]["train"]["max_steps"] == 9
+    best = load_checkpoint(ckpts / "best.pt")["progress"]
+    assert best["val_loss"] == best["best_val_loss"] == progress["best_val_loss"]
 
     # TensorBoard holds the scalar tags, the samples and the hparams.
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -372,8 +373,9 @@ def test_resume_is_bitwise_exact(tmp_path: Path, context: str) -> None:
 
     a = load_checkpoint(straight / "checkpoints" / "last.pt")
     b = load_checkpoint(halves / "checkpoints" / "last.pt")
-    assert a["step"] == b["step"] == 8 and a["tokens"] == b["tokens"]
+    assert a["step"] == b["step"] == 8 and a["progress"] == b["progress"]
     assert_same_tensors(a["model"], b["model"])
+    assert torch.equal(a["sampler"]["generator"], b["sampler"]["generator"])
     if context == "carry":
         assert a["streams"]["layout"] == b["streams"]["layout"]
         for m, n in zip(a["streams"]["memory"], b["streams"]["memory"], strict=True):
@@ -400,6 +402,30 @@ def test_resume_is_bitwise_exact(tmp_path: Path, context: str) -> None:
     step4 = straight / "checkpoints" / "step-00000004.pt"
     other = run(make_cfg(tmp_path, "from_path", **common), resume=str(step4), quiet=True)
     assert_same_tensors(a["model"], load_checkpoint(other / "checkpoints" / "last.pt")["model"])
+
+
+def test_fp16_trains_saves_its_loss_scale_and_resumes_bitwise(tmp_path: Path) -> None:
+    """fp16 end to end on the CPU (torch 2.13 autocasts to float16 there, with a CPU
+    GradScaler): the scaler's state is in every checkpoint and comes back on resume, so
+    4 straight steps and 2 + 2 agree bitwise, the scaler's counters included."""
+    common = {"run": {"precision": "fp16"}, "train": {"max_steps": 4, "eval_every": 100},
+              "checkpoint": {"every": 2}}
+    straight = run(make_cfg(tmp_path, "straight", **common), quiet=True)
+
+    def interrupt_at_step_2(step: int) -> None:
+        if step == 2:
+            signal.raise_signal(signal.SIGINT)
+
+    with pytest.raises(TrainingError, match="interrupted at step 2"):
+        run(make_cfg(tmp_path, "halves", **common), quiet=True, on_step=interrupt_at_step_2)
+    half = load_checkpoint(tmp_path / "runs" / "halves" / "checkpoints" / "last.pt")
+    assert half["scaler"]["_growth_tracker"] == 2  # two steps without an overflow
+    halves = run(make_cfg(tmp_path, "halves", **common), resume="auto", quiet=True)
+    a = load_checkpoint(straight / "checkpoints" / "last.pt")
+    b = load_checkpoint(halves / "checkpoints" / "last.pt")
+    assert a["scaler"] == b["scaler"] and a["scaler"]["_growth_tracker"] == 4
+    assert_same_tensors(a["model"], b["model"])
+    assert train_losses(straight) == train_losses(halves)
 
 
 def test_sigint_saves_then_resume_continues(tmp_path: Path) -> None:

@@ -1,15 +1,12 @@
-"""Checkpoints: the files (:mod:`.files`: atomic save, safe load, lookup, keep-last-N) and
-what they hold (:mod:`.contents`: make, check for resume and warm start, load a model).
+"""Checkpoints: the files (:mod:`.files`: atomic save, safe load, lookup, keep-last-N), the
+training state they hold (:mod:`.state`: the dict of parts, made, checked, restored, and the
+upgrade from older layouts) and the model read back (:mod:`.contents`: load, warm start,
+export).
 
 The names other code uses are re-exported here (``fbtrain.checkpoint.load_model``, ...).
 """
 
-from fbtrain.checkpoint.contents import (
-    check_resume_payload,
-    load_model,
-    nonfinite_tensors,
-    strip_wrapper_prefixes,
-)
+from fbtrain.checkpoint.contents import load_model
 from fbtrain.checkpoint.files import (
     BEST,
     CHECKPOINT_DIR,
@@ -21,7 +18,16 @@ from fbtrain.checkpoint.files import (
     resolve_checkpoint,
     save_checkpoint,
 )
+from fbtrain.checkpoint.state import (
+    make_checkpoint,
+    nonfinite_tensors,
+    read_checkpoint,
+    restore_checkpoint,
+    strip_wrapper_prefixes,
+    upgrade,
+)
 
 __all__ = ["BEST", "CHECKPOINT_DIR", "FORMAT", "LAST", "CheckpointError", "CheckpointManager",
-           "check_resume_payload", "load_checkpoint", "load_model", "nonfinite_tensors",
-           "resolve_checkpoint", "save_checkpoint", "strip_wrapper_prefixes"]
+           "load_checkpoint", "load_model", "make_checkpoint", "nonfinite_tensors",
+           "read_checkpoint", "resolve_checkpoint", "restore_checkpoint", "save_checkpoint",
+           "strip_wrapper_prefixes", "upgrade"]

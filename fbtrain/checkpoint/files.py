@@ -1,9 +1,10 @@
 """Checkpoint files: atomic save, safe load, latest/best lookup, keep-last-N.
 
-A checkpoint is one ``torch.save`` file holding a plain dict (model, optimizer, scheduler,
-step, config, vocabulary, RNG states, ...) plus a ``format`` marker. It is always loaded with
-``weights_only=True``, so opening a checkpoint can never run code; everything put into one
-must therefore be tensors, numbers, strings, bytes, None and lists/tuples/dicts of those.
+A checkpoint is one ``torch.save`` file holding a plain dict (model, optimizer, progress,
+config, vocabulary, RNG states, ...: see :mod:`.state`) plus a ``format`` marker. It is
+always loaded with ``weights_only=True``, so opening a checkpoint can never run code;
+everything put into one must therefore be tensors, numbers, strings, bytes, None and
+lists/tuples/dicts of those.
 
 A run directory keeps its checkpoints in ``<run>/checkpoints/``::
 
@@ -26,7 +27,9 @@ import torch
 
 from fbtrain.io import atomic_write
 
-FORMAT = "fbtrain-checkpoint-v1"
+FORMAT = "fbtrain-checkpoint-v2"
+# Formats still read: checkpoint.state.upgrade turns their layout into today's.
+OLDER_FORMATS = ("fbtrain-checkpoint-v1",)
 CHECKPOINT_DIR = "checkpoints"
 LAST = "last.pt"
 BEST = "best.pt"
@@ -87,7 +90,7 @@ def load_checkpoint(path: Path, map_location: Any = "cpu") -> dict[str, Any]:
         )
     if "format" not in data:
         raise CheckpointError(f"{path}: not an fbtrain checkpoint (no 'format' key)")
-    if data["format"] != FORMAT:
+    if data["format"] not in (FORMAT, *OLDER_FORMATS):
         raise CheckpointError(
             f"{path}: unsupported checkpoint format {data['format']!r} "
             f"(this version of fbtrain reads {FORMAT!r})"

@@ -14,7 +14,7 @@ import torch
 
 from fbtrain.data.errors import DataError
 from fbtrain.data.streams import IGNORE_INDEX, Stream, as_stream, require_tokens, window
-from fbtrain.messages import is_int
+from fbtrain.messages import a_type, is_int
 from fbtrain.rng import generator_problem, sampler_seed
 
 
@@ -60,6 +60,8 @@ class BatchSampler:
     def state_problem(state: Any) -> str:
         """What is wrong with a saved :meth:`state_dict` ('' when nothing is): the generator
         state is tried on a scratch generator, so what passes here loads."""
+        if state is None:
+            return "missing"
         if not isinstance(state, dict) or "generator" not in state:
             return "not a dict holding the batch sampler's 'generator' state"
         problem = generator_problem(state["generator"])
@@ -158,10 +160,22 @@ class SegmentReader:
     def state_dict(self) -> dict[str, int]:
         return {"cursor": self.cursor, "length": self.length}
 
+    def state_problem(self, state: Any) -> str:
+        """What is wrong with a saved :meth:`state_dict` ('' when it fits these streams)."""
+        if not isinstance(state, dict):
+            return f"the stream layout is {a_type(state)}, not a dict of cursor and length"
+        if state.get("length") != self.length:
+            return (f"carried streams of length {state.get('length')} do not fit this data and "
+                    f"batch (streams of {self.length} tokens); resume with the same data, "
+                    "batch size and number of ranks")
+        cursor = state.get("cursor")
+        if not (is_int(cursor) and 0 <= cursor < self.length):
+            return f"the stream cursor is {cursor!r}, not an integer in [0, {self.length})"
+        return ""
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore the cursor; refuses a state made for streams of another length."""
-        if state.get("length") != self.length:
-            raise DataError(f"carried streams of length {state.get('length')} do not fit this "
-                            f"data and batch (streams of {self.length} tokens); resume with "
-                            "the same data, batch size and number of ranks")
+        problem = self.state_problem(state)
+        if problem:
+            raise DataError(problem)
         self.cursor = int(state["cursor"])

@@ -48,6 +48,26 @@ class MemoryState:
         return {"keys": self.keys, "values": self.values, "steps": self.steps,
                 "sources": self.sources}
 
+    @staticmethod
+    def state_problem(state: Any, batch: int) -> str:
+        """What keeps a :meth:`to_dict` of ``batch`` rows from being loaded ('' when
+        nothing does): its layout, not its values."""
+        if not isinstance(state, dict):
+            return "not a dict of keys, values, steps and sources"
+        keys, values, sources = state.get("keys"), state.get("values"), state.get("sources")
+        if not (torch.is_tensor(keys) and torch.is_tensor(values) and keys.dim() == 4
+                and values.shape == keys.shape):
+            return "keys and values are not two tensors [n_sets, batch * heads, slots, d_k]"
+        if keys.shape[1] % batch:
+            return f"keys of {keys.shape[1]} rows x heads do not fit {batch} rows"
+        steps = state.get("steps")
+        if not (isinstance(steps, int) and not isinstance(steps, bool) and steps >= 0):
+            return f"steps is {steps!r}, not an integer >= 0"
+        if sources is not None and not (torch.is_tensor(sources) and sources.dim() == 4
+                                        and sources.shape[1] == batch):
+            return f"sources are not a tensor [n, {batch}, slots, d_model]"
+        return ""
+
     @classmethod
     def from_dict(cls, state: dict[str, Any], device: torch.device | str) -> MemoryState:
         sources = state.get("sources")

@@ -20,7 +20,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from fbtrain.data.errors import DataError
 from fbtrain.data.samplers import BatchSampler, SegmentReader
+from fbtrain.messages import a_type
 from fbtrain.models import MemoryState
 
 MicroBatch = tuple[Tensor, Tensor, MemoryState | None]  # inputs, targets, memory to start on
@@ -43,11 +45,20 @@ class RandomWindows:
 
 class CarriedStreams:
     """``batch * grad_accum`` streams; micro-batch m owns rows ``[m * batch, (m+1) * batch)``
-    and its own carried memory."""
+    and its own carried memory.
 
-    def __init__(self, layout: SegmentReader, grad_accum: int):
+    A part of the checkpoint (:mod:`fbtrain.checkpoint.state`): the cursor and the memory.
+    Only rank 0's memory is saved, so ``restores_memory=False`` (the other ranks) loads the
+    cursor and goes on from empty memory; memory that does not fit is refused, never
+    dropped.
+    """
+
+    def __init__(self, layout: SegmentReader, grad_accum: int,
+                 device: torch.device | str = "cpu", *, restores_memory: bool = True):
         self.layout = layout
         self.grad_accum = grad_accum
+        self.device = device
+        self.restores_memory = restores_memory
         self.states: list[MemoryState | None] = [None] * grad_accum
 
     def micro_batches(self, seq_len: int, batch: int, device: torch.device) -> list[MicroBatch]:
@@ -68,13 +79,36 @@ class CarriedStreams:
         return {"layout": self.layout.state_dict(),
                 "memory": [None if s is None else s.to_dict() for s in self.states]}
 
-    def load_state_dict(self, state: dict[str, Any], device: torch.device, *,
-                        memory: bool = True) -> None:
-        """Restore the cursor and (``memory``) the carried memory; without it, or when the
-        saved memory does not fit, the streams go on from empty memory."""
+    def state_problem(self, state: Any) -> str:
+        """What keeps a saved :meth:`state_dict` from continuing these streams ('' when
+        nothing does)."""
+        if state is None:
+            return ("missing: the checkpoint was trained with train.context reset, which "
+                    "carries no streams; resume with train.context = reset")
+        if not isinstance(state, dict):
+            return f"is {a_type(state)}, not a dict of layout and memory"
+        problem = self.layout.state_problem(state.get("layout"))
+        if problem or not self.restores_memory:
+            return problem
+        saved = state.get("memory")
+        if not isinstance(saved, list) or len(saved) != self.grad_accum:
+            count = len(saved) if isinstance(saved, list) else a_type(saved)
+            return (f"the carried memory of {count} micro-batches does not fit "
+                    f"train.grad_accum = {self.grad_accum}; resume with the grad_accum (and "
+                    "batch_size) it was trained with")
+        rows = len(self.layout.starts) // self.grad_accum
+        for m, s in enumerate(saved):
+            problem = "" if s is None else MemoryState.state_problem(s, rows)
+            if problem:
+                return f"the carried memory of micro-batch {m}: {problem}"
+        return ""
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the cursor and (``restores_memory``) the carried memory."""
+        problem = self.state_problem(state)
+        if problem:
+            raise DataError(problem)
         self.layout.load_state_dict(state["layout"])
-        saved = state.get("memory") or []
-        if memory and len(saved) == self.grad_accum:
-            self.states = [None if s is None else MemoryState.from_dict(s, device) for s in saved]
-        else:
-            self.states = [None] * self.grad_accum
+        saved = state["memory"] if self.restores_memory else [None] * self.grad_accum
+        self.states = [None if s is None else MemoryState.from_dict(s, self.device)
+                       for s in saved]

@@ -84,11 +84,3 @@ class LRSchedule:
         for group in optimizer.param_groups:
             group["lr"] = lr
         return lr
-
-    def state_dict(self) -> dict[str, Any]:
-        """What the schedule was (for the record; resuming recomputes it from the config)."""
-        return {"kind": self.kind, "lr": self.lr, "min_lr": self.min_lr,
-                "warmup_steps": self.warmup, "max_steps": self.max_steps}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Nothing to restore: the learning rate is a function of the step and the config."""

@@ -10,6 +10,7 @@ numbers: that is what makes resume bitwise.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,20 +19,17 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from fbtrain.checkpoint.contents import (
-    ARCHITECTURE,
-    WarmStart,
-    apply_warm_start,
-    architecture_diff,
-    check_resume_payload,
-    check_warm_start,
-    strip_wrapper_prefixes,
-)
-from fbtrain.checkpoint.files import (
-    CheckpointError,
-    CheckpointManager,
-    load_checkpoint,
-    resolve_checkpoint,
+from fbtrain.checkpoint.contents import WarmStart, apply_warm_start, check_warm_start
+from fbtrain.checkpoint.files import CheckpointManager, resolve_checkpoint
+from fbtrain.checkpoint.state import (
+    ModelState,
+    OptimizerState,
+    ScalerState,
+    Stateful,
+    expect_dict,
+    make_checkpoint,
+    read_checkpoint,
+    restore_checkpoint,
 )
 from fbtrain.config import Config, ConfigError
 from fbtrain.config.curriculum import Curriculum
@@ -41,8 +39,9 @@ from fbtrain.data.samplers import BatchSampler, SegmentReader, fixed_windows
 from fbtrain.data.streams import require_tokens
 from fbtrain.device import autocast_dtype
 from fbtrain.distributed import DistContext
+from fbtrain.messages import is_int, is_number
 from fbtrain.models import build_model
-from fbtrain.rng import rank_seed, restore_rng, seed_everything
+from fbtrain.rng import GlobalRng, rank_seed, seed_everything
 from fbtrain.train.batches import CarriedStreams, RandomWindows
 from fbtrain.train.optim import LRSchedule, build_optimizer
 
@@ -50,12 +49,31 @@ from fbtrain.train.optim import LRSchedule, build_optimizer
 @dataclass
 class Progress:
     """What training has done so far: the trainer's only mutable state (with the model's,
-    the optimizer's and the batches' own)."""
+    the optimizer's and the batches' own). A part of the checkpoint, as ``progress``."""
 
     step: int = 0  # optimizer steps done; the next one trained has this 0-based index
     tokens: int = 0  # over all ranks
     val_loss: float | None = None
     best_val_loss: float | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def state_problem(self, state: Any) -> str:
+        problem = expect_dict(state)
+        if problem:
+            return problem
+        for key in ("step", "tokens"):
+            if not (is_int(state.get(key)) and state[key] >= 0):
+                return f"{key} is {state.get(key)!r}, not an integer >= 0"
+        for key in ("val_loss", "best_val_loss"):
+            if state.get(key) is not None and not is_number(state[key]):
+                return f"{key} is {state[key]!r}, not a number (or null)"
+        return ""
+
+    def load_state_dict(self, state: Any) -> None:
+        self.step, self.tokens = int(state["step"]), int(state["tokens"])
+        self.val_loss, self.best_val_loss = state.get("val_loss"), state.get("best_val_loss")
 
 
 @dataclass(frozen=True)
@@ -100,7 +118,7 @@ def set_up(cfg: Config, ctx: DistContext, manager: CheckpointManager, resume: st
     to continue from is decided from what the directory holds.
     """
     resume_path = choose_resume(resume, manager)
-    payload = load_checkpoint(resume_path) if resume_path else None
+    payload = read_checkpoint(resume_path) if resume_path else None
     init_path, init = warm_start_source(cfg, payload)
     seed_everything(cfg.run.seed)
     vocab = (payload or init or {}).get("vocab")
@@ -117,18 +135,17 @@ def set_up(cfg: Config, ctx: DistContext, manager: CheckpointManager, resume: st
     amp_dtype = autocast_dtype(cfg.run.precision, ctx.device)
     # fp16 needs loss scaling to keep small gradients from underflowing; bf16/fp32 don't.
     scaler = torch.amp.GradScaler(ctx.device.type, enabled=amp_dtype == torch.float16)
-    progress = Progress()
-    if payload is not None and resume_path is not None:
-        progress = restore(payload, resume_path, cfg, ctx, raw_model, optimizer, scaler,
-                           sampler, batches, data.train_ids)
-    model = ctx.wrap(raw_model)
-    model.train()
     run = Run(cfg=cfg, ctx=ctx, run_dir=manager.run_dir, curriculum=Curriculum(cfg),
-              data=data, raw_model=raw_model, model=model,
+              data=data, raw_model=raw_model, model=raw_model,
               params=[p for p in raw_model.parameters() if p.requires_grad],
               optimizer=optimizer, schedule=LRSchedule(cfg.train), scaler=scaler,
               amp_dtype=amp_dtype, sampler=sampler, batches=batches, warm_report=warm_report)
-    return run, progress, resume_path
+    progress = Progress()
+    if payload is not None and resume_path is not None:
+        restore(run, progress, payload, resume_path)
+    model = ctx.wrap(raw_model)  # after the restore: DDP broadcasts rank 0's weights
+    model.train()
+    return dataclasses.replace(run, model=model), progress, resume_path
 
 
 # ----------------------------------------------------------------------------- what to resume
@@ -230,56 +247,60 @@ def make_batches(cfg: Config, ctx: DistContext, train_ids: Any
     if train.context == "carry":
         layout = SegmentReader(train_ids, train.batch_size * train.grad_accum, ctx.rank,
                               ctx.world_size)
-        return sampler, CarriedStreams(layout, train.grad_accum)
+        # Only rank 0's carried memory is saved (the other ranks resume on empty memory).
+        return sampler, CarriedStreams(layout, train.grad_accum, ctx.device,
+                                       restores_memory=ctx.rank == 0)
     return sampler, RandomWindows(sampler, train.grad_accum)
 
 
-# ----------------------------------------------------------------------------- restore
+# ----------------------------------------------------------------------------- checkpoint
 
 
-def restore(payload: dict[str, Any], path: Path, cfg: Config, ctx: DistContext,
-            model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
-            sampler: BatchSampler, batches: CarriedStreams | RandomWindows,
-            train_ids: Any) -> Progress:
-    """Put back model, optimizer, counters and every RNG stream from a checkpoint (checked
-    whole first: a damaged one is one CheckpointError line, and nothing is restored)."""
-    saved = payload.get("model_config")  # a different model is the clearer message
-    diff = architecture_diff(saved, cfg.model, ARCHITECTURE) if isinstance(saved, dict) else []
-    if diff:
-        raise CheckpointError(f"{path}: the checkpoint's model differs from model.* in the "
-                              f"config ({'; '.join(diff)}); resume with its config")
-    check_resume_payload(path, payload, optimizer)
-    try:
-        model.load_state_dict(strip_wrapper_prefixes(payload["model"]))
-        optimizer.load_state_dict(payload["optimizer"])
-    except (RuntimeError, ValueError, KeyError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CheckpointError(f"{path}: cannot restore training state: {first}") from None
-    if scaler.is_enabled() and "scaler" in payload:
-        scaler.load_state_dict(payload["scaler"])
-    progress = Progress(step=int(payload["step"]), tokens=int(payload.get("tokens", 0)),
-                        val_loss=payload.get("val_loss"),
-                        best_val_loss=payload.get("best_val_loss"))
-    rng = payload["rng"]
-    restore_rng(rng, path)
-    same_world = payload.get("world_size", 1) == ctx.world_size
-    if isinstance(batches, CarriedStreams):
-        if "streams" not in payload:
-            raise CheckpointError(f"{path}: cannot resume with train.context = carry: the "
-                                  "checkpoint holds no carried streams (it was trained "
-                                  "with context reset)")
-        # Only rank 0's memory is saved: other ranks go on from empty memory.
-        batches.load_state_dict(payload["streams"], ctx.device, memory=ctx.rank == 0)
-    if ctx.rank == 0 and same_world and "sampler" in rng:
-        sampler.load_state_dict(rng["sampler"])
-    else:
-        # The checkpoint holds rank 0's streams only: other ranks (or a changed world
-        # size) continue on fresh streams of their own rather than replay rank 0's.
+def state_parts(run: Run, progress: Progress) -> dict[str, Stateful]:
+    """Every part of the training state a checkpoint holds, by name: the one list a new
+    piece of resumable state joins (its class implements ``state_dict``,
+    ``state_problem`` and ``load_state_dict``; :mod:`fbtrain.checkpoint.state` does the
+    rest)."""
+    parts: dict[str, Stateful] = {
+        "model": ModelState(run.raw_model),
+        "optimizer": OptimizerState(run.optimizer),
+        "progress": progress,
+        "sampler": run.sampler,
+        "rng": GlobalRng(),
+    }
+    if run.scaler.is_enabled():  # fp16's loss scale
+        parts["scaler"] = ScalerState(run.scaler)
+    if isinstance(run.batches, CarriedStreams):
+        parts["streams"] = run.batches
+    return parts
+
+
+def checkpoint_payload(run: Run, progress: Progress) -> dict[str, Any]:
+    """The checkpoint of ``run`` at ``progress``: its parts, and what describes the model and
+    the run (:func:`fbtrain.checkpoint.state.make_checkpoint`)."""
+    return make_checkpoint(state_parts(run, progress), model_cfg=run.cfg.model,
+                           tokenizer=run.data.tokenizer, step=progress.step,
+                           config=run.cfg.to_dict(), world_size=run.ctx.world_size)
+
+
+def restore(run: Run, progress: Progress, payload: dict[str, Any], path: Path) -> None:
+    """Put every part back from a checkpoint (checked whole first: a damaged one is one
+    CheckpointError line, and nothing is restored).
+
+    The checkpoint holds rank 0's batch sampler only: the other ranks (and every rank when
+    the number of ranks changed) go on from fresh streams of their own rather than replay
+    rank 0's."""
+    cfg, ctx = run.cfg, run.ctx
+    own_sampler = ctx.rank == 0 and payload.get("world_size", 1) == ctx.world_size
+    parts = state_parts(run, progress)
+    if not own_sampler:
+        del parts["sampler"]
+    restore_checkpoint(path, payload, parts, cfg.model)
+    if not own_sampler:
         seed = rank_seed(cfg.run.seed, ctx.rank, progress.step)
         # Reseeded in place: the batches already draw from this sampler object, and
         # the checkpoint saves its state (a new object would leave both stale).
-        fresh = BatchSampler(train_ids, seed, rank=ctx.rank)
-        sampler.load_state_dict(fresh.state_dict())
-        sampler.seed = seed
+        fresh = BatchSampler(run.data.train_ids, seed, rank=ctx.rank)
+        run.sampler.load_state_dict(fresh.state_dict())
+        run.sampler.seed = seed
         torch.manual_seed(seed)
-    return progress

@@ -13,7 +13,7 @@ that index, so ``until_step: 300`` means exactly the steps logged 1..300 run at 
 
 Where the parts live: :mod:`.setup` builds the run (in one visible order), :mod:`.step`
 trains one step, :mod:`.signals` decides when to stop, :mod:`.report` says what happens,
-and the checkpoint's contents are made here (:meth:`Trainer.payload`).
+and what a checkpoint holds is named there too (:func:`~.setup.state_parts`).
 
 Exact resume: the checkpoint holds the model, optimizer, step, tokens and every random
 stream (Python, torch, CUDA, the batch sampler), and in carry mode the stream cursor and
@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 import fbtrain.train.report as report
-from fbtrain.checkpoint.contents import make_payload, summarize_names
+from fbtrain.checkpoint.contents import summarize_names
 from fbtrain.checkpoint.files import CheckpointManager
 from fbtrain.config import Config, TrainConfig
 from fbtrain.device import autocast
@@ -46,11 +46,10 @@ from fbtrain.distributed import DistContext, session
 from fbtrain.evaluate import loss_figures
 from fbtrain.metrics.logger import MetricsLogger, text_block
 from fbtrain.metrics.tensorboard import hparams_of
-from fbtrain.rng import capture_rng, preserve_rng, sample_generator, sample_seed
+from fbtrain.rng import preserve_rng, sample_generator, sample_seed
 from fbtrain.rundir import RunDirLock, write_run_files
 from fbtrain.scoring import window_scores
-from fbtrain.train.batches import CarriedStreams
-from fbtrain.train.setup import Progress, Run, set_up
+from fbtrain.train.setup import Progress, Run, checkpoint_payload, set_up
 from fbtrain.train.signals import EXIT_CODES, StopRequested, StopSignals
 from fbtrain.train.step import EXIT_NONFINITE, StepResult, TrainingError, train_step
 
@@ -295,22 +294,6 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
 
-    def payload(self) -> dict[str, Any]:
-        """This run's checkpoint (what it holds is :mod:`fbtrain.checkpoint.contents`')."""
-        run, progress = self.run, self.progress
-        return make_payload(
-            model=run.raw_model, model_cfg=self.cfg.model, config=self.cfg.to_dict(),
-            tokenizer=run.data.tokenizer, optimizer=run.optimizer,
-            scheduler=run.schedule.state_dict(), rng=capture_rng(run.sampler.state_dict()),
-            step=progress.step, tokens=progress.tokens, val_loss=progress.val_loss,
-            best_val_loss=progress.best_val_loss,
-            # the stage of the last trained step (0 before any)
-            curriculum_stage=run.curriculum.stage_index_at(max(0, progress.step - 1)),
-            world_size=self.ctx.world_size,
-            scaler=run.scaler.state_dict() if run.scaler.is_enabled() else None,
-            streams=(run.batches.state_dict() if isinstance(run.batches, CarriedStreams)
-                     else None))
-
     def _save(self, *, numbered: bool, best: bool) -> None:
         """Write last.pt (and step-N.pt / best.pt) on rank 0, never with non-finite weights.
 
@@ -325,7 +308,8 @@ class Trainer:
                 f"({summarize_names(bad)}); no checkpoint written (last good: "
                 f"{self.manager.last_path})", EXIT_NONFINITE)
         if self.ctx.is_main:
-            self.manager.save(self.progress.step, self.payload(), numbered=numbered, best=best)
+            self.manager.save(self.progress.step, checkpoint_payload(self.run, self.progress),
+                              numbered=numbered, best=best)
 
 
 def sample_due(train: TrainConfig, step: int, evaluated: bool) -> bool:
