@@ -428,6 +428,23 @@ def test_fp16_trains_saves_its_loss_scale_and_resumes_bitwise(tmp_path: Path) ->
     assert train_losses(straight) == train_losses(halves)
 
 
+def test_a_resume_with_nothing_to_train_trains_and_rewrites_nothing(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """At train.max_steps already: one line says so, no step is trained, and config.yaml
+    keeps the settings the checkpoints were made with (not this command's --set)."""
+    raw = make_raw(tmp_path, train={"max_steps": 3})
+    run_dir = run(config_from_dict(raw), quiet=True)
+    files = {p: p.read_bytes() for p in (run_dir / "config.yaml", run_dir / "metrics.jsonl",
+                                         run_dir / "checkpoints" / "last.pt")}
+    raw["train"].update(lr=1.0, max_steps=3)  # settings no checkpoint was trained with
+    capsys.readouterr()
+    run(config_from_dict(raw), resume="auto")
+    out = capsys.readouterr().out
+    assert "nothing to train: the checkpoint is at step 3 and train.max_steps is 3" in out
+    for path, before in files.items():
+        assert path.read_bytes() == before, path
+
+
 def test_sigint_saves_then_resume_continues(tmp_path: Path) -> None:
     raw = make_raw(tmp_path, train={"max_steps": 100_000, "schedule": "constant",
                                     "eval_every": 100_000}, checkpoint={"every": 3})

@@ -113,7 +113,10 @@ class Trainer:
             self.run, self.progress, resume_path = set_up(self.cfg, self.ctx, self.manager,
                                                           resume)
             wrote = True
-            if self.ctx.is_main:
+            # A resume with nothing to train leaves the directory's files as they were:
+            # config.yaml describes the checkpoints it holds, not settings none was made with.
+            trains = self.progress.step < self.cfg.train.max_steps
+            if self.ctx.is_main and (resume_path is None or trains):
                 write_run_files(self.run_dir, self.cfg, self.run.data.tokenizer,
                                 fresh=resume_path is None)
             self.ctx.barrier()
