@@ -584,6 +584,66 @@ def test_resume_refuses_a_different_model(tmp_path: Path) -> None:
         run(other, resume="auto", quiet=True)
 
 
+def test_each_step_trains_at_the_scheduled_learning_rate(tmp_path: Path) -> None:
+    """The optimizer's groups hold LRSchedule.lr_at(i) while step i trains (warm-up, then
+    cosine), not the config's train.lr they were built with."""
+    from fbtrain.distributed import session
+    from fbtrain.train import Trainer
+
+    cfg = make_cfg(tmp_path, train={"max_steps": 4, "warmup_steps": 2, "eval_every": 100})
+    seen: list[list[float]] = []
+    with session("cpu") as ctx:
+        trainer = Trainer(cfg, ctx, quiet=True, on_step=lambda step: seen.append(
+            [g["lr"] for g in trainer.run.optimizer.param_groups]))
+        trainer.fit(None)
+    expected = [LRSchedule(cfg.train).lr_at(i) for i in range(4)]
+    assert expected[0] != cfg.train.lr and expected[-1] != cfg.train.lr
+    assert seen == [[lr, lr] for lr in expected]
+
+
+def test_weights_that_turn_nonfinite_are_never_saved(tmp_path: Path) -> None:
+    """A NaN in the weights at a checkpoint step stops the run with exit code 1 before
+    anything is written: last.pt stays the previous, finite one."""
+    from fbtrain.distributed import session
+    from fbtrain.train import Trainer
+
+    cfg = make_cfg(tmp_path, train={"max_steps": 6, "eval_every": 100},
+                   checkpoint={"every": 2})
+
+    def poison_at_step_4(step: int) -> None:
+        if step == 4:
+            with torch.no_grad():
+                trainer.run.raw_model.embed.weight[0, 0] = float("nan")
+
+    with session("cpu") as ctx:
+        trainer = Trainer(cfg, ctx, quiet=True, on_step=poison_at_step_4)
+        with pytest.raises(TrainingError, match=r"^step 4: weights hold non-finite values "
+                                                r"\(embed\.weight\); no checkpoint written "
+                                                r"\(last good: .*last\.pt\)$") as e:
+            trainer.fit(None)
+    assert e.value.exit_code == 1
+    last = load_checkpoint(tmp_path / "runs" / "run" / "checkpoints" / "last.pt")
+    assert last["step"] == 2 and all(torch.isfinite(t).all() for t in last["model"].values())
+    assert not (tmp_path / "runs" / "run" / "checkpoints" / "step-00000004.pt").exists()
+
+
+def test_init_from_is_ignored_on_resume(tmp_path: Path,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """Resuming continues the checkpoint's own weights: train.init_from only seeds a fresh
+    start (no warm-start line, the same numbers as a resume without it)."""
+    other = run(make_cfg(tmp_path, "other", run={"seed": 8}, train={"max_steps": 2}),
+                quiet=True)
+    for name in ("plain", "with_init"):
+        run(make_cfg(tmp_path, name, train={"max_steps": 2}), quiet=True)
+    capsys.readouterr()
+    plain = run(make_cfg(tmp_path, "plain", train={"max_steps": 4}), resume="auto")
+    with_init = run(make_cfg(tmp_path, "with_init", train={"max_steps": 4, "init_from": str(
+        other)}), resume="auto")
+    assert "warm start" not in capsys.readouterr().out
+    assert_same_tensors(load_checkpoint(plain / "checkpoints" / "last.pt")["model"],
+                        load_checkpoint(with_init / "checkpoints" / "last.pt")["model"])
+
+
 # ----------------------------------------------------------------------------- warm start
 
 
