@@ -567,3 +567,28 @@ def test_a_v1_checkpoint_is_upgraded_to_the_layout_of_parts() -> None:
     assert not {"scheduler", "curriculum_stage", "tokens", "val_loss"} & set(new)
     _assert_same(new["streams"], old["streams"])
     assert ck.upgrade(new) is new  # today's layout passes through
+
+
+def test_a_v1_checkpoint_is_checked_on_its_data_settings_but_the_path() -> None:
+    """v1 saved no digest of its splits: its data.* settings are compared, but for the path
+    (a moved file and another one look alike without a digest)."""
+    from fbtrain.config import DataConfig
+    from fbtrain.data.identity import DataIdentity
+    from fbtrain.data.streams import next_token_stream
+
+    saved = ck.read_checkpoint(Path(__file__).parent / "fixtures" / "legacy-v1-reset.pt")["data"]
+    settings = saved["settings"]
+    assert "sha256" not in saved and "cache_dir" not in settings
+    splits = {"train": next_token_stream(torch.arange(20)), "val": next_token_stream(
+        torch.arange(5))}
+
+    def identity(**change) -> DataIdentity:
+        return DataIdentity(DataConfig(**{**settings, "path": "/moved.txt", **change}), splits)
+
+    assert identity().state_problem(saved) == ""
+    assert identity(val_fraction=0.5).state_problem(saved).startswith(
+        f"data.val_fraction is 0.5, but the checkpoint was trained with "
+        f"{settings['val_fraction']!r}; its validation loss")
+    today = identity().state_dict()
+    assert identity().state_problem(today) == ""
+    assert identity(path="/other.txt").state_problem(today) == ""  # the same splits

@@ -575,6 +575,49 @@ def test_memory_norm_keeps_carried_memory_bounded(tmp_path: Path) -> None:
     assert max(rms["none"]) > 30 * max(rms["layernorm"]), rms
 
 
+def test_resume_on_other_data_is_refused_naming_what_changed(tmp_path: Path) -> None:
+    """Another val_fraction, another data.path, or the same path with other text: the
+    best-so-far would be judged on another validation split (with val_fraction raised,
+    one holding text the model trained on). One line, nothing written; the same text moved
+    to another path resumes."""
+    from fbtrain.checkpoint import CheckpointError
+
+    raw = make_raw(tmp_path, train={"max_steps": 2})
+    run_dir = run(config_from_dict(raw), quiet=True)
+    last = run_dir / "checkpoints" / "last.pt"
+    text = Path(raw["data"]["path"])
+    before = last.read_bytes()
+    raw["train"]["max_steps"] = 3
+
+    def refused(change: dict[str, Any], match: str) -> None:
+        changed = {**raw, "data": {**raw["data"], **change}}
+        with pytest.raises(CheckpointError, match=rf"^{last}: cannot resume from it: data: "
+                                                  rf"{match}.*; its validation loss and "
+                                                  r"best\.pt would be judged on other text\. "
+                                                  r"Resume with the checkpoint's data "
+                                                  r"settings, or start a new run from its "
+                                                  r"weights: --set train\.init_from=") as e:
+            run(config_from_dict(changed), resume="auto", quiet=True)
+        assert "\n" not in str(e.value) and last.read_bytes() == before
+
+    refused({"val_fraction": 0.5}, r"data\.val_fraction is 0\.5, but the checkpoint was "
+                                   r"trained with 0\.1")
+    other = tmp_path / "other.txt"
+    other.write_text(text.read_text()[::-1])
+    refused({"path": str(other)}, rf"data\.path is '{other}', but the checkpoint was trained "
+                                  rf"with '{text}'")
+    edited = text.read_text()
+    text.write_text(edited.replace("king", "kink"))
+    refused({}, rf"the data \(data\.path {text}\) holds other text than the checkpoint was "
+                r"trained on \(the sha256 of its train and val split differs\)")
+    text.write_text(edited)
+    moved = tmp_path / "moved.txt"
+    moved.write_text(edited)
+    raw["data"]["path"] = str(moved)
+    assert load_checkpoint(run(config_from_dict(raw), resume="auto", quiet=True)
+                           / "checkpoints" / "last.pt")["step"] == 3
+
+
 def test_resume_refuses_a_different_model(tmp_path: Path) -> None:
     run(make_cfg(tmp_path, train={"max_steps": 1}), quiet=True)
     other = make_cfg(tmp_path, model={"d_model": 32}, train={"max_steps": 2})

@@ -12,9 +12,9 @@ implement the protocol themselves (the progress, the batch sampler, the carried 
 the global RNG streams). A checkpoint (format v2) is then::
 
     model, optimizer, scaler, progress,      one entry per part: its state_dict()
-    sampler, streams, rng
+    sampler, streams, rng, data
     model_config, vocab, tokenizer           what rebuilds the model (sample, eval, export)
-    config, data, world_size                 the run it came from
+    config, world_size                       the run it came from
     step                                     the step of the weights (progress.step), for
                                              readers that need nothing else
 
@@ -35,6 +35,7 @@ from torch import nn
 from fbtrain.checkpoint.files import FORMAT, CheckpointError, load_checkpoint
 from fbtrain.config import ModelConfig
 from fbtrain.data.errors import DataError
+from fbtrain.data.identity import DataIdentity
 from fbtrain.messages import a_type, first_line, is_number
 from fbtrain.rng import RngStateError
 
@@ -66,16 +67,15 @@ def expect_dict(state: Any) -> str:
 
 
 def make_checkpoint(parts: Mapping[str, Stateful], *, model_cfg: ModelConfig, tokenizer: Any,
-                    step: int, config: dict[str, Any] | None = None,
-                    data: dict[str, Any] | None = None, world_size: int = 1
+                    step: int, config: dict[str, Any] | None = None, world_size: int = 1
                     ) -> dict[str, Any]:
     """A checkpoint's contents: every part's state under its name, and what describes the
     model and the run (see the module docstring). ``parts`` may hold only ``model``: that
     is a checkpoint ``sample`` and ``eval`` read, but not one to resume from."""
     payload: dict[str, Any] = {name: part.state_dict() for name, part in parts.items()}
     payload.update(model_config=dataclasses.asdict(model_cfg), vocab=list(tokenizer.tokens),
-                   tokenizer=tokenizer.kind, config=config or {}, data=data or {},
-                   world_size=world_size, step=step)
+                   tokenizer=tokenizer.kind, config=config or {}, world_size=world_size,
+                   step=step)
     return payload
 
 
@@ -141,10 +141,11 @@ def upgrade(payload: dict[str, Any]) -> dict[str, Any]:
     it was.
 
     v1 (until the parts owned their state) kept the progress as top-level ``step``,
-    ``tokens``, ``val_loss`` and ``best_val_loss``, the sampler inside ``rng`` and two
-    entries nothing read (``scheduler``: the learning rate is a function of the step and the
-    config; ``curriculum_stage``: likewise). Entries of the wrong type are carried over as
-    they are, for the parts' checks to name.
+    ``tokens``, ``val_loss`` and ``best_val_loss``, the sampler inside ``rng``, no digest of
+    its data (``data`` gets the config's ``data`` settings alone) and two entries nothing
+    read (``scheduler``: the learning rate is a function of the step and the config;
+    ``curriculum_stage``: likewise). Entries of the wrong type are carried over as they
+    are, for the parts' checks to name.
     """
     if payload.get("format") != _V1:
         return payload
@@ -158,6 +159,9 @@ def upgrade(payload: dict[str, Any]) -> dict[str, Any]:
     if isinstance(rng, dict) and "sampler" in rng:
         out["rng"] = {k: v for k, v in rng.items() if k != "sampler"}
         out["sampler"] = rng["sampler"]
+    config = payload.get("config")
+    if isinstance(config, dict) and isinstance(config.get("data"), dict):
+        out["data"] = {"settings": DataIdentity.settings_of(config["data"])}
     out["format"] = FORMAT
     return out
 

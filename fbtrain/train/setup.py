@@ -35,6 +35,7 @@ from fbtrain.config import Config, ConfigError
 from fbtrain.config.curriculum import Curriculum
 from fbtrain.data.corpus import Corpus, load_corpus
 from fbtrain.data.errors import DataError, VocabularyError
+from fbtrain.data.identity import DataIdentity
 from fbtrain.data.samplers import BatchSampler, SegmentReader, fixed_windows
 from fbtrain.data.streams import require_tokens
 from fbtrain.device import autocast_dtype
@@ -87,6 +88,7 @@ class TrainData:
     val_x: Tensor
     val_y: Tensor
     n_chars: tuple[int, int]  # tokens in the train and val splits
+    identity: DataIdentity  # what the splits are (a resume on other data is refused)
 
 
 @dataclass(frozen=True)
@@ -223,7 +225,8 @@ def load_data(cfg: Config, ctx: DistContext, vocab: list[str] | None,
     val_x, val_y = fixed_windows(val_ids, scored, cfg.train.eval_windows, context=context)
     return TrainData(tokenizer=corpus.tokenizer, labelled=corpus.labelled, train_ids=train_ids,
                      val_x=val_x.to(ctx.device), val_y=val_y.to(ctx.device),
-                     n_chars=(len(train_ids.inputs), len(val_ids.inputs)))
+                     n_chars=(len(train_ids.inputs), len(val_ids.inputs)),
+                     identity=DataIdentity(cfg.data, corpus.splits))
 
 
 def _main_rank_first(cfg: Config, ctx: DistContext, load: Callable[[], Corpus]) -> Corpus:
@@ -267,6 +270,7 @@ def state_parts(run: Run, progress: Progress) -> dict[str, Stateful]:
         "progress": progress,
         "sampler": run.sampler,
         "rng": GlobalRng(),
+        "data": run.data.identity,
     }
     if run.scaler.is_enabled():  # fp16's loss scale
         parts["scaler"] = ScalerState(run.scaler)
