@@ -445,6 +445,49 @@ def test_a_resume_with_nothing_to_train_trains_and_rewrites_nothing(
         assert path.read_bytes() == before, path
 
 
+def test_rewinding_to_an_earlier_step_starts_a_new_branch(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--resume <run>/checkpoints/step-00000002.pt in a run that reached step 6: the
+    abandoned branch's newer step files, best.pt and last.pt move aside whole (with a copy of
+    metrics.jsonl), said in one line; best-so-far is the resumed checkpoint's, keep_last
+    counts the new branch's files only, and last.pt is the new branch's from the start."""
+    raw = make_raw(tmp_path, train={"max_steps": 6, "eval_every": 2},
+                   checkpoint={"every": 2, "keep_last": 3})
+    run_dir = run(config_from_dict(raw), quiet=True)
+    ckpts = run_dir / "checkpoints"
+    old = {p.name: p.read_bytes() for p in ckpts.glob("*.pt")}
+    assert {"step-00000002.pt", "step-00000004.pt", "step-00000006.pt", "last.pt"} <= set(old)
+    old_best = load_checkpoint(ckpts / "best.pt")["step"]
+    assert old_best > 2  # the abandoned branch's best is newer than the rewind point
+    branch_point = load_checkpoint(ckpts / "step-00000002.pt")["progress"]
+
+    raw["train"]["max_steps"] = 4
+    raw["checkpoint"]["keep_last"] = 1
+    capsys.readouterr()
+    last_during_step_3: list[int] = []  # before the new branch's first save
+
+    def look(step: int) -> None:
+        if step == 3:
+            last_during_step_3.append(load_checkpoint(ckpts / "last.pt")["step"])
+
+    run(config_from_dict(raw), resume=str(ckpts / "step-00000002.pt"), on_step=look)
+    assert last_during_step_3 == [2]  # killed now, --resume auto would go on as this branch
+    out = capsys.readouterr().out
+    aside = ckpts / "abandoned-from-step-00000002"
+    assert (f"rewound to step 2: the abandoned branch's step-00000004.pt, step-00000006.pt, "
+            f"last.pt (step 6), best.pt (step {old_best}), a copy of metrics.jsonl moved to "
+            f"{aside}; last.pt is now the checkpoint resumed") in out
+    for name in ("step-00000004.pt", "step-00000006.pt", "last.pt", "best.pt"):
+        assert (aside / name).read_bytes() == old[name], name  # kept whole, not lost
+    assert max(r["step"] for r in records(aside)) == 6
+    assert sorted(p.name for p in ckpts.glob("step-*.pt")) == ["step-00000004.pt"]  # keep 1
+    assert load_checkpoint(ckpts / "last.pt")["step"] == 4
+    # best.pt is this branch's: its step 4, judged against the best of steps 1-2 alone.
+    new_best = load_checkpoint(ckpts / "best.pt")["progress"]
+    assert new_best["step"] == 4 and new_best["best_val_loss"] < branch_point["best_val_loss"]
+    assert max(r["step"] for r in records(run_dir)) == 4  # the new branch's lines only
+
+
 def test_sigint_saves_then_resume_continues(tmp_path: Path) -> None:
     raw = make_raw(tmp_path, train={"max_steps": 100_000, "schedule": "constant",
                                     "eval_every": 100_000}, checkpoint={"every": 3})

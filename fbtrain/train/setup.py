@@ -45,6 +45,7 @@ from fbtrain.models import build_model
 from fbtrain.rng import GlobalRng, rank_seed, seed_everything
 from fbtrain.train.batches import CarriedStreams, RandomWindows
 from fbtrain.train.optim import LRSchedule, build_optimizer
+from fbtrain.train.rewind import set_aside_abandoned
 
 
 @dataclass
@@ -110,6 +111,7 @@ class Run:
     sampler: BatchSampler
     batches: CarriedStreams | RandomWindows
     warm_report: WarmStart | None
+    notes: tuple[str, ...] = ()  # lines set-up has to say (a rewind's files moved aside)
 
 
 def set_up(cfg: Config, ctx: DistContext, manager: CheckpointManager, resume: str | None
@@ -143,11 +145,15 @@ def set_up(cfg: Config, ctx: DistContext, manager: CheckpointManager, resume: st
               optimizer=optimizer, schedule=LRSchedule(cfg.train), scaler=scaler,
               amp_dtype=amp_dtype, sampler=sampler, batches=batches, warm_report=warm_report)
     progress = Progress()
+    notes: tuple[str, ...] = ()
     if payload is not None and resume_path is not None:
         restore(run, progress, payload, resume_path)
+        rewound = set_aside_abandoned(manager, resume_path, progress.step) if ctx.is_main \
+            else None
+        notes = (rewound,) if rewound else ()
     model = ctx.wrap(raw_model)  # after the restore: DDP broadcasts rank 0's weights
     model.train()
-    return dataclasses.replace(run, model=model), progress, resume_path
+    return dataclasses.replace(run, model=model, notes=notes), progress, resume_path
 
 
 # ----------------------------------------------------------------------------- what to resume

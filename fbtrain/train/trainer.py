@@ -148,6 +148,8 @@ class Trainer:
             self.logger.info(line)
         if self.run.warm_report is not None:
             self.logger.info(self.run.warm_report.summary())
+        for note in self.run.notes:
+            self.logger.info(note)
         with StopSignals(allow_interrupts=not self.ctx.enabled) as signals:
             self._loop(signals)
         self.logger.end_run()
