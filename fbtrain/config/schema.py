@@ -14,6 +14,7 @@ from fbtrain.config.fields import field_problems
 from fbtrain.config.fields import setting as _f  # short: nearly every line below is one
 
 MODEL_KINDS = ("feedback", "feedback_kv", "transformer")
+PRECISIONS = ("auto", "fp32", "bf16", "fp16")  # run.precision; eval and sample's --precision
 MAX_VAL_FRACTION = 0.5  # more held out than trained on is a mistake, not a choice
 VAL_FRACTION = 0.1  # data.val_fraction's default (the only value enwik8/text8 accept)
 _HEX64 = re.compile(r"[0-9a-fA-F]{64}")
@@ -46,7 +47,7 @@ class RunConfig(Section):
     device: str = _f("auto", "auto (CUDA when available, else CPU), cpu, cuda or cuda:N.")
     precision: str = _f(
         "auto", "auto (bf16 autocast on CUDA, fp32 on CPU), fp32, bf16 or fp16.",
-        choices=("auto", "fp32", "bf16", "fp16"),
+        choices=PRECISIONS,
     )
 
     def problems(self) -> list[tuple[str, Any, str]]:
