@@ -20,6 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from fbtrain.config import INT64_MAX
+from fbtrain.config.kinds import model_kind
 from fbtrain.data.errors import DataError
 from fbtrain.data.tokenizers import Tokenizer
 from fbtrain.inference import inference, saved_precision
@@ -158,7 +159,7 @@ def sampling_bytes(model: nn.Module, tokenizer: Tokenizer, prompt_tokens: int,
     if cfg is None:
         return host, 0
     d, window = cfg.d_model, cfg.memory_window
-    n_sets = 1 if cfg.kind == "feedback_kv" else cfg.n_layers
+    n_sets = model_kind(cfg.kind).key_value_sets(cfg)
     state = 2 * 2 * n_sets * window * d
     per_position = (tokenizer.vocab_size + 2 * cfg.n_layers * d + cfg.d_ff
                     + 3 * cfg.n_heads * (prompt_tokens + window))

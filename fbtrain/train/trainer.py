@@ -42,6 +42,7 @@ import fbtrain.train.report as report
 from fbtrain.checkpoint.contents import make_payload, summarize_names
 from fbtrain.checkpoint.files import CheckpointManager
 from fbtrain.config import Config, TrainConfig
+from fbtrain.config.kinds import model_kind
 from fbtrain.distributed import DistContext, session
 from fbtrain.evaluate import loss_figures
 from fbtrain.inference import inference
@@ -140,7 +141,7 @@ class Trainer:
         self.logger.truncate_after(self.progress.step if resume_path is not None else -1)
         if resume_path is None:
             self.logger.start_run(hparams_of(self.cfg, self.ctx.world_size),
-                                  memory_weights=hasattr(self.run.raw_model, "memory_weights"),
+                                  memory_weights=model_kind(self.cfg.model.kind).memory_mix,
                                   labelled=self.run.data.labelled)
         for line in report.announcement(self.run, self.progress, resume_path,
                                         self.run_lock.removed):
