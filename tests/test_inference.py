@@ -75,3 +75,35 @@ def test_saved_precision_is_the_runs_or_the_default() -> None:
     for payload in ({}, {"config": None}, {"config": {"run": {}}},
                     {"config": {"run": {"precision": "fp8"}}}):
         assert saved_precision(payload) == "auto"  # run.precision's default
+
+
+def test_sample_and_the_trainers_samples_run_at_the_runs_precision(
+        tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``fbtrain sample`` generates at the run's ``run.precision`` unless told another, and
+    so do the samples training logs."""
+    import io
+
+    from fbtrain import sample
+    from fbtrain.config import config_from_dict
+    from fbtrain.train import run
+
+    seen: list[str] = []
+    real = sample.generate
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["precision"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(sample, "generate", spy)
+    text = tmp_path / "text.txt"
+    text.write_text("the king and the queen\n" * 30, encoding="utf-8")
+    raw = {"run": {"name": "r", "out_dir": str(tmp_path), "device": "cpu", "precision": "bf16"},
+           "data": {"path": str(text)},
+           "model": {"d_model": 16, "n_heads": 2, "d_ff": 32, "n_layers": 1},
+           "train": {"max_steps": 1, "batch_size": 2, "eval_windows": 2, "sample_length": 4},
+           "curriculum": [{"seq_len": 8}], "logging": {"tensorboard": False, "progress": False}}
+    run_dir = run(config_from_dict(raw), quiet=True)
+    assert seen == ["bf16", "bf16"]  # step 0 and step 1
+    sample.run(str(run_dir), length=3, device="cpu", stream=io.StringIO())
+    sample.run(str(run_dir), length=3, device="cpu", stream=io.StringIO(), precision="fp32")
+    assert seen[2:] == ["bf16", "fp32"]
