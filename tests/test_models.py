@@ -474,9 +474,12 @@ def test_config_allows_the_registry_kinds_and_says_so():
     assert field.metadata["help"] == kinds_help()
     assert kinds_help() == ("feedback (per-layer key/value), feedback_kv (shared key/value) "
                             "or transformer.")
+    assert kinds_help([KINDS["transformer"]]) == "transformer."
+    two = [KINDS["transformer"], KINDS["feedback_kv"]]
+    assert kinds_help(two) == "transformer or feedback_kv (shared key/value)."
 
 
-@pytest.mark.parametrize("kind", ["mamba", "", None, 3])
+@pytest.mark.parametrize("kind", ["mamba", "", None, 3, ["feedback"]])
 def test_an_unknown_kind_is_refused_in_one_line_wherever_it_comes_from(kind, tmp_path):
     """No kind builds by default: a kind that is not in the registry, from a config made
     in code or from a checkpoint's raw dict, is one line naming the kinds there are."""

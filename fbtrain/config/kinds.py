@@ -15,7 +15,7 @@ cannot import them. tests/test_models.py checks every entry against the model it
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -137,16 +137,22 @@ KINDS: dict[str, ModelKind] = {kind.name: kind for kind in (
 )}
 
 
+def find_kind(name: object) -> ModelKind | None:
+    """The registry's entry for ``name``; None for any other value, of any type."""
+    return KINDS.get(name) if isinstance(name, str) else None
+
+
 def model_kind(name: object) -> ModelKind:
     """The registry's entry for ``name``; ValueError (one line, the kinds named) for any
-    other value, wherever it came from (a checkpoint's raw dict included)."""
-    kind = KINDS.get(name) if isinstance(name, str) else None
+    other value, wherever it came from (a checkpoint's raw dict included: its ``null`` or
+    list, which the config's field checks pass over as the wrong type, too)."""
+    kind = find_kind(name)
     if kind is None:
         raise ValueError(f"model.kind = {name!r}: must be one of {', '.join(KINDS)}")
     return kind
 
 
-def kinds_help() -> str:
+def kinds_help(kinds: Iterable[ModelKind] = KINDS.values()) -> str:
     """model.kind's help text: each kind with its words, "a (x), b (y) or c."."""
-    named = [f"{k.name} ({k.help})" if k.help else k.name for k in KINDS.values()]
-    return (", ".join(named[:-1]) + " or " if len(named) > 1 else "") + named[-1] + "."
+    *others, last = [f"{k.name} ({k.help})" if k.help else k.name for k in kinds]
+    return f"{', '.join(others)} or {last}." if others else f"{last}."

@@ -12,7 +12,7 @@ from typing import Any
 
 from fbtrain.config.fields import field_problems
 from fbtrain.config.fields import setting as _f  # short: nearly every line below is one
-from fbtrain.config.kinds import KINDS, kinds_help
+from fbtrain.config.kinds import KINDS, find_kind, kinds_help
 
 MODEL_KINDS = tuple(KINDS)  # the registry's (config/kinds.py), in its order
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")  # run.precision; eval and sample's --precision
@@ -169,7 +169,7 @@ class ModelConfig(Section):
         their own checks: one problem is reported once)."""
         out = super().problems()
         bad = {key for key, _, _ in out}
-        kind = KINDS.get(self.kind) if "kind" not in bad else None
+        kind = find_kind(self.kind) if "kind" not in bad else None
         if kind is not None and not kind.memory_mix and self.memory_init != "uniform":
             out.append(("memory_init", self.memory_init,
                         f"applies to the feedback kinds only (a {kind.name} has no memory "
