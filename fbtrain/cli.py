@@ -58,12 +58,27 @@ class Context(str, Enum):
     carry = "carry"
 
 
+class Precision(str, Enum):  # run.precision's choices (config.schema.PRECISIONS)
+    auto = "auto"
+    fp32 = "fp32"
+    bf16 = "bf16"
+    fp16 = "fp16"
+
+
 DeviceOption = Annotated[
     str | None,
     typer.Option(
         "--device", metavar="auto|cpu|cuda|cuda:N",
         help="Where to run: auto (CUDA when available, else CPU), cpu, cuda or cuda:N.",
         show_default=False,
+    ),
+]
+PrecisionOption = Annotated[
+    Precision | None,
+    typer.Option(
+        "--precision", show_default="the run's run.precision",
+        help="Autocast to run the model at: auto (bf16 on CUDA, fp32 on CPU), fp32, bf16 "
+        "or fp16. The default, the run's own, is what its validation was scored at.",
     ),
 ]
 CheckpointOption = Annotated[
@@ -249,6 +264,7 @@ def sample(
                           help="Random seed (same seed, same text)."),
     ] = 1337,
     device: DeviceOption = None,
+    precision: PrecisionOption = None,
 ) -> None:
     """Generate text from a checkpoint.
 
@@ -260,7 +276,7 @@ def sample(
         sampler.run(
             checkpoint, prompt=prompt, length=length, temperature=temperature, top_k=top_k,
             top_p=top_p, num_samples=num_samples, seed=seed, device=device or "auto",
-            stream=sys.stdout,
+            stream=sys.stdout, precision=precision.value if precision else None,
         )
 
 
@@ -300,6 +316,7 @@ def evaluate(
                      "flows from one window into the next."),
     ] = Context.reset,
     device: DeviceOption = None,
+    precision: PrecisionOption = None,
     as_json: Annotated[
         bool, typer.Option("--json", help="Print one JSON object instead of a table."),
     ] = False,
@@ -314,6 +331,7 @@ def evaluate(
         result = evaluator.run(
             checkpoint, split=split.value, seq_len=seq_len, batch_size=batch_size,
             data_path=data_path, context=context.value, device=device or "auto",
+            precision=precision.value if precision else None,
         )
     if as_json:  # strict JSON: a non-finite figure is null, never NaN or Infinity
         from fbtrain.io import json_safe

@@ -20,9 +20,8 @@ try:  # newer typer vendors click; older releases use the click package
 except ImportError:  # pragma: no cover
     import click  # type: ignore[no-redef]
 
-from fbtrain.config import ConfigError
+from fbtrain.errors import EXIT_USAGE, UserError
 
-EXIT_USAGE = 2  # bad input, as click's own usage errors
 EXIT_INTERRUPTED = 130  # 128 + SIGINT
 
 
@@ -64,27 +63,23 @@ def error_line(message: str) -> None:
 
 @contextlib.contextmanager
 def user_errors(*, value_errors: bool = False) -> Iterator[None]:
-    """Turn the errors a user can cause into ``error: ...`` lines and exit code 2.
+    """Turn the errors a user can cause into ``error: ...`` lines and an exit code: every
+    :class:`~fbtrain.errors.UserError` (config, data, checkpoint, RNG state, device, core)
+    with its own code, the one place they are mapped.
 
-    ``value_errors``: also treat ValueError as bad input (sample/eval check their arguments
-    with it); train leaves it alone, so a bug there keeps its traceback.
+    OSError (a folder that cannot be created, a full disk; its message names the file) is
+    bad input too, exit 2. ``value_errors``: also treat ValueError as bad input (sample/eval
+    check their arguments with it); train leaves it alone, so a bug there keeps its
+    traceback.
     """
-    from fbtrain.checkpoint import CheckpointError
-    from fbtrain.data.errors import DataError
-    from fbtrain.device import DeviceError
-
-    # OSError: a folder that cannot be created, a full disk; its message names the file.
-    bad_input: tuple[type[Exception], ...] = (DataError, CheckpointError, DeviceError, OSError)
-    if value_errors:
-        bad_input += (ValueError,)
+    bad_input: tuple[type[Exception], ...] = (OSError, ValueError) if value_errors else (OSError,)
     try:
         yield
     except BrokenPipeError:  # `fbtrain sample | head`: the reader has all it wanted
         quit_on_closed_stdout()
-    except ConfigError as e:
-        for problem in e.problems:
-            error_line(problem)
-        raise typer.Exit(EXIT_USAGE) from None
+    except UserError as e:
+        error_line(str(e))  # a ConfigError: one line per problem
+        raise typer.Exit(e.exit_code) from None
     except bad_input as e:
         error_line(str(e))
         raise typer.Exit(EXIT_USAGE) from None

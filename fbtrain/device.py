@@ -7,8 +7,10 @@ from collections.abc import Iterator
 
 import torch
 
+from fbtrain.errors import UserError
 
-class DeviceError(ValueError):
+
+class DeviceError(UserError):
     """A device the user asked for does not exist here (one line; the CLI exits 2)."""
 
 

@@ -10,6 +10,7 @@ from torch import Tensor, nn
 
 from fbtrain.config import INT64_MAX
 from fbtrain.data.streams import IGNORE_INDEX, Stream, as_stream, window
+from fbtrain.inference import inference, saved_precision
 from fbtrain.scoring import Scores, window_scores
 
 LN2 = math.log(2.0)
@@ -33,10 +34,11 @@ def mean_loss(model: nn.Module, x: Tensor, y: Tensor, batch_size: int) -> float:
 
 
 CONTEXTS = ("reset", "carry")
-@torch.no_grad()
+
+
 def evaluate_split(
     model: nn.Module, ids: Tensor | Stream, seq_len: int, batch_size: int, *,
-    context: str = "reset", history: int = 0
+    context: str = "reset", history: int = 0, precision: str = "fp32"
 ) -> dict[str, Any]:
     """Score every prediction of a split once: ``ids`` [n] (a text: n - 1 next-token
     predictions) or a :class:`~fbtrain.data.streams.Stream` (its scored targets only).
@@ -54,12 +56,14 @@ def evaluate_split(
       characters. Exact, but sequential: for a feedback model this costs n model steps
       one after another whatever ``batch_size`` is.
 
-    Deterministic (eval mode, no sampling); the model's mode is restored afterwards. Summed
+    Deterministic: runs in the inference context (:func:`fbtrain.inference.inference`: eval
+    mode, autocast at ``precision``, no autograd, frozen weights, the RNG untouched), as
+    validation during training does; the model's mode is restored afterwards. Summed
     cross-entropy is accumulated in float64. Returns ``loss`` (mean nats per scored
     target), ``bpc`` (loss / ln 2), ``perplexity`` (exp(loss)), ``accuracy`` (arg-max
     right, over the scored targets), ``tokens`` (predictions run), ``scored`` (targets
     scored), ``seq_len`` (the window length used: the number of predictions when the split
-    is shorter than ``seq_len``) and ``context``.
+    is shorter than ``seq_len``), ``context`` and ``precision``.
     """
     _check_split_args(ids, seq_len, batch_size, context, history)
     device = next(model.parameters()).device
@@ -77,9 +81,7 @@ def evaluate_split(
         scores.add(logits, y)
         return new_state
 
-    was_training = model.training
-    model.eval()
-    try:
+    with inference(model, precision, device):
         if context == "reset":
             _score_reset_windows(add, inputs, targets, seq_len, batch_size, history)
         else:
@@ -87,8 +89,6 @@ def evaluate_split(
             for start in range(0, n, seq_len):
                 chunk = slice(start, start + seq_len)
                 state = add(window(inputs, chunk)[None], window(targets, chunk)[None], state)
-    finally:
-        model.train(was_training)
     return {
         **loss_figures(scores.loss),
         "accuracy": scores.accuracy,
@@ -97,6 +97,7 @@ def evaluate_split(
         "seq_len": min(seq_len, n),  # what was used: a split shorter than one window is one
         "context": context,
         **({"history": history} if context == "reset" and history else {}),
+        "precision": precision,
     }
 
 
@@ -161,6 +162,7 @@ def run(
     data_path: str | None = None,
     context: str = "reset",
     device: str = "auto",
+    precision: str | None = None,
 ) -> dict[str, Any]:
     """``fbtrain eval``: loss / bpc / perplexity of a checkpoint on one split (train, val,
     or test where the data has one: enwik8, text8, the algorithmic programs), plus accuracy
@@ -169,7 +171,9 @@ def run(
     The data is what the checkpoint's training config names (``config["data"]``: its local
     path or the cached download, or the generated programs), or the text ``data_path``; it
     is encoded with the checkpoint's vocabulary and split as in training. ``seq_len``
-    defaults to the last curriculum stage's. Returns :func:`evaluate_split`'s dict plus
+    defaults to the last curriculum stage's. ``precision`` (``auto``, ``fp32``, ``bf16``,
+    ``fp16``) defaults to the run's own ``run.precision``, the one its validation line was
+    scored at, so the same windows give that line's loss. Returns :func:`evaluate_split`'s dict plus
     ``split``, ``checkpoint`` (the file used) and ``step``. Raises ValueError, DataError,
     CheckpointError or DeviceError with one line (the CLI turns them into exit code 2).
     """
@@ -221,8 +225,10 @@ def run(
         stream = corpus.stream(split)
     except ValueError as e:
         raise ValueError(f"{e} ({where})") from None
+    if precision is None:
+        precision = saved_precision(payload)
     result = evaluate_split(model, stream, seq_len, batch_size, context=context,
-                            history=corpus.history)
+                            history=corpus.history, precision=precision)
     if not corpus.labelled:  # every target is scored: accuracy is not this data's figure
         result.pop("accuracy")
         result.pop("scored")
@@ -246,6 +252,7 @@ def format_result(result: dict[str, Any]) -> str:
         ("context", result.get("context")),
         ("seq_len", result.get("seq_len")),
         ("history", result.get("history")),
+        ("precision", result.get("precision")),
         ("tokens", f"{result['tokens']:,}"),
         ("scored", f"{result['scored']:,}" if "scored" in result else None),
         ("accuracy", f"{100 * result['accuracy']:.2f}%" if "accuracy" in result else None),

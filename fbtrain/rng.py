@@ -18,10 +18,11 @@ from typing import Any
 
 import torch
 
+from fbtrain.errors import UserError
 from fbtrain.messages import a_type, first_line
 
 
-class RngStateError(ValueError):
+class RngStateError(UserError):
     """A saved RNG state that cannot be restored (one line naming the file and the part)."""
 
 

@@ -10,7 +10,6 @@ past ``max_rel_pos`` (the state keeps a sliding window of memory).
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import sys
@@ -21,8 +20,10 @@ import torch
 from torch import Tensor, nn
 
 from fbtrain.config import INT64_MAX
+from fbtrain.config.kinds import model_kind
 from fbtrain.data.errors import DataError
 from fbtrain.data.tokenizers import Tokenizer
+from fbtrain.inference import inference, saved_precision
 from fbtrain.rng import sample_generator
 
 
@@ -159,7 +160,7 @@ def sampling_bytes(model: nn.Module, tokenizer: Tokenizer, prompt_tokens: int,
     if cfg is None:
         return host, 0
     d, window = cfg.d_model, cfg.memory_window
-    n_sets = 1 if cfg.kind == "feedback_kv" else cfg.n_layers
+    n_sets = model_kind(cfg.kind).key_value_sets(cfg)
     state = 2 * 2 * n_sets * window * d
     per_position = (tokenizer.vocab_size + 2 * cfg.n_layers * d + cfg.d_ff
                     + 3 * cfg.n_heads * (prompt_tokens + window))
@@ -230,6 +231,7 @@ def generate(
     generator: torch.Generator | None = None,
     device: torch.device | str | None = None,
     on_text: Callable[[int, str], None] | None = None,
+    precision: str = "fp32",
 ) -> list[str]:
     """Continue ``prompt`` by ``length`` characters, ``num_samples`` times (in one batch).
 
@@ -239,8 +241,9 @@ def generate(
     it is drawn. Returns the continuations (without the prompt), one string per sample.
 
     ``device`` is where the tokens go (default: where the model's parameters are). Same
-    ``generator`` seed, same text. Runs without autograd and in eval mode (no dropout); the
-    model's previous train/eval mode is restored afterwards.
+    ``generator`` seed, same text. Runs in the inference context
+    (:func:`fbtrain.inference.inference`: eval mode, autocast at ``precision``, no autograd,
+    frozen weights, the global RNG untouched); the model's train/eval mode is restored.
 
     Raises ValueError for bad arguments, an empty prompt (the CLI's default prompt is a
     newline) or more samples than memory holds (:func:`check_memory`), DataError when the
@@ -254,25 +257,18 @@ def generate(
     # Per sample: a byte vocabulary prints a multi-byte character once it is whole.
     decoders = [tokenizer.decoder() for _ in range(num_samples)]
     out = torch.empty(num_samples, length, dtype=torch.long)
-    was_training = model.training
-    model.eval()
-    try:
-        # Weights are fixed while decoding: let a feedback model fold its tables only once.
-        frozen = getattr(model, "frozen_weights", contextlib.nullcontext)
-        with torch.inference_mode(), frozen():
-            tokens = ids.to(device).unsqueeze(0).expand(num_samples, -1)  # [N, P]
-            logits, state = model(tokens)  # the prompt, once
-            for i in range(length):
-                token = next_tokens(logits[:, -1], temperature, top_k, top_p, generator)  # [N]
-                token_cpu = token.cpu()
-                out[:, i] = token_cpu
-                if on_text is not None:
-                    for s, t in enumerate(token_cpu.tolist()):
-                        on_text(s, decoders[s].feed(t))  # continues the text
-                if i + 1 < length:  # the last character needs no prediction after it
-                    logits, state = model(token.unsqueeze(1), state)  # [N, 1] on the state
-    finally:
-        model.train(was_training)
+    with inference(model, precision, device):
+        tokens = ids.to(device).unsqueeze(0).expand(num_samples, -1)  # [N, P]
+        logits, state = model(tokens)  # the prompt, once
+        for i in range(length):
+            token = next_tokens(logits[:, -1], temperature, top_k, top_p, generator)  # [N]
+            token_cpu = token.cpu()
+            out[:, i] = token_cpu
+            if on_text is not None:
+                for s, t in enumerate(token_cpu.tolist()):
+                    on_text(s, decoders[s].feed(t))  # continues the text
+            if i + 1 < length:  # the last character needs no prediction after it
+                logits, state = model(token.unsqueeze(1), state)  # [N, 1] on the state
     if on_text is not None:
         for s, decoder in enumerate(decoders):
             if tail := decoder.end():  # an unfinished character at the very end
@@ -305,6 +301,7 @@ def run(
     seed: int = 1337,
     device: str = "auto",
     stream: TextIO | None = None,
+    precision: str | None = None,
 ) -> list[str]:
     """``fbtrain sample``: load a model (a run dir's ``best.pt`` first, a checkpoint file, or
     a folder from ``fbtrain export``) and write text.
@@ -314,6 +311,8 @@ def run(
     ``--- sample i ---`` (1-based). ``prompt`` None: the tokenizer's start text (a newline
     for characters; ``END`` for the algorithmic programs' words). ``stream`` defaults to
     ``sys.stdout`` as it is at call time (so test runners that swap it see the text).
+    ``precision``: the autocast to sample at (``auto``, ``fp32``, ``bf16``, ``fp16``); None:
+    the run's own ``run.precision``, as its training validated and sampled at.
     Returns the continuations.
     Raises ValueError (bad arguments; more samples than memory holds), DataError,
     CheckpointError (also for a model whose predictions overflow to NaN/inf) or DeviceError
@@ -328,7 +327,9 @@ def run(
     out = stream if stream is not None else sys.stdout
     target = resolve_device(device)
     file = resolve_model(checkpoint, prefer="best")  # a run, a checkpoint or an export
-    model, tokenizer, _ = load_model(file, target)
+    model, tokenizer, payload = load_model(file, target)
+    if precision is None:
+        precision = saved_precision(payload)
     if prompt is None:
         prompt = tokenizer.start
     generator = sample_generator(seed)  # a CPU generator: the same text on CPU and GPU
@@ -349,7 +350,8 @@ def run(
     try:
         texts = generate(model, tokenizer, prompt, length, temperature=temperature,
                          top_k=top_k, top_p=top_p, num_samples=num_samples,
-                         generator=generator, device=target, on_text=on_text)
+                         generator=generator, device=target, on_text=on_text,
+                         precision=precision)
     except NonFiniteLogits as e:
         if num_samples == 1:
             out.write("\n")  # end the streamed text, so the error starts on its own line

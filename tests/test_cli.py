@@ -243,12 +243,13 @@ def fake_sample(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
 def test_sample_dispatch(fake_sample: dict[str, Any]):
     result = invoke("sample", "-c", "runs/x", "--prompt", "ROMEO:", "--length", "9",
                     "--temperature", "0.5", "--top-k", "5", "--top-p", "0.9",
-                    "--num-samples", "2", "--seed", "7", "--device", "cpu")
+                    "--num-samples", "2", "--seed", "7", "--device", "cpu",
+                    "--precision", "bf16")
     assert result.exit_code == 0, result.output
     assert result.stdout == "ROMEO: hi\n"
     assert {k: v for k, v in fake_sample.items() if k != "stream"} == dict(
         checkpoint="runs/x", prompt="ROMEO:", length=9, temperature=0.5, top_k=5, top_p=0.9,
-        num_samples=2, seed=7, device="cpu")
+        num_samples=2, seed=7, device="cpu", precision="bf16")
 
 
 def test_sample_defaults_match_sample_run(fake_sample: dict[str, Any]):
@@ -346,11 +347,12 @@ def test_eval_json(fake_eval: dict[str, Any]):
 def test_eval_table(fake_eval: dict[str, Any]):
     result = invoke("eval", "-c", "runs/x", "--split", "train", "--seq-len", "128",
                     "--batch-size", "8", "--data-path", "t.txt", "--context", "carry",
-                    "--device", "cpu")
+                    "--device", "cpu", "--precision", "fp16")
     assert result.exit_code == 0, result.output
     assert result.stdout == evaluate.format_result(RESULT) + "\n"
     assert fake_eval == dict(checkpoint="runs/x", split="train", seq_len=128, batch_size=8,
-                             data_path="t.txt", context="carry", device="cpu")
+                             data_path="t.txt", context="carry", device="cpu",
+                             precision="fp16")
 
 
 @pytest.mark.parametrize("args", [["--split", "dev"], ["--context", "keep"],

@@ -16,6 +16,7 @@ import torch
 from torch.utils import cpp_extension
 
 from fbtrain.config import ModelConfig
+from fbtrain.errors import UserError
 from fbtrain.models import build_model
 from fbtrain.models.core import graphs, native, python, select
 from fbtrain.models.core.autograd import flatten_layers
@@ -54,14 +55,14 @@ def test_core_choice_accepts(value, monkeypatch):
 
 
 def test_invalid_core_choice_is_one_clear_line(monkeypatch):
-    """Checked when a feedback model is built, not at its first step; a CoreError is an
-    OSError, which the CLI prints as one ``error:`` line (exit 2)."""
+    """Checked when a feedback model is built, not at its first step; a CoreError is a
+    UserError, which the CLI prints as one ``error:`` line (exit 2)."""
     monkeypatch.setenv("FBTRAIN_CORE", "fast")
     with pytest.raises(select.CoreError) as info:
         build_model(ModelConfig(kind="feedback_kv", d_model=16, n_heads=2, d_ff=24,
                                 n_layers=1), 11)
     assert str(info.value) == "FBTRAIN_CORE='fast' is not a core; use one of auto, native, python"
-    assert isinstance(info.value, OSError)
+    assert isinstance(info.value, UserError)
 
 
 def test_python_choice_never_builds(monkeypatch, broken_build, capsys):

@@ -47,7 +47,8 @@ def test_every_character_scored_once(kind: str, context: str) -> None:
     model = tiny_model(kind)
     ids = ids_of(make_text(101))
     result = evaluate_split(model, ids, seq_len=16, batch_size=4, context=context)
-    assert result["tokens"] == 100
+    # 100 predictions: six windows of 16 run in batches, the short last one (4) alone.
+    assert result["tokens"] == 100 and result["scored"] == 100
     assert result["seq_len"] == 16 and result["context"] == context
     assert math.isfinite(result["loss"])
     assert result["bpc"] == pytest.approx(result["loss"] / math.log(2))
@@ -241,3 +242,77 @@ def test_cli_eval_json_is_strict_json(huge_run: Path) -> None:
     assert result.exit_code == 0
     parsed = json.loads(result.stdout, parse_constant=lambda name: pytest.fail(name))
     assert parsed["loss"] is None
+
+
+# ----------------------------------------------------------------------------- the run's line
+
+
+def text_whose_val_split_is_whole_windows(seq_len: int) -> str:
+    """A text whose validation split holds a whole number of ``seq_len``-prediction windows,
+    so the run's fixed validation windows (spread evenly, not overlapping) are exactly the
+    consecutive windows ``eval`` scores."""
+    for n in range(1600, 1800):
+        if (len(split(torch.zeros(n), 0.1)[1]) - 1) % seq_len == 0:
+            return make_text(n, seed=3)
+    raise AssertionError("no such length")
+
+
+@pytest.fixture(scope="module")
+def bf16_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real tiny run trained and validated at precision bf16 on the CPU; its validation
+    windows cover the whole val split."""
+    from fbtrain.config import config_from_dict
+    from fbtrain.train import run
+
+    tmp = tmp_path_factory.mktemp("bf16")
+    text = tmp / "text.txt"
+    text.write_text(text_whose_val_split_is_whole_windows(16), encoding="utf-8")
+    raw = {"run": {"name": "bf16", "out_dir": str(tmp), "device": "cpu", "precision": "bf16"},
+           "data": {"path": str(text)},
+           "model": {"kind": "feedback_kv", "d_model": 16, "n_heads": 2, "d_ff": 32,
+                     "n_layers": 2, "max_rel_pos": 32},
+           "train": {"max_steps": 3, "batch_size": 4, "eval_every": 3, "eval_windows": 64,
+                     "sample_every": 0},
+           "curriculum": [{"seq_len": 16}],
+           "logging": {"tensorboard": False, "progress": False}}
+    return run(config_from_dict(raw), quiet=True)
+
+
+def test_eval_reproduces_the_validation_line_of_its_run(bf16_run: Path) -> None:
+    """``fbtrain eval`` of the last checkpoint gives the loss the run logged at its last
+    validation, at the run's own precision (bf16 here, on the CPU): the same model, the
+    same windows, the same inference context. Measured equal to the last bit (3.252400207519531
+    both); asserted to 1e-9 relative, room only for a summation order. At fp32 the figure
+    moves by 8.8e-6 (the head runs in bf16 under the run's autocast; the feedback core stays
+    fp32), a thousand times the tolerance: the precision is what makes them agree."""
+    lines = [json.loads(line) for line in (bf16_run / "metrics.jsonl").read_text().splitlines()]
+    logged = [r for r in lines if "val/loss" in r][-1]
+    assert logged["step"] == 3
+    last = str(bf16_run / "checkpoints" / "last.pt")
+    result = evaluate.run(last, device="cpu")
+    assert result["precision"] == "bf16" and result["step"] == 3
+    assert result["tokens"] == 16 * 10  # ten windows: every one the run validated on
+    assert result["loss"] == pytest.approx(logged["val/loss"], rel=1e-9)
+    fp32 = evaluate.run(last, device="cpu", precision="fp32")
+    assert fp32["precision"] == "fp32"
+    assert abs(fp32["loss"] - logged["val/loss"]) > 1e-6  # 8.8e-6: the head's bf16 matmul
+
+
+def test_cli_eval_precision_flag_overrides_the_runs(bf16_run: Path) -> None:
+    from typer.testing import CliRunner
+
+    from fbtrain.cli import Precision, app
+    from fbtrain.config.schema import PRECISIONS
+
+    assert tuple(p.value for p in Precision) == PRECISIONS  # the flag's choices are the key's
+    last = str(bf16_run / "checkpoints" / "last.pt")
+    figures = {}
+    for flag in ([], ["--precision", "fp32"], ["--precision", "bf16"]):
+        result = CliRunner().invoke(app, ["eval", "-c", last, "--json", "--device", "cpu",
+                                          *flag])
+        assert result.exit_code == 0, result.output
+        parsed = json.loads(result.stdout)
+        figures[parsed["precision"] + ("" if flag else " (default)")] = parsed["loss"]
+    assert figures["bf16 (default)"] == figures["bf16"] != figures["fp32"]
+    refused = CliRunner().invoke(app, ["eval", "-c", last, "--precision", "fp8"])
+    assert refused.exit_code == 2 and "fp8" in refused.stderr

@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
+import re
 from collections.abc import Iterator
 
 import pytest
 import torch
 from reference import reference_forward
 
+from fbtrain.checkpoint import CheckpointError, load_model, save_checkpoint
 from fbtrain.config import ModelConfig
-from fbtrain.models import build_model, count_parameters
+from fbtrain.config.kinds import KINDS, kinds_help, model_kind
+from fbtrain.models import build_model, count_parameters, model_class
 from fbtrain.models.core import native
 
 FEEDBACK_KINDS = ["feedback_kv", "feedback"]
@@ -439,6 +443,60 @@ def test_position_init_recency_sets_only_the_position_bias(kind):
 def test_invalid_model_config_is_a_clear_error():
     with pytest.raises(ValueError, match=r"model.d_model = 10: must be divisible by n_heads"):
         build_model(ModelConfig(d_model=10, n_heads=4), 11)
+
+
+# ----------------------------------------------------------------------------- the registry
+
+
+@pytest.mark.parametrize("name", list(KINDS))
+@pytest.mark.parametrize("memory_norm", ["none", "layernorm"])
+def test_each_registry_entry_is_what_its_model_is(name: str, memory_norm: str):
+    """Every entry of the kind registry against the model it names: its class, its
+    parameter estimate (all but the vocabulary-sized embedding and head), its memory mix,
+    the key/value sets of its state and the sources it carries per slot. A new kind's entry
+    is checked here without a line added."""
+    entry = KINDS[name]
+    cfg = small(name, memory_norm=memory_norm, max_rel_pos=7)
+    vocab = 11
+    model = build_model(cfg, vocab)
+    assert type(model) is model_class(entry) and issubclass(model_class(entry), torch.nn.Module)
+    by_vocabulary = 2 * vocab * cfg.d_model + vocab  # embedding, head weight and bias
+    assert entry.parameters(cfg) == count_parameters(model) - by_vocabulary
+    assert entry.memory_mix == hasattr(model, "memory_weights")
+    _, state = model(torch.zeros(2, 3, dtype=torch.long))  # with gradients: sources kept
+    assert state.keys.shape[0] == entry.key_value_sets(cfg)
+    assert state.sources.shape[0] == entry.carried_sources(cfg)
+
+
+def test_config_allows_the_registry_kinds_and_says_so():
+    field = next(f for f in dataclasses.fields(ModelConfig) if f.name == "kind")
+    assert field.metadata["choices"] == tuple(KINDS)
+    assert field.metadata["help"] == kinds_help()
+    assert kinds_help() == ("feedback (per-layer key/value), feedback_kv (shared key/value) "
+                            "or transformer.")
+    assert kinds_help([KINDS["transformer"]]) == "transformer."
+    two = [KINDS["transformer"], KINDS["feedback_kv"]]
+    assert kinds_help(two) == "transformer or feedback_kv (shared key/value)."
+
+
+@pytest.mark.parametrize("kind", ["mamba", "", None, 3, ["feedback"]])
+def test_an_unknown_kind_is_refused_in_one_line_wherever_it_comes_from(kind, tmp_path):
+    """No kind builds by default: a kind that is not in the registry, from a config made
+    in code or from a checkpoint's raw dict, is one line naming the kinds there are."""
+    allowed = "must be one of feedback, feedback_kv, transformer"
+    with pytest.raises(ValueError, match=rf"^model.kind = {re.escape(repr(kind))}: {allowed}$"):
+        model_kind(kind)
+    cfg = small("feedback_kv")
+    cfg.kind = kind
+    with pytest.raises(ValueError, match=rf"^model.kind = {re.escape(repr(kind))}: {allowed}"):
+        build_model(cfg, 11)
+    model = build_model(small("feedback_kv"), 11)
+    raw = {**dataclasses.asdict(model.cfg), "kind": kind}
+    save_checkpoint(tmp_path / "ck.pt", {"model": model.state_dict(), "model_config": raw,
+                                         "vocab": list("abcdefghijk")})
+    with pytest.raises(CheckpointError, match=rf"ck.pt: bad 'model_config': .*{allowed}") as e:
+        load_model(tmp_path / "ck.pt")
+    assert "\n" not in str(e.value)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -159,10 +159,20 @@ def test_num_samples_batch(tok: CharTokenizer) -> None:
     assert streamed == dict(enumerate(texts))
 
 
-def test_mode_restored_and_no_grad(tok: CharTokenizer) -> None:
-    model = tiny_model().train()
-    generate(model, tok, "a", 3, generator=gen(0))
+@pytest.mark.parametrize("kind", KINDS)
+def test_mode_restored_and_no_grad(kind: str, tok: CharTokenizer) -> None:
+    """Generation records no autograd, even called where gradients are on: no call's logits
+    can require a gradient (a graph kept across every character of a long sample would hold
+    all of its activations), no parameter is given one, and the mode is put back."""
+    model = tiny_model(kind).train()
+    recorder = Recorder(model)
+    with torch.enable_grad():
+        generate(recorder, tok, "ab", 4, generator=gen(0))
     assert model.training
+    assert recorder.calls == [2, 1, 1, 1]
+    assert not any(t.requires_grad for t in recorder.last)
+    assert all(torch.is_inference(t) for t in recorder.last)
+    assert all(p.grad is None and p.requires_grad for p in model.parameters())
     model.eval()
     generate(model, tok, "a", 3, generator=gen(0))
     assert not model.training

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from fbtrain.errors import UserError
 from fbtrain.io import atomic_write
 
 FORMAT = "fbtrain-checkpoint-v2"
@@ -36,7 +37,7 @@ BEST = "best.pt"
 _NUMBERED = re.compile(r"^step-(\d+)\.pt$")
 
 
-class CheckpointError(Exception):
+class CheckpointError(UserError):
     """A checkpoint cannot be found or read; the message is one user-facing line."""
 
 

@@ -17,6 +17,7 @@ import dataclasses
 import os
 
 from fbtrain.config.curriculum import Curriculum
+from fbtrain.config.kinds import model_kind
 from fbtrain.config.schema import CurriculumStage, ModelConfig
 from fbtrain.config.tree import Config
 
@@ -58,56 +59,9 @@ class Estimate:
 
 def parameter_count(model: ModelConfig) -> int:
     """Trainable parameters of the model, without the embedding and the output head (their
-    size depends on the vocabulary, unknown before the data is read)."""
-    d, h, f, layers, rows = (model.d_model, model.n_heads, model.d_ff, model.n_layers,
-                             model.max_rel_pos)
-    # layers.py: query D*D, u D, r rows*D, b rows*H, out D*D + D, two LayerNorms 4D,
-    # ff1 D*F + F, ff2 F*D + D.
-    layer = 2 * d * d + 7 * d + rows * (d + h) + 2 * d * f + f
-    if model.kind == "feedback_kv":
-        shared = 2 * d * d + (2 * d if model.memory_norm == "layernorm" else 0)
-        own = 0
-    else:  # each layer projects its own keys and values (key D*D, value D*D + D)
-        shared, own = 0, 2 * d * d + d
-    mix = 0 if model.kind == "transformer" else layers + 1  # the memory-mix logits w
-    return layers * (layer + own) + shared + 2 * d + mix  # 2 * d: the final LayerNorm
-
-
-def _activation_floats(model: ModelConfig, batch: int, seq_len: int, carried: int) -> int:
-    """Floats one micro-batch of ``batch`` rows and ``seq_len`` steps keeps for its backward,
-    on ``carried`` slots of memory from the previous segment.
-
-    Feedback kinds (models/core/native.py / python.py): every layer's output at every step,
-    the memory keys/values of all slots, and per layer and step the tape (a, q, o, y, LN2(y):
-    5 D; the FF hidden: F; the attention weights over the step's window: H * window). The
-    backward keeps about as much again in activation gradients: not counted.
-    Transformer (transformer.py): per layer and position the same D- and F-sized tensors,
-    keys and values, and the scores over all ``carried + seq_len`` slots (counted twice,
-    though the scores, their sum with the position term, the masked scores and the softmax
-    are each kept).
-    """
-    d, h, f, layers, window = (model.d_model, model.n_heads, model.d_ff, model.n_layers,
-                               model.memory_window)
-    slots = carried + seq_len
-    if model.kind == "transformer":
-        per_layer = seq_len * (6 * d + f + 2 * h * slots) + 2 * slots * d
-        return batch * layers * per_layer
-    # Sum over the steps of the window each step attends to: min(carried + t, window).
-    seen = sum_window(carried, seq_len, window)
-    key_sets = 1 if model.kind == "feedback_kv" else layers
-    per_row = (seq_len * (layers + 2) * d  # every layer's output and m_t, at every step
-               + 2 * key_sets * slots * d  # memory keys and values
-               + layers * (seq_len * (5 * d + f) + h * seen))  # the tape
-    return batch * per_row
-
-
-def sum_window(carried: int, steps: int, window: int) -> int:
-    """``sum(min(carried + t, window) for t in range(steps))``, in closed form (steps may be
-    far too many to loop over)."""
-    # Steps t < window - carried see carried + t slots; the rest see the full window.
-    growing = max(0, min(steps, window - carried))
-    full = steps - growing
-    return growing * carried + growing * (growing - 1) // 2 + full * window
+    size depends on the vocabulary, unknown before the data is read): the kind's own
+    estimate (config/kinds.py)."""
+    return model_kind(model.kind).parameters(model)
 
 
 def estimate(cfg: Config) -> Estimate:
@@ -115,9 +69,10 @@ def estimate(cfg: Config) -> Estimate:
     model, train = cfg.model, cfg.train
     parameters = parameter_count(model) * FLOAT32 * PARAMETER_COPIES
     carry = train.context == "carry"
-    # The transformer's activations may be bf16 under autocast; the feedback core always
-    # runs in fp32 (feedback.py turns autocast off around it).
-    act_bytes = FLOAT32 if model.kind != "transformer" or cfg.run.precision == "fp32" else 2
+    # Activations may be bf16 under autocast, but not a kind whose step loop always runs
+    # in fp32 (the feedback core: feedback.py turns autocast off around it).
+    kind = model_kind(model.kind)
+    act_bytes = FLOAT32 if kind.fp32_activations or cfg.run.precision == "fp32" else 2
     streams = train.batch_size * train.grad_accum
     window = model.memory_window
     activations = batches = 0
@@ -131,7 +86,7 @@ def estimate(cfg: Config) -> Estimate:
         # Carried memory fills up to the window as the steps go (never past what was seen).
         carried = min(window, seq_len * (train.max_steps - 1)) if carry else 0
         activations = max(activations,
-                          _activation_floats(model, batch, seq_len, carried) * act_bytes)
+                          kind.activations(model, batch, seq_len, carried) * act_bytes)
         # Every micro-batch of a step is drawn before the first forward (batches.py).
         batches = max(batches, train.grad_accum * (batch * seq_len * 2 * TOKEN_ID
                                                    + MICRO_BATCH_OVERHEAD))
@@ -142,8 +97,7 @@ def estimate(cfg: Config) -> Estimate:
         # Per stream: the window's keys and values (one set for feedback_kv, one per layer
         # otherwise) and what they were projected from (m_t, or every layer's input), plus
         # the stream's start offset (data/samplers.py SegmentReader).
-        key_sets = 1 if model.kind == "feedback_kv" else model.n_layers
-        sources = model.n_layers if model.kind == "transformer" else 1
+        key_sets, sources = kind.key_value_sets(model), kind.carried_sources(model)
         kept = min(window, curriculum.max_seq_len * train.max_steps)
         carried_bytes = streams * (kept * model.d_model * (2 * key_sets + sources) * FLOAT32
                                    + TOKEN_ID)

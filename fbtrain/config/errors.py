@@ -9,10 +9,12 @@ import math
 import reprlib
 from typing import Any
 
+from fbtrain.errors import UserError
+
 MAX_SHOWN = 80  # characters of a value that an error message shows
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError):
     """One or more configuration problems; ``problems`` holds one line per problem."""
 
     def __init__(self, problems: list[str]):

@@ -12,8 +12,10 @@ from typing import Any
 
 from fbtrain.config.fields import field_problems
 from fbtrain.config.fields import setting as _f  # short: nearly every line below is one
+from fbtrain.config.kinds import KINDS, find_kind, kinds_help
 
-MODEL_KINDS = ("feedback", "feedback_kv", "transformer")
+MODEL_KINDS = tuple(KINDS)  # the registry's (config/kinds.py), in its order
+PRECISIONS = ("auto", "fp32", "bf16", "fp16")  # run.precision; eval and sample's --precision
 MAX_VAL_FRACTION = 0.5  # more held out than trained on is a mistake, not a choice
 VAL_FRACTION = 0.1  # data.val_fraction's default (the only value enwik8/text8 accept)
 _HEX64 = re.compile(r"[0-9a-fA-F]{64}")
@@ -46,7 +48,7 @@ class RunConfig(Section):
     device: str = _f("auto", "auto (CUDA when available, else CPU), cpu, cuda or cuda:N.")
     precision: str = _f(
         "auto", "auto (bf16 autocast on CUDA, fp32 on CPU), fp32, bf16 or fp16.",
-        choices=("auto", "fp32", "bf16", "fp16"),
+        choices=PRECISIONS,
     )
 
     def problems(self) -> list[tuple[str, Any, str]]:
@@ -130,11 +132,7 @@ POSITION_INITS = ("zero", "recency")
 
 @dataclass
 class ModelConfig(Section):
-    kind: str = _f(
-        "feedback_kv",
-        "feedback (per-layer key/value), feedback_kv (shared key/value) or transformer.",
-        choices=MODEL_KINDS,
-    )
+    kind: str = _f("feedback_kv", kinds_help(), choices=MODEL_KINDS)
     d_model: int = _f(128, "Width of the residual stream.", min=1)
     n_heads: int = _f(4, "Attention heads; must divide d_model.", min=1)
     d_ff: int = _f(512, "Hidden width of the feed-forward block.", min=1)
@@ -171,9 +169,10 @@ class ModelConfig(Section):
         their own checks: one problem is reported once)."""
         out = super().problems()
         bad = {key for key, _, _ in out}
-        if self.kind == "transformer" and self.memory_init != "uniform" and "kind" not in bad:
+        kind = find_kind(self.kind) if "kind" not in bad else None
+        if kind is not None and not kind.memory_mix and self.memory_init != "uniform":
             out.append(("memory_init", self.memory_init,
-                        "applies to the feedback kinds only (a transformer has no memory "
+                        f"applies to the feedback kinds only (a {kind.name} has no memory "
                         "mix); remove the key"))
         ints = isinstance(self.d_model, int) and isinstance(self.n_heads, int)
         ints = ints and not bad & {"d_model", "n_heads"}

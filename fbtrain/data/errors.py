@@ -7,8 +7,10 @@ URL is at fault and what to do; the CLI turns it into exit code 2.
 
 from __future__ import annotations
 
+from fbtrain.errors import UserError
 
-class DataError(Exception):
+
+class DataError(UserError):
     """A user-facing data problem; the message is one line naming the file/URL and the fix."""
 
 

@@ -1,27 +1,40 @@
-"""Model kinds and ``build_model``: ``logits, state = model(tokens, state=None)``."""
+"""Model kinds and ``build_model``: ``logits, state = model(tokens, state=None)``.
+
+Which class a kind is, and what else fbtrain knows about it, is its entry in the registry
+(:mod:`fbtrain.config.kinds`).
+"""
 
 from __future__ import annotations
+
+import importlib
 
 from torch import nn
 
 from fbtrain.config import ModelConfig
+from fbtrain.config.kinds import ModelKind, model_kind
 from fbtrain.models.feedback import FeedbackTransformer
 from fbtrain.models.state import MemoryState
 from fbtrain.models.transformer import Transformer
 
-__all__ = ["FeedbackTransformer", "MemoryState", "Transformer", "build_model", "count_parameters"]
+__all__ = ["FeedbackTransformer", "MemoryState", "Transformer", "build_model", "count_parameters",
+           "model_class"]
+
+
+def model_class(kind: ModelKind) -> type[nn.Module]:
+    """The class a registry entry names (``"module:Class"``)."""
+    module, _, name = kind.model_class.partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def build_model(cfg: ModelConfig, vocab_size: int) -> nn.Module:
-    """Build the model ``cfg.kind`` names; raises ValueError on an invalid config."""
+    """Build the model ``cfg.kind`` names in the registry; raises ValueError (one line per
+    problem) on an invalid config, an unknown kind included (whatever made ``cfg``)."""
     problems = cfg.problems()
     if vocab_size < 1:
         problems.append(("vocab_size", vocab_size, "must be >= 1"))
     if problems:
         raise ValueError("; ".join(f"model.{k} = {v!r}: {msg}" for k, v, msg in problems))
-    if cfg.kind == "transformer":
-        return Transformer(cfg, vocab_size)
-    return FeedbackTransformer(cfg, vocab_size)
+    return model_class(model_kind(cfg.kind))(cfg, vocab_size)
 
 
 def count_parameters(model: nn.Module) -> int:

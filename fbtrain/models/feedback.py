@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fbtrain.config import ModelConfig
+from fbtrain.config.kinds import model_kind
 from fbtrain.models.core.autograd import FeedbackCoreFunction, flatten_layers
 from fbtrain.models.core.select import core
 from fbtrain.models.core.spec import CoreInputs, CoreSpec
@@ -55,7 +56,7 @@ class FeedbackTransformer(nn.Module):
         # waited for while Ctrl-C still interrupts (the trainer defers it in its loop).
         core()
         self.cfg = cfg
-        self.shared_kv = cfg.kind == "feedback_kv"
+        self.shared_kv = model_kind(cfg.kind).shared_kv  # feedback_kv: one set for all
         d = cfg.d_model
         self.embed = nn.Embedding(vocab_size, d)
         self.layers = nn.ModuleList(

@@ -2,7 +2,8 @@
 check that the loss and gradient norm are finite, update.
 
 One host sync per step (the loss and gradient norm, needed for the non-finite check);
-everything else stays on the device.
+everything else stays on the device. Under DDP two small all-reduces: the step's scored
+count before the backward (the loss is normalised by it), the figures after.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 from torch import Tensor
 
 from fbtrain.device import autocast
+from fbtrain.distributed import DistContext
 from fbtrain.scoring import count_scored, score_sums
 from fbtrain.train.setup import Run
 from fbtrain.train.signals import EXIT_CODES, STOP_PRIORITY, StopSignals
@@ -34,7 +36,8 @@ class TrainingError(Exception):
 
 @dataclass
 class StepResult:
-    """One optimizer step, as agreed by all ranks (loss averaged over them)."""
+    """One optimizer step, as agreed by all ranks: the loss and accuracy are over every
+    scored target of the step, all micro-batches and ranks together."""
 
     loss: float
     grad_norm: float  # before clipping
@@ -61,10 +64,7 @@ def train_step(run: Run, index: int, signals: StopSignals, last: Path) -> StepRe
     correct = torch.zeros((), dtype=torch.long, device=device)
     tokens = 0
     micro_batches = run.batches.micro_batches(seq_len, batch, device)
-    # The step's loss is the mean over every scored target of all its micro-batches
-    # (all targets for a text; the labelled ones for a labelled dataset).
-    scored = sum(count_scored(y) for _, y, _ in micro_batches)
-    denominator = scored.clamp(min=1).float()
+    denominator = loss_denominator(ctx, [y for _, y, _ in micro_batches])
     for micro, (x, y, state) in enumerate(micro_batches):
         # DDP all-reduces gradients on the last micro-batch only.
         sync = micro == accum - 1 or not ctx.enabled
@@ -93,10 +93,32 @@ def train_step(run: Run, index: int, signals: StopSignals, last: Path) -> StepRe
                       accuracy_value if run.data.labelled else None)
 
 
+def loss_denominator(ctx: DistContext, targets: list[Tensor]) -> Tensor:
+    """What each micro-batch's summed cross-entropy is divided by (a 0-dim float tensor).
+
+    The step's loss is the mean over every scored target of the whole step: all its
+    micro-batches (``targets``, this rank's) on every rank - all targets for a text, the
+    labelled ones for a labelled dataset, which are spread unevenly. So the divisor is the
+    step's global count, summed over ranks by one all-reduce before the backward (as
+    torchtitan does), over the world size, because DDP averages the ranks' gradients. A
+    rank's own count would make the loss a mean of per-rank means, which is not the loss of
+    one process on the same global batch when the ranks score different numbers of targets.
+
+    Alone, or with equal counts on every rank, this is the rank's own count exactly (the
+    global count over a power-of-two world size, or the count itself, is exact in float32),
+    so a text's steps keep their numbers bit for bit.
+    """
+    scored = sum(count_scored(y) for y in targets)
+    if not ctx.enabled:
+        return scored.clamp(min=1).float()
+    total = ctx.all_reduce_sum(scored.clone())
+    return total.clamp(min=1).float() / ctx.world_size
+
+
 def agree(run: Run, loss: Tensor, grad_norm: Tensor, accuracy: Tensor, signals: StopSignals
           ) -> tuple[float, float, float, int | None]:
-    """Loss and accuracy (means over ranks), gradient norm and stop signal, the same on
-    every rank.
+    """Loss and accuracy (means over ranks of shares that :func:`loss_denominator` scaled
+    to make that mean the step's), gradient norm and stop signal, the same on every rank.
 
     One small all-reduce under DDP, so that every rank stops at the same step (a rank
     leaving alone would hang the others in their next collective).

@@ -17,9 +17,10 @@ and what a checkpoint holds is named there too (:func:`~.setup.state_parts`).
 
 Exact resume: the checkpoint holds the model, optimizer, step, tokens and every random
 stream (Python, torch, CUDA, the batch sampler), and in carry mode the stream cursor and
-the carried memory. Evaluation and sampling run under :func:`~fbtrain.rng.preserve_rng`, so
-they never shift those streams, and the learning rate is a pure function of the step. On
-the CPU, N steps + resume + N steps is bitwise 2N straight steps.
+the carried memory. Evaluation and sampling run in :func:`~fbtrain.inference.inference`
+(which holds :func:`~fbtrain.rng.preserve_rng`), so they never shift those streams, and the
+learning rate is a pure function of the step. On the CPU, N steps + resume + N steps is
+bitwise 2N straight steps.
 
 Errors: :class:`TrainingError` carries the exit code (1: non-finite loss or gradient norm;
 129 / 130 / 143: SIGHUP / SIGINT / SIGTERM, after saving). DataError, CheckpointError,
@@ -41,12 +42,13 @@ import fbtrain.train.report as report
 from fbtrain.checkpoint.contents import summarize_names
 from fbtrain.checkpoint.files import CheckpointManager
 from fbtrain.config import Config, TrainConfig
-from fbtrain.device import autocast
+from fbtrain.config.kinds import model_kind
 from fbtrain.distributed import DistContext, session
 from fbtrain.evaluate import loss_figures
+from fbtrain.inference import inference
 from fbtrain.metrics.logger import MetricsLogger, text_block
 from fbtrain.metrics.tensorboard import hparams_of
-from fbtrain.rng import preserve_rng, sample_generator, sample_seed
+from fbtrain.rng import sample_generator, sample_seed
 from fbtrain.rundir import RunDirLock, write_run_files
 from fbtrain.scoring import window_scores
 from fbtrain.train.setup import Progress, Run, checkpoint_payload, set_up
@@ -141,7 +143,7 @@ class Trainer:
         self.logger.truncate_after(self.progress.step if resume_path is not None else -1)
         if resume_path is None:
             self.logger.start_run(hparams_of(self.cfg, self.ctx.world_size),
-                                  memory_weights=hasattr(self.run.raw_model, "memory_weights"),
+                                  memory_weights=model_kind(self.cfg.model.kind).memory_mix,
                                   labelled=self.run.data.labelled)
         for line in report.announcement(self.run, self.progress, resume_path,
                                         self.run_lock.removed):
@@ -259,8 +261,9 @@ class Trainer:
         if not self.ctx.is_main:
             return False
         data, progress = self.run.data, self.progress
-        with preserve_rng(self.ctx.device), signals.interruptible(), \
-                autocast(self.cfg.run.precision, self.ctx.device):
+        # The inference context `fbtrain eval` scores in too: its figure is this one.
+        with inference(self.run.raw_model, self.cfg.run.precision, self.ctx.device), \
+                signals.interruptible():
             scores = window_scores(self.run.raw_model, data.val_x, data.val_y, EVAL_BATCH)
         loss = scores.loss
         progress.val_loss = loss
@@ -285,15 +288,13 @@ class Trainer:
             from fbtrain.sample import generate
 
             generator = sample_generator(sample_seed(self.cfg.run.seed, self.progress.step))
-            with preserve_rng(self.ctx.device), signals.interruptible(), \
-                    autocast(self.cfg.run.precision, self.ctx.device):
+            with signals.interruptible():  # generate runs in the inference context
                 text = generate(model, tokenizer, tokenizer.start,
-                                self.cfg.train.sample_length, generator=generator)[0]
+                                self.cfg.train.sample_length, generator=generator,
+                                precision=self.cfg.run.precision)[0]
         except Exception as e:  # a failed sample must not cost the training run
             self.logger.info(f"warning: sampling failed at step {self.progress.step}: {e}")
             return
-        finally:
-            model.train()
         self.logger.log_text(self.progress.step, "sample", text, echo=False)
         self.last_sample = (self.progress.step, text)
 

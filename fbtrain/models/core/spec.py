@@ -33,8 +33,10 @@ from typing import Any, NamedTuple, Protocol
 
 from torch import Tensor
 
+from fbtrain.errors import UserError
 
-class CoreError(OSError):
+
+class CoreError(UserError):
     """The feedback core cannot run as asked (one line; the CLI exits 2)."""
 
 

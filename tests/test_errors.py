@@ -1,0 +1,92 @@
+"""Errors a user can cause: one base class (fbtrain.errors.UserError) with its exit code,
+mapped to one ``error:`` line in one place (cli_errors.user_errors), for every command."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from fbtrain.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from fbtrain.cli import app
+from fbtrain.config import ConfigError, config_from_dict
+from fbtrain.data.errors import DataError, VocabularyError
+from fbtrain.device import DeviceError
+from fbtrain.errors import EXIT_USAGE, UserError
+from fbtrain.models.core.native import CoreBuildError
+from fbtrain.models.core.spec import CoreError
+from fbtrain.rng import RngStateError
+from fbtrain.train import run
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: tiny models, one thread
+
+
+@pytest.mark.parametrize("cls", [ConfigError, DataError, VocabularyError, CheckpointError,
+                                 DeviceError, RngStateError, CoreError, CoreBuildError])
+def test_every_user_facing_error_is_a_user_error_with_exit_code_2(cls: type) -> None:
+    assert issubclass(cls, UserError) and cls.exit_code == EXIT_USAGE
+
+
+@pytest.mark.parametrize("command", [["train", "--config", "configs/tiny.yaml"],
+                                     ["sample", "-c", "runs/x"], ["eval", "-c", "runs/x"]])
+def test_a_user_error_is_one_line_and_its_exit_code(monkeypatch: pytest.MonkeyPatch,
+                                                    command: list[str]) -> None:
+    """Any UserError, from any command, whatever its class: its line and its code."""
+
+    class Refused(UserError):
+        exit_code = 3
+
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise Refused("x.pt: refused, for a reason")
+
+    import fbtrain.evaluate
+    import fbtrain.sample
+    import fbtrain.train
+
+    for module in (fbtrain.train, fbtrain.sample, fbtrain.evaluate):
+        monkeypatch.setattr(module, "run", refuse)
+    result = CliRunner().invoke(app, command)
+    assert result.exit_code == 3, result.output
+    assert result.stderr.splitlines() == ["error: x.pt: refused, for a reason"]
+
+
+def test_resume_from_a_damaged_cuda_rng_state_is_one_line_exit_2(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A checkpoint whose CUDA generator state is the wrong size, resumed through the real
+    CLI, ends in one ``error:`` line naming the file and exit code 2 (it was a ValueError
+    that ``fbtrain train`` did not map: a traceback).
+
+    Without a GPU the one call that needs CUDA answers as torch does on one (RuntimeError:
+    the state does not fit the generator); everything else is the real CLI and trainer."""
+    text = tmp_path / "text.txt"
+    text.write_text("the king and the queen and my lord\n" * 40, encoding="utf-8")
+    raw = {"run": {"name": "run", "out_dir": str(tmp_path / "runs"), "device": "cpu"},
+           "data": {"path": str(text)},
+           "model": {"d_model": 16, "n_heads": 2, "d_ff": 32, "n_layers": 1},
+           "train": {"max_steps": 2, "batch_size": 2, "eval_every": 2, "eval_windows": 2},
+           "curriculum": [{"seq_len": 8}],
+           "logging": {"tensorboard": False, "progress": False}}
+    run_dir = run(config_from_dict(raw), quiet=True)
+    last = run_dir / "checkpoints" / "last.pt"
+    payload = load_checkpoint(last)
+    payload["rng"]["cuda"] = [torch.zeros(7, dtype=torch.uint8)]  # a generator holds 16
+    save_checkpoint(last, payload)
+    raw["train"]["max_steps"] = 3
+    (tmp_path / "cfg.yaml").write_text(json.dumps(raw))  # JSON is YAML
+
+    def set_rng_state(state: torch.Tensor, device: Any = "cuda") -> None:
+        raise RuntimeError(f"Expected a CUDA generator state of 16 bytes, got {state.numel()}")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", set_rng_state)
+    result = CliRunner().invoke(app, ["train", "--config", str(tmp_path / "cfg.yaml"),
+                                      "--resume", "auto", "-q"])
+    assert result.exit_code == EXIT_USAGE, result.exception
+    assert result.stderr.splitlines() == [
+        f"error: {last}: malformed RNG state: rng.cuda: Expected a CUDA generator state of "
+        "16 bytes, got 7"]

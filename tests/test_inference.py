@@ -1,0 +1,109 @@
+"""The one inference context (fbtrain.inference): eval mode and back, the run's precision,
+no autograd, frozen weights, every random stream left where it was."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from test_sample import VOCAB, tiny_model  # noqa: F401 (one_thread: autouse there)
+
+from fbtrain.inference import inference, saved_precision
+
+CPU = torch.device("cpu")
+TOKENS = torch.arange(12).view(2, 6) % len(VOCAB)
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_eval_mode_inside_and_the_mode_restored_after(training: bool) -> None:
+    model = tiny_model().train(training)
+    model.cfg.dropout = 0.5  # in train mode two calls would differ
+    with inference(model, "fp32", CPU):
+        assert not model.training
+        first, _ = model(TOKENS)
+        assert torch.equal(first, model(TOKENS)[0])
+    assert model.training is training
+    with pytest.raises(RuntimeError, match="stop"), inference(model, "fp32", CPU):
+        raise RuntimeError("stop")
+    assert model.training is training  # put back when the block fails too
+
+
+def test_every_random_stream_is_left_where_it_was() -> None:
+    model = tiny_model().train()
+    torch.manual_seed(5)
+    random.seed(5)
+    expected = torch.rand(3), random.random()
+    torch.manual_seed(5)
+    random.seed(5)
+    with inference(model, "fp32", CPU):
+        torch.rand(7)
+        random.random()
+    assert torch.equal(torch.rand(3), expected[0]) and random.random() == expected[1]
+
+
+@pytest.mark.parametrize("kind", ["feedback_kv", "transformer"])
+def test_no_autograd_is_recorded_even_where_gradients_are_on(kind: str) -> None:
+    model = tiny_model(kind).train()
+    with torch.enable_grad(), inference(model, "fp32", CPU):
+        logits, state = model(TOKENS)
+    assert not logits.requires_grad and torch.is_inference(logits)
+    assert not state.keys.requires_grad
+    assert all(p.grad is None and p.requires_grad for p in model.parameters())
+
+
+@pytest.mark.parametrize(("precision", "dtype"), [("bf16", torch.bfloat16),
+                                                  ("fp32", torch.float32),
+                                                  ("auto", torch.float32)])  # auto: fp32 on CPU
+def test_the_runs_precision_is_the_autocast(precision: str, dtype: torch.dtype) -> None:
+    model = tiny_model("transformer")
+    with inference(model, precision, CPU):
+        logits, _ = model(TOKENS)
+    assert logits.dtype == dtype
+
+
+def test_a_feedback_model_folds_its_tables_once_inside() -> None:
+    model = tiny_model("feedback_kv")
+    with inference(model, "fp32", CPU):
+        model(TOKENS)
+        assert model._folded  # the tables of this window size, kept for the next call
+    assert model._folded is None
+
+
+def test_saved_precision_is_the_runs_or_the_default() -> None:
+    assert saved_precision({"config": {"run": {"precision": "bf16"}}}) == "bf16"
+    for payload in ({}, {"config": None}, {"config": {"run": {}}},
+                    {"config": {"run": {"precision": "fp8"}}}):
+        assert saved_precision(payload) == "auto"  # run.precision's default
+
+
+def test_sample_and_the_trainers_samples_run_at_the_runs_precision(
+        tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``fbtrain sample`` generates at the run's ``run.precision`` unless told another, and
+    so do the samples training logs."""
+    import io
+
+    from fbtrain import sample
+    from fbtrain.config import config_from_dict
+    from fbtrain.train import run
+
+    seen: list[str] = []
+    real = sample.generate
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["precision"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(sample, "generate", spy)
+    text = tmp_path / "text.txt"
+    text.write_text("the king and the queen\n" * 30, encoding="utf-8")
+    raw = {"run": {"name": "r", "out_dir": str(tmp_path), "device": "cpu", "precision": "bf16"},
+           "data": {"path": str(text)},
+           "model": {"d_model": 16, "n_heads": 2, "d_ff": 32, "n_layers": 1},
+           "train": {"max_steps": 1, "batch_size": 2, "eval_windows": 2, "sample_length": 4},
+           "curriculum": [{"seq_len": 8}], "logging": {"tensorboard": False, "progress": False}}
+    run_dir = run(config_from_dict(raw), quiet=True)
+    assert seen == ["bf16", "bf16"]  # step 0 and step 1
+    sample.run(str(run_dir), length=3, device="cpu", stream=io.StringIO())
+    sample.run(str(run_dir), length=3, device="cpu", stream=io.StringIO(), precision="fp32")
+    assert seen[2:] == ["bf16", "fp32"]
