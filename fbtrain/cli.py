@@ -147,8 +147,9 @@ def train(
     resume: Annotated[
         str | None,
         typer.Option("--resume", metavar="auto|PATH", show_default=False,
-                     help="Continue a run: auto (this run's last.pt, if any) or a "
-                     "checkpoint file / run directory."),
+                     help="Continue a run: auto (this run's last.pt, else its newest "
+                     "checkpoint that loads; afresh if it saved none) or a checkpoint file / "
+                     "run directory."),
     ] = None,
     device: DeviceOption = None,
     quiet: Annotated[

@@ -95,6 +95,8 @@ def announcement(run: Run, progress: Progress, resume_path: Path | None,
         if cfg.train.init_from:
             lines.append("train.init_from is ignored when resuming (the checkpoint has the "
                          "weights)")
+    if run.resume_note:  # why from there (or why afresh), when it is not the obvious
+        lines.append(run.resume_note)
     if cfg.logging.tensorboard:
         lines.append(f"tensorboard --logdir {run.run_dir.parent}")
     return lines

@@ -30,10 +30,8 @@ from fbtrain.checkpoint.contents import (
 from fbtrain.checkpoint.files import (
     CheckpointError,
     CheckpointManager,
-    load_checkpoint,
-    resolve_checkpoint,
 )
-from fbtrain.config import Config, ConfigError
+from fbtrain.config import Config
 from fbtrain.data.corpus import Corpus, load_corpus
 from fbtrain.data.errors import DataError, VocabularyError
 from fbtrain.data.samplers import BatchSampler, SegmentReader, fixed_windows
@@ -42,6 +40,7 @@ from fbtrain.device import autocast_dtype
 from fbtrain.distributed import DistContext
 from fbtrain.models import build_model
 from fbtrain.rng import rank_seed, restore_rng, seed_everything
+from fbtrain.rundir import choose_resume
 from fbtrain.schedule import Curriculum, LRSchedule, build_optimizer
 from fbtrain.train.batches import CarriedStreams, RandomWindows
 
@@ -89,6 +88,7 @@ class Run:
     sampler: BatchSampler
     batches: CarriedStreams | RandomWindows
     warm_report: WarmStart | None
+    resume_note: str | None = None  # why the run resumes from where it does, if not plain
 
 
 def set_up(cfg: Config, ctx: DistContext, manager: CheckpointManager, resume: str | None
@@ -98,8 +98,8 @@ def set_up(cfg: Config, ctx: DistContext, manager: CheckpointManager, resume: st
     Call with the run directory's lock held (the trainer takes it first): which checkpoint
     to continue from is decided from what the directory holds.
     """
-    resume_path = choose_resume(resume, manager)
-    payload = load_checkpoint(resume_path) if resume_path else None
+    choice = choose_resume(resume, manager)
+    resume_path, payload = choice.path, choice.payload
     init_path, init = warm_start_source(cfg, payload)
     seed_everything(cfg.run.seed)
     vocab = (payload or init or {}).get("vocab")
@@ -126,44 +126,12 @@ def set_up(cfg: Config, ctx: DistContext, manager: CheckpointManager, resume: st
               data=data, raw_model=raw_model, model=model,
               params=[p for p in raw_model.parameters() if p.requires_grad],
               optimizer=optimizer, schedule=LRSchedule(cfg.train), scaler=scaler,
-              amp_dtype=amp_dtype, sampler=sampler, batches=batches, warm_report=warm_report)
+              amp_dtype=amp_dtype, sampler=sampler, batches=batches, warm_report=warm_report,
+              resume_note=choice.note)
     return run, progress, resume_path
 
 
 # ----------------------------------------------------------------------------- what to resume
-
-
-def choose_resume(resume: str | None, manager: CheckpointManager) -> Path | None:
-    """The checkpoint to continue from (None: a fresh start).
-
-    ``resume``: None starts fresh (refused when the run directory already holds ``last.pt``,
-    so a trained run is never overwritten by accident); ``"auto"`` continues from
-    ``last.pt`` when it exists; anything else is a checkpoint file or run directory, refused
-    when it belongs to another run and this directory already holds checkpoints of its own.
-    """
-    run_dir, last = manager.run_dir, manager.last_path
-    if resume is None:
-        if last.is_file():
-            raise ConfigError([
-                f"run directory {run_dir} already holds {last}; continue it with "
-                "--resume auto, or start anew under another run.name (--set run.name=NEW)"
-                " or after deleting that folder"
-            ])
-        return None
-    if resume == "auto":
-        return last if last.is_file() else None
-    path = resolve_checkpoint(resume, prefer="last")
-    theirs = [p for p in (last, manager.best_path, *manager.numbered()) if p.is_file()]
-    if theirs and not path.resolve().is_relative_to(run_dir.resolve()):
-        # Resuming writes last.pt, best.pt and metrics.jsonl here: another run's would
-        # be overwritten. (A checkpoint of this run itself, say step-N.pt, is fine.)
-        raise ConfigError([
-            f"--resume {path} belongs to another run, but run directory {run_dir} "
-            f"already holds its own checkpoints ({theirs[0].name}, ...); resume into "
-            f"another run.name (--set run.name=NEW), or use --resume auto to continue "
-            f"{run_dir.name}"
-        ])
-    return path
 
 
 def warm_start_source(cfg: Config, payload: dict | None) -> tuple[Path | None, dict | None]:
