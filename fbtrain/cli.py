@@ -23,6 +23,7 @@ import typer
 
 from fbtrain import __version__
 from fbtrain.cli_errors import OneLineErrors, user_errors
+from fbtrain.startup import prepare_process
 
 
 def _examples(*lines: str) -> str:
@@ -349,6 +350,7 @@ def export(
 
 def main() -> None:
     """Entry point of the ``fbtrain`` script and of ``python -m fbtrain``."""
+    prepare_process()  # closed standard streams, SIGTERM / SIGHUP: before anything else
     try:
         app(prog_name="fbtrain")
     except BrokenPipeError:  # a result printed after the reader left (eval | true)
