@@ -12,6 +12,7 @@ import errno
 import io
 import os
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -226,20 +227,38 @@ def test_full_disk_stops_training_with_one_line_exit_2(
 MOUNT = shutil.which("unshare") and shutil.which("mount")
 
 
-@pytest.mark.skipif(not MOUNT, reason="needs unshare and mount for a private tmpfs")
-def test_full_disk_on_a_real_tmpfs(tmp_path: Path) -> None:
-    """The reported case: run.out_dir on a 600 kB tmpfs, a checkpoint every 5 steps."""
+def _train_on_tmpfs(tmp_path: Path, size: str, sets: list[str], then: str = ""
+                    ) -> tuple[Path, subprocess.CompletedProcess]:
+    """``fbtrain train`` (configs/tiny.yaml on a small generated text, ``--set`` each of
+    ``sets``) with run.out_dir on a private tmpfs of ``size``; ``then``: a Python script run
+    after it, on the same mount. Skips the test where no tmpfs can be mounted."""
     cfg = make_cfg(tmp_path)  # writes the text file
     mnt = tmp_path / "mnt"
     mnt.mkdir()
     script = tmp_path / "full.sh"
+    flags = " ".join(f"--set {s}" for s in sets)
     script.write_text(f"""
-mount -t tmpfs -o size=600k tmpfs {mnt} || exit 77
+mount -t tmpfs -o size={size} tmpfs {mnt} || exit 77
 {sys.executable} -m fbtrain train --config {Path(__file__).parents[1] / 'configs' / 'tiny.yaml'} \\
-  --set data.path={cfg.data.path} --set run.out_dir={mnt} --set checkpoint.every=5 \\
-  --set checkpoint.keep_last=100 --set train.max_steps=500 --device cpu --quiet
+  --set data.path={cfg.data.path} --set run.out_dir={mnt} {flags} --device cpu --quiet
 echo "rc=$?"
 {sys.executable} - <<'EOF'
+{then}
+EOF
+""")
+    proc = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "sh", str(script)],
+                          env=CHILD_ENV, capture_output=True, text=True, timeout=300)
+    if proc.returncode == 77 or "unshare:" in proc.stderr[:200]:
+        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()[:200]}")
+    return mnt, proc
+
+
+@pytest.mark.skipif(not MOUNT, reason="needs unshare and mount for a private tmpfs")
+def test_full_disk_on_a_real_tmpfs(tmp_path: Path) -> None:
+    """The reported case: run.out_dir on a 600 kB tmpfs, a checkpoint every 5 steps."""
+    mnt = tmp_path / "mnt"  # (made by _train_on_tmpfs)
+    _, proc = _train_on_tmpfs(tmp_path, "600k", [
+        "checkpoint.every=5", "checkpoint.keep_last=100", "train.max_steps=500"], then=f"""
 from pathlib import Path
 from fbtrain.checkpoint import load_checkpoint
 ckpts = Path("{mnt}/tiny/checkpoints")
@@ -248,18 +267,29 @@ print("last", load_checkpoint(ckpts / "last.pt")["step"])
 for p in ckpts.iterdir():
     load_checkpoint(p)
 print("all load")
-EOF
 """)
-    proc = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "sh", str(script)],
-                          env=CHILD_ENV, capture_output=True, text=True, timeout=300)
-    if proc.returncode == 77 or "unshare:" in proc.stderr[:200]:
-        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()[:200]}")
     out = proc.stdout
     assert "rc=2" in out, (out, proc.stderr)
     errors = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(errors) == 1, proc.stderr
     assert errors[0].startswith(f"error: {mnt}/tiny/") and errors[0].endswith(DISK_FULL)
     assert "all load" in out and ".tmp" not in out.split("files", 1)[1], out
+
+
+@pytest.mark.skipif(not MOUNT, reason="needs unshare and mount for a private tmpfs")
+def test_full_disk_while_logging_before_the_first_checkpoint(tmp_path: Path) -> None:
+    """TensorBoard's events fill the disk first (a sample every step goes only there): it
+    was the writer thread's traceback, then "error: [Errno 28] No space left on device"
+    naming no file. Now one line naming the events file, exit 2."""
+    mnt, proc = _train_on_tmpfs(tmp_path, "64k", [
+        "logging.tensorboard=true", "checkpoint.every=100000", "train.max_steps=5000",
+        "train.log_every=100000", "train.eval_every=100000", "train.sample_every=1",
+        "train.sample_length=400"])
+    assert "rc=2" in proc.stdout, (proc.stdout, proc.stderr)
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1 and re.fullmatch(
+        rf"error: {mnt}/tiny/events\.out\.tfevents\.[\w.]+: {re.escape(DISK_FULL)}", lines[0]
+    ), proc.stderr
 
 
 def test_other_errors_while_writing_pass_through(tmp_path: Path) -> None:
