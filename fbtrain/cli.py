@@ -23,6 +23,7 @@ import typer
 
 from fbtrain import __version__
 from fbtrain.cli_errors import OneLineErrors, user_errors
+from fbtrain.startup import prepare_process
 
 
 def _examples(*lines: str) -> str:
@@ -162,8 +163,9 @@ def train(
     resume: Annotated[
         str | None,
         typer.Option("--resume", metavar="auto|PATH", show_default=False,
-                     help="Continue a run: auto (this run's last.pt, if any) or a "
-                     "checkpoint file / run directory."),
+                     help="Continue a run: auto (this run's last.pt, else its newest "
+                     "checkpoint that loads; afresh if it saved none) or a checkpoint file / "
+                     "run directory."),
     ] = None,
     device: DeviceOption = None,
     quiet: Annotated[
@@ -366,6 +368,7 @@ def export(
 
 def main() -> None:
     """Entry point of the ``fbtrain`` script and of ``python -m fbtrain``."""
+    prepare_process()  # closed standard streams, SIGTERM / SIGHUP: before anything else
     try:
         app(prog_name="fbtrain")
     except BrokenPipeError:  # a result printed after the reader left (eval | true)

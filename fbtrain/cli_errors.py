@@ -21,8 +21,7 @@ except ImportError:  # pragma: no cover
     import click  # type: ignore[no-redef]
 
 from fbtrain.errors import EXIT_USAGE, UserError
-
-EXIT_INTERRUPTED = 130  # 128 + SIGINT
+from fbtrain.startup import Stopped, exit_code
 
 
 class OneLineErrors(TyperGroup):
@@ -48,9 +47,10 @@ class OneLineErrors(TyperGroup):
         except click.exceptions.ClickException as e:
             e.show()
             sys.exit(e.exit_code)
-        except typer.Abort:  # Ctrl-C while click itself was running
-            typer.echo("interrupted", err=True)
-            sys.exit(EXIT_INTERRUPTED)
+        except typer.Abort as e:  # Ctrl-C (or SIGTERM, SIGHUP) while click itself was running
+            interrupt = e.__cause__ if isinstance(e.__cause__, KeyboardInterrupt) else None
+            typer.echo(interrupted_line(interrupt), err=True)
+            sys.exit(exit_code(interrupt))
         # Without standalone mode click returns a command's result, or the code it exited
         # with; fbtrain's commands return None.
         sys.exit(code if isinstance(code, int) else 0)
@@ -83,9 +83,14 @@ def user_errors(*, value_errors: bool = False) -> Iterator[None]:
     except bad_input as e:
         error_line(str(e))
         raise typer.Exit(EXIT_USAGE) from None
-    except KeyboardInterrupt:
-        typer.echo("interrupted", err=True)
-        raise typer.Exit(EXIT_INTERRUPTED) from None
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM / SIGHUP (fbtrain.startup)
+        typer.echo(interrupted_line(e), err=True)
+        raise typer.Exit(exit_code(e)) from None
+
+
+def interrupted_line(interrupt: KeyboardInterrupt | None) -> str:
+    """'interrupted', naming the signal when it was not Ctrl-C: 'interrupted (SIGTERM)'."""
+    return f"interrupted ({interrupt})" if isinstance(interrupt, Stopped) else "interrupted"
 
 
 def quit_on_closed_stdout() -> None:

@@ -66,6 +66,24 @@ def atomic_write(path: str | Path, write: Callable[[IO[bytes]], None]) -> None:
     raised as a one-line :class:`FileWriteError` naming ``path``, anything else as it is.
     """
     path = Path(path)
+    tmp = write_temp(path, write)
+    try:
+        os.replace(tmp, path)
+    except BaseException as e:
+        tmp.unlink(missing_ok=True)
+        failed = write_error(path, e) if isinstance(e, Exception) else None
+        if failed is not None:
+            raise failed from None
+        raise
+    fsync_dir(path.parent)
+
+
+def write_temp(path: str | Path, write: Callable[[IO[bytes]], None]) -> Path:
+    """The first half of :func:`atomic_write`: ``write(f)`` on a new temp file beside
+    ``path`` (a name :func:`remove_stale_temps` knows), fsynced, with the mode ``open()``
+    would give; returns it for the caller to ``os.replace`` onto ``path`` (several files
+    written first and moved into place together). Failures as in :func:`atomic_write`."""
+    path = Path(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
@@ -80,14 +98,13 @@ def atomic_write(path: str | Path, write: Callable[[IO[bytes]], None]) -> None:
             write(f)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
     except BaseException as e:
         Path(tmp).unlink(missing_ok=True)
         failed = write_error(path, e) if isinstance(e, Exception) else None
         if failed is not None:
             raise failed from None
         raise
-    _fsync_dir(path.parent)
+    return Path(tmp)
 
 
 def _set_default_mode(fd: int) -> None:
@@ -123,16 +140,19 @@ def current_umask() -> int:
     return mask
 
 
-def remove_stale_temps(folder: str | Path) -> list[Path]:
+def remove_stale_temps(folder: str | Path, names: tuple[str, ...] | None = None
+                       ) -> list[Path]:
     """Delete the temp files :func:`atomic_write` left in ``folder`` when its process was
-    killed mid-write (SIGKILL, power loss); returns them. Only for a folder whose writer is
-    known to be gone (the caller holds the run directory's lock)."""
+    killed mid-write (SIGKILL, power loss); returns them. ``names``: only the temps of
+    these files. Only for a folder whose writer is known to be gone (the caller holds the
+    folder's lock)."""
     folder = Path(folder)
     if not folder.is_dir():
         return []
     removed = []
     for p in sorted(folder.iterdir()):
-        if _TEMP.match(p.name) and p.is_file():
+        ours = names is None or any(p.name.startswith(f".{name}.") for name in names)
+        if ours and _TEMP.match(p.name) and p.is_file():
             p.unlink(missing_ok=True)
             removed.append(p)
     return removed
@@ -143,8 +163,9 @@ def atomic_write_text(path: str | Path, text: str) -> None:
     atomic_write(path, lambda f: f.write(text.encode("utf-8")))
 
 
-def _fsync_dir(folder: Path) -> None:
-    # Makes the rename itself durable; not every platform can open a directory.
+def fsync_dir(folder: Path) -> None:
+    """Make the renames in ``folder`` durable (best effort: not every platform can open a
+    directory)."""
     try:
         fd = os.open(folder, os.O_RDONLY)
     except OSError:

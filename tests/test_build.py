@@ -268,6 +268,85 @@ def test_the_next_build_waits_for_what_a_killed_build_left_running(
                 os.kill(pid, signal.SIGKILL)
 
 
+@needs_compiler
+def test_ctrl_c_mid_compile_leaves_no_compiler_running(tmp_path, extensions, reap):
+    """Ctrl-C during the first compile: subprocess.run SIGKILLs ninja, and the compile, in a
+    process group of its own, went on writing into the folder after fbtrain had exited
+    (and let go of the build lock). Now it is stopped before fbtrain exits."""
+    source = _tiny_source(tmp_path)
+    build_dir = _build_dir(source)
+    env, hold, started = _slow_compiler(tmp_path)
+    try:
+        first = reap(_builder(source, env))
+        _wait_until(started.exists)  # compiling
+        assert native._builders_in(build_dir)
+        first.send_signal(signal.SIGINT)  # to fbtrain alone, as a terminal's Ctrl-C reaches
+        first.wait(timeout=60)  # ninja, which subprocess.run then kills anyway
+        assert first.returncode in (-signal.SIGINT, 1, 130)
+        assert native._builders_in(build_dir) == []
+    finally:
+        hold.unlink(missing_ok=True)
+        for pid, _ in native._builders_in(build_dir):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+@needs_compiler
+def test_the_next_build_waits_for_a_compile_left_running_without_a_lock_file(
+        tmp_path, extensions, reap):
+    """torch deletes its ``lock`` on the way out of an interrupted build; a compile still
+    running in the folder (here: a process there until ``hold`` goes) is waited for all
+    the same, not compiled over."""
+    source = _tiny_source(tmp_path)
+    build_dir = _build_dir(source)
+    hold = tmp_path / "hold"
+    hold.touch()
+    left = reap(subprocess.Popen(["sh", "-c", f'while [ -e "{hold}" ]; do sleep 0.05; done'],
+                                 cwd=build_dir))
+    try:
+        second = reap(_builder(source))
+        err = _lines(second.stderr)
+        line = _wait_for_line(err, "waiting")
+        assert line == (f"fbtrain: waiting for a build left running by a killed process "
+                        f"(pid {left.pid}, sh) in {build_dir}")
+        assert second.poll() is None and not list(build_dir.glob("*.so"))
+        hold.unlink()
+        out, _ = second.communicate(timeout=120)
+        assert second.returncode == 0 and out.strip() == "42"
+    finally:
+        hold.unlink(missing_ok=True)
+
+
+def test_a_build_folder_that_is_a_file_or_read_only_is_named(tmp_path, monkeypatch):
+    """Not "it needs a C++ compiler (g++)": the folder, what is wrong with it, and the
+    variable that moves it."""
+    source = _tiny_source(tmp_path)
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(a_file))
+    with pytest.raises(native.CoreBuildError) as info:
+        native.load_extension(BASE, source, [], [])
+    assert str(info.value) == (
+        f"could not build fbtrain's C++ core ({source}): TORCH_EXTENSIONS_DIR={a_file} is not "
+        f"a folder, or lies under a file (cannot make "
+        f"{a_file / native.extension_name(BASE, source, [], [])}); set TORCH_EXTENSIONS_DIR "
+        "to a folder fbtrain can write")
+    assert info.value.remedy.startswith("point TORCH_EXTENSIONS_DIR at a folder")
+    frozen = tmp_path / "frozen"
+    frozen.mkdir()
+    if subprocess.run(["chattr", "+i", str(frozen)], capture_output=True).returncode != 0:
+        pytest.skip("chattr +i does not work here (a read-only folder needs it as root)")
+    try:
+        monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(frozen))
+        with pytest.raises(native.CoreBuildError, match=(
+                rf"^could not build fbtrain's C\+\+ core \({source}\): "
+                rf"TORCH_EXTENSIONS_DIR={frozen} cannot be written \(operation not permitted: "
+                rf"{frozen}/{BASE}_[0-9a-f]{{8}}\); set TORCH_EXTENSIONS_DIR to a folder")):
+            native.load_extension(BASE, source, [], [])
+    finally:
+        subprocess.run(["chattr", "-i", str(frozen)], check=True)
+
+
 # --- a compiler that fails torch's check ---------------------------------------------------
 
 def test_a_compiler_that_fails_its_check_is_a_core_build_error(tmp_path, extensions,

@@ -5,16 +5,20 @@ from __future__ import annotations
 
 import io
 import json
+import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+from test_rundir import _Disk
 from test_train import make_cfg
 from typer.testing import CliRunner
 
 from fbtrain import evaluate, sample
 from fbtrain.checkpoint import CheckpointError, load_checkpoint, load_model
 from fbtrain.checkpoint.contents import export_model
+from fbtrain.checkpoint.export import write_export
 from fbtrain.cli import app
 from fbtrain.config import ModelConfig
 from fbtrain.models import build_model
@@ -94,9 +98,24 @@ def test_export_errors_are_one_line(trained: Path, tmp_path: Path) -> None:
         sample.run(str(folder), length=5, device="cpu", stream=io.StringIO())
     export_model(trained, folder)
     (folder / "config.json").write_text(json.dumps({"kind": "feedback_kv", "d_model": 8}))
+    with pytest.raises(CheckpointError, match=r"exp: config.json is not the one exported with "
+                                              r"model.safetensors \(an export that failed "):
+        load_model(folder)
+    _drop_file_record(folder)  # as an export made before the record: the shapes still say
     with pytest.raises(CheckpointError, match=r"model.safetensors: weights do not fit "
                                               r"model_config"):
         load_model(folder)
+
+
+def _drop_file_record(folder: Path) -> None:
+    """Rewrite the weights without the sha256 record of the other two files."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
+        tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
+        metadata = {k: v for k, v in (f.metadata() or {}).items() if k != "fbtrain.files"}
+    save_file(tensors, str(folder / "model.safetensors"), metadata)
 
 
 def test_python_example_of_the_docs(trained: Path, tmp_path: Path) -> None:
@@ -116,3 +135,97 @@ def test_python_example_of_the_docs(trained: Path, tmp_path: Path) -> None:
     bpc = loss / math.log(2)
     # ---
     assert len(text) == 50 and math.isfinite(bpc) and 0 < bpc < 10
+
+
+# ----------------------------------------------------------------------------- one set
+
+
+def _other_model(trained: Path) -> tuple[dict[str, torch.Tensor], dict, Any]:
+    """Model B: the run's architecture with fresh weights and the vocabulary reversed, so
+    B's weights fit A's vocabulary (the same size): a mix would load without a word."""
+    from fbtrain.data.tokenizers import make_tokenizer
+
+    payload = load_checkpoint(trained / "checkpoints" / "best.pt")
+    tokenizer = make_tokenizer(list(reversed(payload["vocab"])), payload.get("tokenizer"))
+    torch.manual_seed(5)
+    model = build_model(ModelConfig(**payload["model_config"]), tokenizer.vocab_size)
+    return model.state_dict(), payload["model_config"], tokenizer
+
+
+def _cli(*args: str) -> Any:
+    return CliRunner().invoke(app, list(args))
+
+
+def test_an_export_whose_third_file_fails_is_refused_not_loaded_wrong(
+        trained: Path, tmp_path: Path) -> None:
+    """The reported case: vocab.json made immutable (chattr +i) under export A, then B
+    exported over it: B's weights and config sat with A's vocabulary and sampled garbage."""
+    mix = tmp_path / "mix"
+    export_model(trained, mix)
+    vocab = mix / "vocab.json"
+    if subprocess.run(["chattr", "+i", str(vocab)], capture_output=True).returncode != 0:
+        pytest.skip("chattr +i does not work here")
+    try:
+        state, model_config, tokenizer = _other_model(trained)
+        with pytest.raises(CheckpointError, match=(
+                rf"^{vocab}: cannot replace it \(operation not permitted\); {mix} now holds the "
+                r"new model.safetensors and config.json beside an older vocab.json, a set "
+                r"that sample and eval refuse: export again once vocab.json can be written$")):
+            write_export(mix, state, model_config, tokenizer)
+        for command in (["sample", "-c", str(mix), "-n", "5"], ["eval", "-c", str(mix)]):
+            result = _cli(*command)
+            assert result.exit_code == 2, result.output
+            assert result.stderr.splitlines() == [
+                f"error: {mix}: vocab.json is not the one exported with model.safetensors (an "
+                "export that failed part-way, or files mixed by hand); export into it again"]
+        assert not [p for p in mix.iterdir() if p.name.endswith(".tmp")]
+    finally:
+        subprocess.run(["chattr", "-i", str(vocab)], check=True)
+
+
+def test_a_full_disk_during_an_export_leaves_the_previous_one(
+        trained: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import fbtrain.io as fbio
+
+    mix = tmp_path / "mix"
+    export_model(trained, mix)
+    before = {p.name: p.read_bytes() for p in mix.iterdir()}
+    state, model_config, tokenizer = _other_model(trained)
+    write_export(tmp_path / "scratch", state, model_config, tokenizer)
+    weights = (tmp_path / "scratch" / "model.safetensors").stat().st_size
+    monkeypatch.setattr(fbio.os, "fdopen", _Disk(free=weights + 10).fdopen)  # room for those
+    with pytest.raises(OSError, match=rf"^{mix / 'config.json'}: cannot write: the disk is full"):
+        write_export(mix, state, model_config, tokenizer)
+    monkeypatch.undo()
+    assert {p.name: p.read_bytes() for p in mix.iterdir()} == before
+    assert _sample(mix) == _sample(trained)
+
+
+def test_temp_files_of_a_killed_export_go_at_the_next(trained: Path, tmp_path: Path) -> None:
+    """SIGTERM or kill -9 mid-export leaves .model.safetensors.XXXXXXXX.tmp (114 MB for a
+    28.5M-parameter model); the next export into the folder removes those, and only those."""
+    mix = tmp_path / "mix"
+    mix.mkdir()
+    ours = [mix / ".model.safetensors.k1lled00.tmp", mix / ".vocab.json.a1B2c3_d.tmp"]
+    theirs = [mix / ".notes.txt.abcdefgh.tmp", mix / "model.safetensors.tmp", mix / "README"]
+    for p in ours + theirs:
+        p.write_bytes(b"x" * 100)
+    export_model(trained, mix)
+    assert not [p for p in ours if p.exists()] and all(p.exists() for p in theirs)
+
+
+def test_files_mixed_by_hand_or_missing_are_refused_in_one_line(
+        trained: Path, tmp_path: Path) -> None:
+    a, b = tmp_path / "a", tmp_path / "b"
+    export_model(trained, a)
+    write_export(b, *_other_model(trained))
+    (a / "vocab.json").write_bytes((b / "vocab.json").read_bytes())
+    result = _cli("eval", "-c", str(a))
+    assert result.exit_code == 2 and result.stderr.splitlines() == [
+        f"error: {a}: vocab.json is not the one exported with model.safetensors (an export "
+        "that failed part-way, or files mixed by hand); export into it again"]
+    (b / "model.safetensors").unlink()
+    result = _cli("sample", "-c", str(b))
+    assert result.exit_code == 2 and result.stderr.splitlines() == [
+        f"error: {b}: an exported model needs model.safetensors beside config.json and "
+        "vocab.json (fbtrain export writes all three; did one fail part-way?)"]

@@ -12,6 +12,7 @@ import errno
 import io
 import os
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -226,20 +227,38 @@ def test_full_disk_stops_training_with_one_line_exit_2(
 MOUNT = shutil.which("unshare") and shutil.which("mount")
 
 
-@pytest.mark.skipif(not MOUNT, reason="needs unshare and mount for a private tmpfs")
-def test_full_disk_on_a_real_tmpfs(tmp_path: Path) -> None:
-    """The reported case: run.out_dir on a 600 kB tmpfs, a checkpoint every 5 steps."""
+def _train_on_tmpfs(tmp_path: Path, size: str, sets: list[str], then: str = ""
+                    ) -> tuple[Path, subprocess.CompletedProcess]:
+    """``fbtrain train`` (configs/tiny.yaml on a small generated text, ``--set`` each of
+    ``sets``) with run.out_dir on a private tmpfs of ``size``; ``then``: a Python script run
+    after it, on the same mount. Skips the test where no tmpfs can be mounted."""
     cfg = make_cfg(tmp_path)  # writes the text file
     mnt = tmp_path / "mnt"
     mnt.mkdir()
     script = tmp_path / "full.sh"
+    flags = " ".join(f"--set {s}" for s in sets)
     script.write_text(f"""
-mount -t tmpfs -o size=600k tmpfs {mnt} || exit 77
+mount -t tmpfs -o size={size} tmpfs {mnt} || exit 77
 {sys.executable} -m fbtrain train --config {Path(__file__).parents[1] / 'configs' / 'tiny.yaml'} \\
-  --set data.path={cfg.data.path} --set run.out_dir={mnt} --set checkpoint.every=5 \\
-  --set checkpoint.keep_last=100 --set train.max_steps=500 --device cpu --quiet
+  --set data.path={cfg.data.path} --set run.out_dir={mnt} {flags} --device cpu --quiet
 echo "rc=$?"
 {sys.executable} - <<'EOF'
+{then}
+EOF
+""")
+    proc = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "sh", str(script)],
+                          env=CHILD_ENV, capture_output=True, text=True, timeout=300)
+    if proc.returncode == 77 or "unshare:" in proc.stderr[:200]:
+        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()[:200]}")
+    return mnt, proc
+
+
+@pytest.mark.skipif(not MOUNT, reason="needs unshare and mount for a private tmpfs")
+def test_full_disk_on_a_real_tmpfs(tmp_path: Path) -> None:
+    """The reported case: run.out_dir on a 600 kB tmpfs, a checkpoint every 5 steps."""
+    mnt = tmp_path / "mnt"  # (made by _train_on_tmpfs)
+    _, proc = _train_on_tmpfs(tmp_path, "600k", [
+        "checkpoint.every=5", "checkpoint.keep_last=100", "train.max_steps=500"], then=f"""
 from pathlib import Path
 from fbtrain.checkpoint import load_checkpoint
 ckpts = Path("{mnt}/tiny/checkpoints")
@@ -248,18 +267,29 @@ print("last", load_checkpoint(ckpts / "last.pt")["step"])
 for p in ckpts.iterdir():
     load_checkpoint(p)
 print("all load")
-EOF
 """)
-    proc = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "sh", str(script)],
-                          env=CHILD_ENV, capture_output=True, text=True, timeout=300)
-    if proc.returncode == 77 or "unshare:" in proc.stderr[:200]:
-        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()[:200]}")
     out = proc.stdout
     assert "rc=2" in out, (out, proc.stderr)
     errors = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(errors) == 1, proc.stderr
     assert errors[0].startswith(f"error: {mnt}/tiny/") and errors[0].endswith(DISK_FULL)
     assert "all load" in out and ".tmp" not in out.split("files", 1)[1], out
+
+
+@pytest.mark.skipif(not MOUNT, reason="needs unshare and mount for a private tmpfs")
+def test_full_disk_while_logging_before_the_first_checkpoint(tmp_path: Path) -> None:
+    """TensorBoard's events fill the disk first (a sample every step goes only there): it
+    was the writer thread's traceback, then "error: [Errno 28] No space left on device"
+    naming no file. Now one line naming the events file, exit 2."""
+    mnt, proc = _train_on_tmpfs(tmp_path, "64k", [
+        "logging.tensorboard=true", "checkpoint.every=100000", "train.max_steps=5000",
+        "train.log_every=100000", "train.eval_every=100000", "train.sample_every=1",
+        "train.sample_length=400"])
+    assert "rc=2" in proc.stdout, (proc.stdout, proc.stderr)
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1 and re.fullmatch(
+        rf"error: {mnt}/tiny/events\.out\.tfevents\.[\w.]+: {re.escape(DISK_FULL)}", lines[0]
+    ), proc.stderr
 
 
 def test_other_errors_while_writing_pass_through(tmp_path: Path) -> None:
@@ -273,3 +303,160 @@ def test_other_errors_while_writing_pass_through(tmp_path: Path) -> None:
     with pytest.raises(TimeoutError, match="^read timed out$"):
         fbio.atomic_write(tmp_path / "x.txt", interrupted)
     assert list(tmp_path.iterdir()) == []
+
+
+# ----------------------------------------------------------------------------- what it holds
+
+
+def _trained(tmp_path: Path) -> tuple[dict[str, Any], Path]:
+    """A run of 6 steps (step-3, step-6, best.pt and last.pt) and its checkpoints folder."""
+    raw = make_raw(tmp_path, train={"max_steps": 6})
+    return raw, run(config_from_dict(raw), quiet=True) / "checkpoints"
+
+
+def _files(run_dir: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(run_dir)): p.read_bytes() for p in sorted(run_dir.rglob("*"))
+            if p.is_file() and not p.is_symlink() and p.name != ".lock"}
+
+
+def test_a_run_without_last_pt_is_never_started_afresh(tmp_path: Path) -> None:
+    """The reported loss: with last.pt removed, a fresh start trained from step 0 over the
+    run (its best.pt, metrics, config). Now it is refused, naming what the run holds."""
+    raw, ckpts = _trained(tmp_path)
+    (ckpts / "last.pt").unlink()
+    before = _files(ckpts.parent)
+    raw["train"]["max_steps"] = 2
+    with pytest.raises(ConfigError, match=(
+            rf"^run directory {ckpts.parent} already holds a run \(checkpoints/step-00000006"
+            r"\.pt, checkpoints/step-00000003\.pt, checkpoints/best\.pt and metrics\.jsonl\); "
+            r"continue it with --resume auto, or start anew")):
+        run(config_from_dict(raw), quiet=True)
+    assert _files(ckpts.parent) == before
+    # The CLI: one line, exit 2.
+    (tmp_path / "cfg.yaml").write_text(__import__("yaml").safe_dump(raw))
+    result = CliRunner().invoke(app, ["train", "--config", str(tmp_path / "cfg.yaml")])
+    assert result.exit_code == 2 and len(result.stderr.splitlines()) == 1, result.output
+    assert _files(ckpts.parent) == before
+
+
+def test_resume_auto_without_last_pt_continues_from_the_newest_step(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    raw, ckpts = _trained(tmp_path)
+    (ckpts / "last.pt").unlink()
+    raw["train"]["max_steps"] = 8
+    run(config_from_dict(raw), resume="auto")
+    out = capsys.readouterr().out
+    assert (f"resuming from step-00000006.pt (step 6), the newest checkpoint that loads: "
+            f"{ckpts / 'last.pt'} is missing") in out.splitlines()
+    assert load_checkpoint(ckpts / "last.pt")["step"] == 8
+    assert [r["step"] for r in records(ckpts.parent) if "loss" in r] == list(range(1, 9))
+
+
+def test_resume_auto_with_only_numbered_checkpoints_left(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    raw, ckpts = _trained(tmp_path)
+    (ckpts / "last.pt").unlink()
+    (ckpts / "best.pt").unlink()
+    raw["train"]["max_steps"] = 7
+    run(config_from_dict(raw), resume="auto")
+    assert f"resuming from {ckpts / 'step-00000006.pt'} at step 6" in capsys.readouterr().out
+    assert [r["step"] for r in records(ckpts.parent) if "loss" in r] == list(range(1, 8))
+
+
+def test_resume_auto_past_a_looping_last_pt_symlink(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    raw, ckpts = _trained(tmp_path)
+    (ckpts / "last.pt").unlink()
+    os.symlink("last.pt", ckpts / "last.pt")  # a link to itself: ELOOP on open
+    raw["train"]["max_steps"] = 7
+    with pytest.raises(ConfigError, match=r"already holds a run \(checkpoints/last\.pt, "):
+        run(config_from_dict(raw), quiet=True)
+    run(config_from_dict(raw), resume="auto")
+    note = [line for line in capsys.readouterr().out.splitlines() if "newest" in line]
+    assert note == [f"resuming from step-00000006.pt (step 6), the newest checkpoint that "
+                    f"loads: {ckpts / 'last.pt'}: cannot read checkpoint: Too many levels of "
+                    "symbolic links"]
+    assert load_checkpoint(ckpts / "last.pt")["step"] == 7  # the link replaced by a file
+
+
+def test_resume_auto_prefers_a_best_pt_newer_than_every_numbered_step(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """best.pt may be newer than the numbered files that are left (or older): the highest
+    step that loads wins, whichever file holds it."""
+    raw, ckpts = _trained(tmp_path)
+    (ckpts / "last.pt").unlink()
+    (ckpts / "step-00000006.pt").replace(ckpts / "best.pt")  # best at step 6, step-3 left
+    (ckpts / "step-00000002.pt").write_bytes(b"PK\x03\x04 cut short")  # lower: never read
+    raw["train"]["max_steps"] = 7
+    run(config_from_dict(raw), resume="auto")
+    out = capsys.readouterr().out
+    assert f"resuming from {ckpts / 'best.pt'} at step 6" in out and "cut short" not in out
+    assert [r["step"] for r in records(ckpts.parent) if "loss" in r] == list(range(1, 8))
+
+
+def test_resume_auto_skips_a_truncated_last_pt_and_a_damaged_step(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    raw, ckpts = _trained(tmp_path)
+    last = ckpts / "last.pt"
+    last.write_bytes(last.read_bytes()[:1000])
+    (ckpts / "step-00000006.pt").write_bytes(b"")
+    (ckpts / "best.pt").unlink()
+    raw["train"]["max_steps"] = 4
+    run(config_from_dict(raw), resume="auto")
+    out = capsys.readouterr().out
+    assert (f"resuming from step-00000003.pt (step 3), the newest checkpoint that loads: "
+            f"{last}: checkpoint file is truncated or corrupt (incomplete zip archive); "
+            f"{ckpts / 'step-00000006.pt'}: checkpoint file is empty (was the save "
+            "interrupted?)") in out.splitlines()
+    assert load_checkpoint(last)["step"] == 4
+
+
+def test_resume_auto_refuses_when_no_checkpoint_loads(tmp_path: Path) -> None:
+    raw, ckpts = _trained(tmp_path)
+    for p in ckpts.iterdir():
+        p.unlink()
+    os.symlink("last.pt", ckpts / "last.pt")
+    (ckpts / "step-00000006.pt").write_bytes(b"not a checkpoint")
+    before = _files(ckpts.parent)
+    (tmp_path / "cfg.yaml").write_text(__import__("yaml").safe_dump(raw))
+    result = CliRunner().invoke(app, ["train", "--config", str(tmp_path / "cfg.yaml"),
+                                      "--resume", "auto"])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.splitlines() == [
+        f"error: run directory {ckpts.parent} holds checkpoints, but none can be resumed from "
+        f"({ckpts / 'last.pt'}: cannot read checkpoint: Too many levels of symbolic links; "
+        f"{ckpts / 'step-00000006.pt'}: not a PyTorch checkpoint file (a plain pickle or some "
+        "other format)); to start afresh, train under another run.name (--set "
+        "run.name=NEW) or delete that folder"]
+    assert _files(ckpts.parent) == before
+
+
+def test_a_file_in_place_of_checkpoints_is_refused_before_training(tmp_path: Path) -> None:
+    """It used to fail only at the first save ("[Errno 17] File exists"), after training."""
+    raw = make_raw(tmp_path, train={"max_steps": 3})
+    run_dir = tmp_path / "runs" / "run"
+    run_dir.mkdir(parents=True)
+    (run_dir / "checkpoints").write_text("not a folder\n")
+    for resume in (None, "auto"):
+        with pytest.raises(ConfigError, match=(
+                rf"^run directory {run_dir}: {run_dir / 'checkpoints'} is not a folder, so no "
+                r"checkpoint could be saved there; move it away")):
+            run(config_from_dict(raw), resume=resume, quiet=True)
+    assert sorted(p.name for p in run_dir.iterdir()) == [".lock", "checkpoints"]
+
+
+def test_metrics_of_a_start_that_saved_nothing(tmp_path: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """A run killed before its first checkpoint leaves metrics.jsonl: a plain start is
+    refused; --resume auto has nothing to resume, so it starts afresh and says so."""
+    raw = make_raw(tmp_path, train={"max_steps": 2})
+    run_dir = tmp_path / "runs" / "run"
+    run_dir.mkdir(parents=True)
+    (run_dir / "metrics.jsonl").write_text('{"step": 0, "val/loss": 3.2}\n')
+    with pytest.raises(ConfigError, match=r"already holds a run \(metrics\.jsonl\); "):
+        run(config_from_dict(raw), quiet=True)
+    run(config_from_dict(raw), resume="auto")
+    assert (f"no checkpoint in {run_dir} to resume from: starting afresh (replacing the "
+            "metrics and TensorBoard events of an earlier start that saved none)"
+            in capsys.readouterr().out.splitlines())
+    assert load_checkpoint(run_dir / "checkpoints" / "last.pt")["step"] == 2

@@ -240,7 +240,7 @@ def test_train_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     assert any("sample" in t for t in events(run_dir).Tags()["tensors"])
 
     # Starting fresh over a finished run is refused (it would overwrite it).
-    with pytest.raises(ConfigError, match="already holds .*last.pt; continue it with --resume"):
+    with pytest.raises(ConfigError, match="already holds a run .*last.pt.*; continue it with"):
         run(cfg, quiet=True)
 
 

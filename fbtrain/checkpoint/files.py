@@ -190,6 +190,19 @@ class CheckpointManager:
     def step_path(self, step: int) -> Path:
         return self.dir / f"step-{step:08d}.pt"
 
+    def entries(self) -> list[Path]:
+        """What ``checkpoints/`` holds under a checkpoint's name (``last.pt``, ``best.pt``,
+        ``step-N.pt``), whatever each is: a file, a dangling or looping link, a folder.
+        The newest first as far as names tell: ``last.pt``, the numbered steps from the
+        highest, ``best.pt`` (whose step only its contents say)."""
+        if not self.dir.is_dir():
+            return []
+        names = {p.name: p for p in self.dir.iterdir()}
+        steps = sorted((int(m.group(1)), p) for name, p in names.items()
+                       if (m := _NUMBERED.match(name)))
+        return ([names[LAST]] if LAST in names else []) + [p for _, p in reversed(steps)] \
+            + ([names[BEST]] if BEST in names else [])
+
     def numbered(self) -> list[Path]:
         """Numbered snapshots present on disk, oldest step first."""
         if not self.dir.is_dir():

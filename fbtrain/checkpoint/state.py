@@ -36,7 +36,7 @@ from fbtrain.checkpoint.files import FORMAT, CheckpointError, load_checkpoint
 from fbtrain.config import ModelConfig
 from fbtrain.data.errors import DataError
 from fbtrain.data.identity import DataIdentity
-from fbtrain.messages import a_type, first_line, is_number
+from fbtrain.messages import a_type, first_line, is_int, is_number
 from fbtrain.rng import RngStateError
 
 # Model fields that fix the shapes of the weights; a checkpoint must agree on all of them.
@@ -124,6 +124,30 @@ def architecture_diff(saved: dict[str, Any], model: ModelConfig, keys: tuple[str
         if theirs != ours:
             out.append(f"{k}: checkpoint {theirs!r}, config {ours!r}")
     return out
+
+
+# Entries every resume reads, whatever the run's parts (see resumable_problem).
+RESUME_ENTRIES = ("model", "optimizer", "progress", "model_config", "rng")
+
+
+def resumable_problem(payload: dict[str, Any]) -> str:
+    """'' when ``payload`` (as :func:`read_checkpoint` returns it) holds what every resume
+    reads, else what is wrong: the check that picks the checkpoint to go on from
+    (:func:`fbtrain.rundir.choose_resume`) before any part exists to check its own state.
+    The parts' own checks follow in :func:`restore_checkpoint`."""
+    missing = [k for k in RESUME_ENTRIES if not isinstance(payload.get(k), dict)]
+    if missing:
+        return f"{', '.join(missing)}: missing or not a dict"
+    model = payload["model"]
+    if not all(isinstance(k, str) and torch.is_tensor(v) for k, v in model.items()):
+        return "model: not a state dict (parameter names -> tensors)"
+    bad = nonfinite_tensors(model)
+    if bad:
+        return f"model: the weights hold NaN or inf (in {listed(bad)})"
+    step = payload["progress"].get("step")
+    if not (is_int(step) and step >= 0):
+        return f"progress: step is {step!r}, not an integer >= 0"
+    return ""
 
 
 # ----------------------------------------------------------------------------- old layouts

@@ -112,8 +112,12 @@ class Tokenizer:
         path = Path(path)
         if path.is_dir():
             path = path / VOCAB_FILE
-        atomic_write_text(path, json.dumps(self.to_dict(), ensure_ascii=False) + "\n")
+        atomic_write_text(path, self.to_json())
         return path
+
+    def to_json(self) -> str:
+        """What :meth:`save` writes to ``vocab.json``."""
+        return json.dumps(self.to_dict(), ensure_ascii=False) + "\n"
 
     @classmethod
     def load(cls, path: str | Path) -> Tokenizer:

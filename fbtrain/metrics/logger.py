@@ -211,16 +211,16 @@ class MetricsLogger:
     def _write_jsonl(self, record: dict[str, Any]) -> None:
         if self.jsonl_path is None:
             return
-        if self._jsonl is None:
-            self.jsonl_path.parent.mkdir(parents=True, exist_ok=True)
-            needs_newline = _ends_without_newline(self.jsonl_path)
-            # Held open for the logger's life (closed in close()), not per line.
-            self._jsonl = open(self.jsonl_path, "a", encoding="utf-8")  # noqa: SIM115
-            if needs_newline:
-                # A killed run can leave half a line; start ours on a fresh one.
-                self._jsonl.write("\n")
         # default=: a stray tensor or array must cost a less tidy line, not the training run.
         try:
+            if self._jsonl is None:
+                self.jsonl_path.parent.mkdir(parents=True, exist_ok=True)
+                needs_newline = _ends_without_newline(self.jsonl_path)
+                # Held open for the logger's life (closed in close()), not per line.
+                self._jsonl = open(self.jsonl_path, "a", encoding="utf-8")  # noqa: SIM115
+                if needs_newline:
+                    # A killed run can leave half a line; start ours on a fresh one.
+                    self._jsonl.write("\n")
             # json_safe: a non-finite figure is null, so every line is strict JSON.
             self._jsonl.write(json.dumps(json_safe(record), default=_json_fallback) + "\n")
             self._jsonl.flush()

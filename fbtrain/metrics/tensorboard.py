@@ -13,12 +13,16 @@ so ``tensorboard --logdir runs`` lists ``<run>``, ``<run>/train`` and ``<run>/va
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fbtrain.config.curriculum import Curriculum
+from fbtrain.io import write_error
 from fbtrain.metrics.values import is_number, plain
 
 if TYPE_CHECKING:
@@ -75,6 +79,10 @@ class TensorBoardWriter:
     def __init__(self, writers: dict[str, Any]):
         self._writers = writers  # "" (the run directory), "train", "val"
         self._described: set[tuple[str, str]] = set()  # descriptions written
+        # Each writer's events file, for error messages (asked now: after close() torch's
+        # SummaryWriter would open a new file to answer).
+        self._files = {name: _events_file(w) for name, w in writers.items()}
+        _quiet_writer_threads()
 
     @classmethod
     def open(cls, log_dir: Path, initial_step: int) -> TensorBoardWriter:
@@ -100,20 +108,22 @@ class TensorBoardWriter:
         writer = self._writers[subrun]
         description = (TB_DESCRIPTIONS.get((subrun, tag))
                        or TB_DESCRIPTIONS.get(tag.split("/", 1)[0]))
-        if description is None or (subrun, tag) in self._described:
-            writer.add_scalar(tag, value, step)
-            return
-        from torch.utils.tensorboard.summary import scalar
+        with self._named(subrun):
+            if description is None or (subrun, tag) in self._described:
+                writer.add_scalar(tag, value, step)
+                return
+            from torch.utils.tensorboard.summary import scalar
 
-        summary = scalar(tag, value)
-        summary.value[0].metadata.summary_description = description
-        writer._get_file_writer().add_summary(summary, step)
+            summary = scalar(tag, value)
+            summary.value[0].metadata.summary_description = description
+            writer._get_file_writer().add_summary(summary, step)
         self._described.add((subrun, tag))
 
     def add_text(self, tag: str, text: str, step: int) -> None:
         """A text (a sample) in the run directory's events, as a code block: TensorBoard
         renders text as markdown, and a code block keeps line breaks and spaces."""
-        self._writers[""].add_text(tag, "```\n" + text + "\n```", step)
+        with self._named(""):
+            self._writers[""].add_text(tag, "```\n" + text + "\n```", step)
 
     def start_run(self, hparams: dict[str, Any], *, memory_weights: bool = True,
                   labelled: bool = False) -> None:
@@ -137,10 +147,11 @@ class TensorBoardWriter:
                      "string_value" if isinstance(value, str) else "number_value")
             setattr(start.hparams[key], field, value)
         file_writer = self._writers[""]._get_file_writer()
-        for summary in (_layout_summary(chart_layout(memory_weights, labelled)),
-                        _hparams_summary(experiment=experiment),
-                        _hparams_summary(session_start_info=start)):
-            file_writer.add_summary(summary, 0)
+        with self._named(""):
+            for summary in (_layout_summary(chart_layout(memory_weights, labelled)),
+                            _hparams_summary(experiment=experiment),
+                            _hparams_summary(session_start_info=start)):
+                file_writer.add_summary(summary, 0)
         self.flush()
 
     def end_run(self, step: int) -> None:
@@ -149,19 +160,72 @@ class TensorBoardWriter:
 
         end = plugin_data_pb2.SessionEndInfo(status=api_pb2.STATUS_SUCCESS,
                                              end_time_secs=time.time())
-        self._writers[""]._get_file_writer().add_summary(
-            _hparams_summary(session_end_info=end), step)
+        with self._named(""):
+            self._writers[""]._get_file_writer().add_summary(
+                _hparams_summary(session_end_info=end), step)
         self.flush()
 
     def flush(self) -> None:
-        for writer in self._writers.values():
-            writer.flush()
+        for name, writer in self._writers.items():
+            with self._named(name):
+                writer.flush()
 
     def close(self) -> None:
-        """Flush and close the event files."""
-        for writer in self._writers.values():
-            writer.flush()
-            writer.close()
+        """Flush and close the event files (all of them, then the first error, if any)."""
+        failed: OSError | None = None
+        for name, writer in self._writers.items():
+            try:
+                with self._named(name):
+                    writer.flush()  # also raises what the writer thread stored
+                    writer.close()
+            except OSError as e:
+                failed = failed or e
+                with contextlib.suppress(OSError):
+                    writer.close()
+        if failed is not None:
+            raise failed
+
+    @contextlib.contextmanager
+    def _named(self, subrun: str) -> Iterator[None]:
+        """A file-system error of ``subrun``'s events file as one line naming the file. The
+        writer thread stores its own failed write and the next call here raises it, as an
+        OSError naming no file ("[Errno 28] No space left on device")."""
+        try:
+            yield
+        except OSError as e:
+            failed = write_error(self._files[subrun], e)
+            if failed is None:
+                raise
+            raise failed from None
+
+
+def _events_file(writer: Any) -> Path:
+    """The events file a SummaryWriter writes (its folder, where torch hides the name)."""
+    event_writer = getattr(writer._get_file_writer(), "event_writer", None)
+    name = getattr(event_writer, "_file_name", None)  # tensorboard's EventFileWriter
+    return Path(name) if name else Path(writer.log_dir)
+
+
+def _quiet_writer_threads() -> None:
+    """Keep TensorBoard's writer threads from printing a traceback for a failed write
+    (once per process). The thread stores the error, and the next call in the main thread
+    raises it, which fbtrain reports in one line naming the file (:meth:`TensorBoardWriter.
+    _named`); the thread's own report would be a second one, naming nothing."""
+    try:
+        from tensorboard.summary.writer.event_file_writer import _AsyncWriterThread
+    except ImportError:  # another tensorboard layout: its tracebacks stay
+        return
+    previous = threading.excepthook
+    if getattr(previous, "fbtrain_quiet", False):
+        return
+
+    def hook(args: Any) -> None:
+        if isinstance(args.thread, _AsyncWriterThread) and isinstance(args.exc_value, OSError):
+            return
+        previous(args)
+
+    hook.fbtrain_quiet = True  # type: ignore[attr-defined]
+    threading.excepthook = hook
 
 
 def chart_layout(memory_weights: bool = True, labelled: bool = False) -> Any:

@@ -95,6 +95,7 @@ def announcement(run: Run, progress: Progress, resume_path: Path | None,
         if cfg.train.init_from:
             lines.append("train.init_from is ignored when resuming (the checkpoint has the "
                          "weights)")
+    lines.extend(run.notes)  # why it resumes from there (or afresh), a rewind's files moved
     if cfg.logging.tensorboard:
         lines.append(f"tensorboard --logdir {run.run_dir.parent}")
     return lines

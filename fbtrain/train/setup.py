@@ -20,7 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from fbtrain.checkpoint.contents import WarmStart, apply_warm_start, check_warm_start
-from fbtrain.checkpoint.files import CheckpointManager, resolve_checkpoint
+from fbtrain.checkpoint.files import CheckpointManager
 from fbtrain.checkpoint.state import (
     ModelState,
     OptimizerState,
@@ -28,10 +28,9 @@ from fbtrain.checkpoint.state import (
     Stateful,
     expect_dict,
     make_checkpoint,
-    read_checkpoint,
     restore_checkpoint,
 )
-from fbtrain.config import Config, ConfigError
+from fbtrain.config import Config
 from fbtrain.config.curriculum import Curriculum
 from fbtrain.data.corpus import Corpus, load_corpus
 from fbtrain.data.errors import DataError, VocabularyError
@@ -43,6 +42,7 @@ from fbtrain.distributed import DistContext
 from fbtrain.messages import is_int, is_number
 from fbtrain.models import build_model
 from fbtrain.rng import GlobalRng, rank_seed, seed_everything
+from fbtrain.rundir import choose_resume
 from fbtrain.train.batches import CarriedStreams, RandomWindows
 from fbtrain.train.optim import LRSchedule, build_optimizer
 from fbtrain.train.rewind import set_aside_abandoned
@@ -111,7 +111,9 @@ class Run:
     sampler: BatchSampler
     batches: CarriedStreams | RandomWindows
     warm_report: WarmStart | None
-    notes: tuple[str, ...] = ()  # lines set-up has to say (a rewind's files moved aside)
+    # Lines set-up has to say: why the run resumes from where it does (if not plain),
+    # a rewind's files moved aside.
+    notes: tuple[str, ...] = ()
 
 
 def set_up(cfg: Config, ctx: DistContext, manager: CheckpointManager, resume: str | None
@@ -121,8 +123,8 @@ def set_up(cfg: Config, ctx: DistContext, manager: CheckpointManager, resume: st
     Call with the run directory's lock held (the trainer takes it first): which checkpoint
     to continue from is decided from what the directory holds.
     """
-    resume_path = choose_resume(resume, manager)
-    payload = read_checkpoint(resume_path) if resume_path else None
+    choice = choose_resume(resume, manager)
+    resume_path, payload = choice.path, choice.payload
     init_path, init = warm_start_source(cfg, payload)
     seed_everything(cfg.run.seed)
     vocab = (payload or init or {}).get("vocab")
@@ -145,51 +147,18 @@ def set_up(cfg: Config, ctx: DistContext, manager: CheckpointManager, resume: st
               optimizer=optimizer, schedule=LRSchedule(cfg.train), scaler=scaler,
               amp_dtype=amp_dtype, sampler=sampler, batches=batches, warm_report=warm_report)
     progress = Progress()
-    notes: tuple[str, ...] = ()
+    notes = (choice.note,) if choice.note else ()
     if payload is not None and resume_path is not None:
         restore(run, progress, payload, resume_path)
         rewound = set_aside_abandoned(manager, resume_path, progress.step) if ctx.is_main \
             else None
-        notes = (rewound,) if rewound else ()
+        notes += (rewound,) if rewound else ()
     model = ctx.wrap(raw_model)  # after the restore: DDP broadcasts rank 0's weights
     model.train()
     return dataclasses.replace(run, model=model, notes=notes), progress, resume_path
 
 
 # ----------------------------------------------------------------------------- what to resume
-
-
-def choose_resume(resume: str | None, manager: CheckpointManager) -> Path | None:
-    """The checkpoint to continue from (None: a fresh start).
-
-    ``resume``: None starts fresh (refused when the run directory already holds ``last.pt``,
-    so a trained run is never overwritten by accident); ``"auto"`` continues from
-    ``last.pt`` when it exists; anything else is a checkpoint file or run directory, refused
-    when it belongs to another run and this directory already holds checkpoints of its own.
-    """
-    run_dir, last = manager.run_dir, manager.last_path
-    if resume is None:
-        if last.is_file():
-            raise ConfigError([
-                f"run directory {run_dir} already holds {last}; continue it with "
-                "--resume auto, or start anew under another run.name (--set run.name=NEW)"
-                " or after deleting that folder"
-            ])
-        return None
-    if resume == "auto":
-        return last if last.is_file() else None
-    path = resolve_checkpoint(resume, prefer="last")
-    theirs = [p for p in (last, manager.best_path, *manager.numbered()) if p.is_file()]
-    if theirs and not path.resolve().is_relative_to(run_dir.resolve()):
-        # Resuming writes last.pt, best.pt and metrics.jsonl here: another run's would
-        # be overwritten. (A checkpoint of this run itself, say step-N.pt, is fine.)
-        raise ConfigError([
-            f"--resume {path} belongs to another run, but run directory {run_dir} "
-            f"already holds its own checkpoints ({theirs[0].name}, ...); resume into "
-            f"another run.name (--set run.name=NEW), or use --resume auto to continue "
-            f"{run_dir.name}"
-        ])
-    return path
 
 
 def warm_start_source(cfg: Config, payload: dict | None) -> tuple[Path | None, dict | None]:

@@ -65,9 +65,11 @@ def run(cfg: Config, *, resume: str | None = None, quiet: bool = False,
     """Train as ``cfg`` says and return the run directory.
 
     ``resume``: None starts fresh (refused with a ConfigError when the run directory already
-    holds ``last.pt``, so a trained run is never overwritten by accident); ``"auto"``
-    continues from ``<run>/checkpoints/last.pt`` when it exists, else starts fresh; any other
-    value is a checkpoint file or run directory to continue from. ``quiet`` turns the
+    holds a run's checkpoints or metrics, so a trained run is never overwritten by
+    accident); ``"auto"`` continues from the newest checkpoint there that loads
+    (``last.pt``, else the highest step), and starts fresh only where none was saved; any
+    other value is a checkpoint file or run directory to continue from
+    (:func:`fbtrain.rundir.choose_resume`). ``quiet`` turns the
     console (progress, messages) off but for the one-line summary; files are written the
     same. ``on_step(step)``
     runs after each trained step, before its evaluation and save (for tests).
@@ -150,8 +152,6 @@ class Trainer:
             self.logger.info(line)
         if self.run.warm_report is not None:
             self.logger.info(self.run.warm_report.summary())
-        for note in self.run.notes:
-            self.logger.info(note)
         with StopSignals(allow_interrupts=not self.ctx.enabled) as signals:
             self._loop(signals)
         self.logger.end_run()

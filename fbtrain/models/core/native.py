@@ -10,12 +10,14 @@ it in well under a second.
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import hashlib
 import json
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import sysconfig
@@ -33,7 +35,12 @@ CSRC = Path(__file__).parent / "csrc" / "feedback_core.cpp"
 
 
 class CoreBuildError(CoreError):
-    """The C++ core could not be compiled or loaded here."""
+    """The C++ core could not be compiled or loaded here; ``remedy``: what gets it (for
+    the notice of a fallback to the PyTorch core)."""
+
+    def __init__(self, message: str, remedy: str = "install g++ for the fast core"):
+        super().__init__(message)
+        self.remedy = remedy
 
 
 def _put_ninja_on_path() -> None:
@@ -189,12 +196,12 @@ def _builders_in(build_dir: Path) -> list[tuple[int, str]]:
 
 
 def _clear_stale_torch_lock(build_dir: Path) -> None:
-    """Remove the ``lock`` file a killed build left (call with fbtrain's lock held), once
-    whatever that build left running in the folder has finished: a compile running twice
-    at once into the same object file could leave it corrupt."""
+    """With fbtrain's lock held: wait for whatever a killed build left running in the
+    folder (a compile running twice at once into the same object file could leave it
+    corrupt), then remove the ``lock`` file it left, if any. Waits even with no ``lock``
+    file: torch deletes it on the way out of an interrupted build while the compiler,
+    in a process group of its own, may still run."""
     stale = build_dir / TORCH_LOCK
-    if not stale.exists():
-        return
     shown = None
     while builders := _builders_in(build_dir):
         if builders[0] != shown:
@@ -202,9 +209,39 @@ def _clear_stale_torch_lock(build_dir: Path) -> None:
             print(f"fbtrain: waiting for a build left running by a killed process (pid {pid}, "
                   f"{command}) in {build_dir}", file=sys.stderr, flush=True)
         time.sleep(LOCK_POLL_S)
+    if not stale.exists():
+        return
     stale.unlink(missing_ok=True)
     print(f"fbtrain: removed the lock file a killed build left in {build_dir}",
           file=sys.stderr, flush=True)
+
+
+STOP_GRACE_S = 5.0  # after SIGTERM, before SIGKILL, for a compile being stopped
+
+
+def _stop_builders(build_dir: Path) -> None:
+    """End what still runs in ``build_dir`` after this process's build was interrupted,
+    before its build lock goes: SIGTERM to each process group there (the compiler driver,
+    ``cc1plus``: ninja starts each compile in a group of its own, and subprocess.run has
+    already SIGKILLed ninja, which would have passed the signal on), SIGKILL after
+    :data:`STOP_GRACE_S`. Everything there is this build's: leftovers of another were
+    waited for before it began. This process's own group only gets single signals."""
+    own = os.getpgrp()
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid, _ in _builders_in(build_dir):
+            with contextlib.suppress(OSError):  # gone meanwhile, or not ours to signal
+                group = os.getpgid(pid)
+                if group == own:
+                    os.kill(pid, sig)
+                else:
+                    os.killpg(group, sig)
+        give_up = time.monotonic() + STOP_GRACE_S
+        while _builders_in(build_dir):
+            if time.monotonic() > give_up:
+                break
+            time.sleep(0.02)
+        else:
+            return
 
 
 def load_extension(base: str, source: Path, cflags: Sequence[str],
@@ -242,10 +279,14 @@ def load_extension(base: str, source: Path, cflags: Sequence[str],
             if not library.exists():
                 print(f"fbtrain: compiling the C++ core into {build_dir} (once, about a "
                       "minute)", file=sys.stderr, flush=True)
-            loaded = cpp_extension.load(
-                name=name, sources=[str(source)], extra_cflags=list(cflags),
-                extra_ldflags=list(ldflags), build_directory=str(build_dir),
-                is_python_module=False, verbose=False)
+            try:
+                loaded = cpp_extension.load(
+                    name=name, sources=[str(source)], extra_cflags=list(cflags),
+                    extra_ldflags=list(ldflags), build_directory=str(build_dir),
+                    is_python_module=False, verbose=False)
+            except BaseException:  # Ctrl-C, SIGTERM: no compile may outlive the lock
+                _stop_builders(build_dir)
+                raise
     except subprocess.CalledProcessError as e:
         # torch runs the compiler (``$CXX -v``, ``--version``) to check it, outside its
         # own error handling: CXX=false ends here.
@@ -255,12 +296,38 @@ def load_extension(base: str, source: Path, cflags: Sequence[str],
     except (RuntimeError, OSError, ImportError, subprocess.SubprocessError) as e:
         if isinstance(e, CoreBuildError):
             raise
+        folder = _build_folder_problem(e) if isinstance(e, OSError) else None
+        if folder is not None:
+            raise CoreBuildError(f"could not build fbtrain's C++ core ({source}): {folder}",
+                                 remedy="point TORCH_EXTENSIONS_DIR at a folder fbtrain can "
+                                 "write for the fast core") from None
         lines = str(e).splitlines() or [repr(e)]
         cause = next((ln for ln in lines if "error:" in ln), None)  # the compiler's
         if cause is not None:
             raise compile_failed(cause) from None
         raise failed(lines[0]) from None
     return Path(loaded)
+
+
+def _build_folder_problem(error: OSError) -> str | None:
+    """What is wrong with the folder torch builds in, when ``error`` is about it (a path
+    inside the extensions root that cannot be made or written); else None. Such a folder is
+    no missing compiler, and says which variable moves it."""
+    from torch.utils import cpp_extension
+
+    chosen = os.environ.get("TORCH_EXTENSIONS_DIR")
+    root = os.path.abspath(chosen or cpp_extension.get_default_build_root())
+    if error.filename is None or not Path(os.path.abspath(error.filename)).is_relative_to(root):
+        return None
+    where = f"TORCH_EXTENSIONS_DIR={chosen}" if chosen else f"its build folder {root}"
+    reason = (error.strerror or str(error)).lower()
+    if error.errno in (errno.ENOTDIR, errno.EEXIST):
+        why = f"{where} is not a folder, or lies under a file (cannot make {error.filename})"
+    elif error.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        why = f"{where} cannot be written ({reason}: {error.filename})"
+    else:
+        why = f"{where}: {reason}: {error.filename}"
+    return f"{why}; set TORCH_EXTENSIONS_DIR to a folder fbtrain can write"
 
 
 @functools.cache

@@ -49,7 +49,7 @@ def _resolve(choice: str) -> Core:
             if choice == "native":
                 raise
             print(f"fbtrain: {e}. Running on the PyTorch core instead, about "
-                  f"{PYTHON_CORE_SLOWDOWN} slower to train; install g++ for the fast core "
+                  f"{PYTHON_CORE_SLOWDOWN} slower to train; {e.remedy} "
                   f"(or set {CORE_ENV}=python to skip this attempt)",
                   file=sys.stderr, flush=True)
     return python
