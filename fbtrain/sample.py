@@ -23,6 +23,7 @@ from torch import Tensor, nn
 from fbtrain.config import INT64_MAX
 from fbtrain.data.errors import DataError
 from fbtrain.data.tokenizers import Tokenizer
+from fbtrain.progress import Progress, isatty
 
 
 def _int_at_least(low: int) -> Callable[[Any], bool]:
@@ -327,7 +328,7 @@ def run(
     out = stream if stream is not None else sys.stdout
     target = resolve_device(device)
     file = resolve_model(checkpoint, prefer="best")  # a run, a checkpoint or an export
-    model, tokenizer, _ = load_model(file, target)
+    model, tokenizer, payload = load_model(file, target)
     if prompt is None:
         prompt = tokenizer.start
     # A CPU generator: the same seed gives the same text on CPU and GPU (up to float noise).
@@ -337,15 +338,23 @@ def run(
     check_memory(model, tokenizer, len(encode_prompt(tokenizer, prompt)), num_samples, length,
                  target)
 
-    on_text = None
-    if num_samples == 1:
-        out.write(prompt)
-        out.flush()
+    # Which model speaks, on stderr (stdout is the text alone), as eval's table says.
+    print(f"sampling from {file} (step {payload.get('step')})", file=sys.stderr, flush=True)
+    streamed = num_samples == 1
+    # A progress line (stderr, a terminal only) unless the text itself streams onto one.
+    shown = Progress(length, desc="sampling", unit=f"{tokenizer.unit}s") \
+        if not (streamed and isatty(out)) else None
 
-        def on_text(_: int, chunk: str) -> None:
+    def on_text(sample: int, chunk: str) -> None:
+        if streamed:
             out.write(chunk)
             out.flush()  # a terminal shows each character as it comes
+        if shown is not None and sample == 0 and shown.n < length:  # a call a token
+            shown.update(1)
 
+    if streamed:
+        out.write(prompt)
+        out.flush()
     try:
         texts = generate(model, tokenizer, prompt, length, temperature=temperature,
                          top_k=top_k, top_p=top_p, num_samples=num_samples,
@@ -355,6 +364,9 @@ def run(
             out.write("\n")  # end the streamed text, so the error starts on its own line
             out.flush()
         raise CheckpointError(f"{file}: cannot sample from it: {e}") from None
+    finally:
+        if shown is not None:
+            shown.close()
     if num_samples == 1:
         out.write("\n")
     else:
