@@ -236,7 +236,8 @@ def generate(
     The prompt (tokens [num_samples, len(prompt)]) goes through the model once; then each new
     character is one call with tokens [num_samples, 1] on the returned state - the prefix is
     never re-run. ``on_text(i, chunk)`` is called with each new character of sample ``i`` as
-    it is drawn. Returns the continuations (without the prompt), one string per sample.
+    it is drawn. Returns the continuations without the prompt (unlike fbtrain sample,
+    which prints the prompt first), one string per sample: ``prompt + text`` is the whole.
 
     ``device`` is where the tokens go (default: where the model's parameters are). Same
     ``generator`` seed, same text. Runs without autograd and in eval mode (no dropout); the

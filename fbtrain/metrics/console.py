@@ -245,6 +245,18 @@ def format_postfix(postfix: dict[str, Any], *, ordered: bool = True) -> list[str
     return parts
 
 
+def fit_parts(parts: list[str], width: int = 80) -> list[str]:
+    """``parts`` joined by `` | `` into lines of at most ``width`` columns, broken only
+    between parts (a part longer than a line gets a line of its own)."""
+    lines: list[str] = []
+    for part in parts:
+        if lines and len(lines[-1]) + 3 + len(part) <= width:
+            lines[-1] += " | " + part
+        else:
+            lines.append(part)
+    return lines
+
+
 def format_duration(seconds: float) -> str:
     """``42s``, ``3m12s``, ``2h05m``."""
     s = int(round(seconds))

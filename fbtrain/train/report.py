@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from fbtrain.evaluate import LN2
-from fbtrain.metrics.console import format_duration
+from fbtrain.metrics.console import fit_parts, format_duration
 from fbtrain.models import count_parameters
 from fbtrain.train.batches import CarriedStreams
 
@@ -163,7 +163,9 @@ def evaluation_line(step: int, metrics: dict[str, float], improved: bool,
 
 
 def summary(run: Run, progress: Progress, rate: float | None, seconds: float) -> str:
-    """The last line: where training stopped, its losses, its speed and its wall time."""
+    """The last lines: where training stopped, its losses, its speed and its wall time,
+    ``|``-separated and wrapped between parts into lines of at most 80 columns
+    (:func:`~fbtrain.metrics.console.fit_parts`)."""
     parts = [f"done at step {progress.step}"]
     if progress.val_loss is not None:
         parts.append(f"val loss {progress.val_loss:.4f} (bpc {progress.val_loss / LN2:.4f}, "
@@ -173,4 +175,4 @@ def summary(run: Run, progress: Progress, rate: float | None, seconds: float) ->
     if rate is not None:
         parts.append(f"{rate:,.0f} tokens/s on {device_text(run)}")
     parts.append(f"wall {format_duration(seconds)}")
-    return " | ".join(parts)
+    return "\n".join(fit_parts(parts))
