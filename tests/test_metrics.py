@@ -190,11 +190,42 @@ def test_hparams_and_layout_written_and_readable(tmp_path: Path) -> None:
     assert re.match(bpc.multiline.tag[0], "bpc")
     # A text run gets no accuracy chart (it would stay empty).
     assert not [c for c in layout.category[0].chart if "accuracy" in c.title]
-    memory = layout.category[1].chart[0]
-    assert "softmax(w)" in memory.title and re.match(memory.multiline.tag[0], "mem_weight/3")
+    # A chart per memory source (Custom Scalars colours lines by run, so one chart of five
+    # tags would be five lines of one colour): the embedding, then each layer, by name.
+    memory = layout.category[1]
+    assert memory.title == "memory" and len(memory.chart) == cfg.model.n_layers + 1
+    assert memory.chart[0].title == "softmax(w): share of the embedding in memory (mem_weight/0)"
+    assert memory.chart[2].title == "softmax(w): share of layer 2 in memory (mem_weight/2)"
+    for i, chart in enumerate(memory.chart):
+        (regex,) = chart.multiline.tag
+        assert [t for t in (f"mem_weight/{j}" for j in range(8)) if re.match(regex, t)] == [
+            f"mem_weight/{i}"]
     # One writer each, one events file each: the run directory, train/, val/.
     for folder in (tmp_path, tmp_path / "train", tmp_path / "val"):
         assert len(list(folder.glob("events.out.tfevents.*"))) == 1
+
+
+def test_bookkeeping_stays_out_of_tensorboard(tmp_path: Path) -> None:
+    """Batch size and tokens are exact functions of the step: smoothed, TensorBoard would
+    draw ramps that never happened. They stay in metrics.jsonl."""
+    with MetricsLogger(tmp_path, console=False) as m:
+        m.log(1, {"loss": 1.0, "lr": 1e-3, "batch_size": 16, "tokens": 1024})
+    assert set(_events(tmp_path / "train").Tags()["scalars"]) == {"loss", "train/lr"}
+    assert _records(tmp_path) == [{"step": 1, "loss": 1.0, "lr": 1e-3, "batch_size": 16,
+                                   "tokens": 1024}]
+
+
+def test_event_files_appear_only_with_something_to_show(tmp_path: Path) -> None:
+    """TensorBoard lists every folder holding an events file as a run: a logger that
+    logged nothing leaves none, and one that logged training figures only has no val/."""
+    run = tmp_path / "run"
+    with MetricsLogger(run, console=False):
+        pass
+    assert event_files(run) == []
+    with MetricsLogger(run, console=False) as m:
+        m.log(1, {"loss": 1.0})
+    assert [f.parent.name for f in event_files(run)] == ["train"]
+    assert not (run / "val").exists()
 
 
 def test_layout_of_a_labelled_run_has_accuracy(tmp_path: Path) -> None:
