@@ -9,6 +9,7 @@ download) can use it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import sys
@@ -31,6 +32,16 @@ def isatty(stream: Any) -> bool:
         return bool(stream.isatty())
     except (AttributeError, ValueError):
         return False
+
+
+def note(message: str) -> None:
+    """``message`` as a line on stderr, flushed; nothing when stderr is closed or gone
+    (``2>&-``, a reader that left): a note must never cost the work it describes."""
+    stream = sys.stderr
+    if stream is None:  # Python's stderr when descriptor 2 was closed at start
+        return
+    with contextlib.suppress(OSError, ValueError):
+        print(message, file=stream, flush=True)
 
 
 def terminal_width(stream: Any) -> int:
@@ -63,7 +74,7 @@ class Progress:
         self.file = file if file is not None else sys.stderr
         self.n = 0
         self._start = time.monotonic()
-        self._plain = plain and not isatty(self.file)
+        self._plain = plain and self.file is not None and not isatty(self.file)
         self._last_plain = time.monotonic()
         self._bar: tqdm | None = None
         if isatty(self.file):
@@ -81,8 +92,11 @@ class Progress:
                 self._bar.refresh()
         elif self._plain and time.monotonic() - self._last_plain >= PLAIN_EVERY:
             self._last_plain = time.monotonic()
-            self.file.write(self.plain_line() + "\n")
-            self.file.flush()
+            try:
+                self.file.write(self.plain_line() + "\n")
+                self.file.flush()
+            except (OSError, ValueError):  # stderr gone: the work goes on, unreported
+                self._plain = False
 
     def plain_line(self) -> str:
         """``downloading tinyshakespeare.txt: 34% (379 kB of 1.12 MB)`` (a log file's line)."""

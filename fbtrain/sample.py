@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from fbtrain.config import INT64_MAX
 from fbtrain.data.errors import DataError
 from fbtrain.data.tokenizers import Tokenizer
-from fbtrain.progress import Progress, isatty
+from fbtrain.progress import Progress, isatty, note
 
 
 def _int_at_least(low: int) -> Callable[[Any], bool]:
@@ -340,7 +340,7 @@ def run(
                  target)
 
     # Which model speaks, on stderr (stdout is the text alone), as eval's table says.
-    print(f"sampling from {file} (step {payload.get('step')})", file=sys.stderr, flush=True)
+    note(f"sampling from {file} (step {payload.get('step')})")
     streamed = num_samples == 1
     # A progress line (stderr, a terminal only) unless the text itself streams onto one.
     shown = Progress(length, desc="sampling", unit=f"{tokenizer.unit}s") \

@@ -259,3 +259,26 @@ def test_waiting_for_another_download_says_so_and_shows_the_time(
                           f"{entry}\n")
     assert err.count("fbtrain: waiting") == 1  # said once, however many polls
     assert err.count("\rwaiting for its download | 00:00") >= 3, err  # redrawn each tick
+
+
+def test_progress_and_notes_never_cost_the_work_when_stderr_is_gone(
+        tmp_path: Path, server: Server, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Descriptor 2 closed at start (Python's sys.stderr is then None), or a reader that
+    left: the download and the sample go on, and nothing lands on stdout instead."""
+    ckpt = write_run(tmp_path / "run", tiny_model())
+    server.routes["/text.txt"] = TEXT.encode()
+    monkeypatch.setattr(progress, "PLAIN_EVERY", 0.0)
+    monkeypatch.setattr(sys, "stderr", None)
+    out = io.StringIO()
+    texts = sample.run(str(ckpt), length=20, stream=out, device="cpu")
+    assert out.getvalue() == "\n" + texts[0] + "\n"
+    assert load_text(_data(tmp_path, server.url("/text.txt"))) == TEXT
+    assert capsys.readouterr().out == ""  # print(file=None) would have written here
+
+    class Gone(io.StringIO):
+        def write(self, text: str) -> int:
+            raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(sys, "stderr", Gone())
+    assert load_text(_data(tmp_path / "again", server.url("/text.txt"))) == TEXT

@@ -14,7 +14,6 @@ import hashlib
 import logging
 import os
 import re
-import sys
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -30,7 +29,7 @@ from fbtrain.data.errors import DataError, one_line
 from fbtrain.data.sources import SOURCES
 from fbtrain.filelock import LockHeld, PidLock, describe_holder
 from fbtrain.io import atomic_write
-from fbtrain.progress import Progress, amount
+from fbtrain.progress import Progress, amount, note
 
 log = logging.getLogger(__name__)
 
@@ -224,8 +223,7 @@ def _download_progress(response: requests.Response, dest: Path) -> Progress:
         size = None
     size = size if size and size > 0 else None
     sized = f" ({amount(size, 'B', scale=True)})" if size else ""
-    print(f"fbtrain: downloading {response.url}{sized} into {dest}", file=sys.stderr,
-          flush=True)
+    note(f"fbtrain: downloading {response.url}{sized} into {dest}")
     return Progress(size, desc=f"downloading {dest.name}", unit="B", scale=True, plain=True)
 
 
@@ -357,8 +355,8 @@ class CacheLock:
         log.info("waiting for %s, which is writing %s", describe_holder(holder), self.entry)
         if self._wait is not None:
             self._wait.close()
-        print(f"fbtrain: waiting for another process ({describe_holder(holder)}) writing "
-              f"{self.entry}", file=sys.stderr, flush=True)
+        note(f"fbtrain: waiting for another process ({describe_holder(holder)}) writing "
+             f"{self.entry}")
         self._wait = Progress(None, desc="waiting for its download", plain=True)
 
     def _remove_leftovers(self) -> list[Path]:
