@@ -19,12 +19,9 @@ from tqdm import tqdm
 
 from fbtrain.metrics.values import is_number, plain
 from fbtrain.progress import isatty
-from fbtrain.progress import terminal_width as _terminal_width
 
 # Keys the console line formats specially, in this order, before any others.
 _CONSOLE_ORDER = ("loss", "bpc", "seq_len", "tokens_per_sec", "tok/s")
-
-__all__ = ["Console", "StatusBar", "isatty", "plain_line", "status_line", "terminal_width"]
 
 
 class StatusBar(tqdm):
@@ -210,11 +207,6 @@ def status_line(step: int, total: int, postfix: dict[str, Any], eta: str | None,
     while optional and len(text(optional)) > width - 1:
         optional.pop()  # the least wanted is last
     return text(optional)[:max(1, width - 1)]
-
-
-def terminal_width() -> int:
-    """Columns of the terminal stdout is (COLUMNS when set, else 80 when unknown)."""
-    return _terminal_width(sys.stdout)
 
 
 def silence_stdout() -> None:
