@@ -103,3 +103,25 @@ def test_generate_documents_that_the_prompt_is_left_out() -> None:
     docs = (ROOT / "docs" / "commands.md").read_text(encoding="utf-8")
     assert "without the prompt (unlike `fbtrain sample`" in " ".join(docs.split())
 
+
+
+def test_the_export_summary_fits_80_columns(tmp_path: Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """The documented export (runs/tiny_shakespeare into exports/ts): every line of what
+    it prints within 80 columns, nothing cut off (one line of 130 was)."""
+    from test_sample import tiny_model, write_run
+
+    monkeypatch.chdir(tmp_path)
+    write_run(Path("runs/tiny_shakespeare"), tiny_model(), name="best.pt")
+    result = CliRunner().invoke(app, ["export", "-c", "runs/tiny_shakespeare", "-o", "exports/ts"])
+    assert result.exit_code == 0, result.output
+    assert result.stdout.splitlines() == [
+        "exported runs/tiny_shakespeare/checkpoints/best.pt",
+        f"  to exports/ts: model.safetensors ({result.stdout.split('(')[1].split(')')[0]}), "
+        "config.json, vocab.json"]
+    assert all(len(ln) <= 80 for ln in result.stdout.splitlines())
+
+
+def test_the_other_txt_placeholder_is_explained() -> None:
+    docs = " ".join((ROOT / "docs" / "commands.md").read_text(encoding="utf-8").split())
+    assert "`other.txt` stands for any UTF-8 text file" in docs
