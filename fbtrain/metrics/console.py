@@ -83,7 +83,7 @@ class Console:
         enabled: print anything at all (False: a DDP rank other than 0).
         quiet: print only results (:meth:`result`): no progress, no messages (``--quiet``).
         progress: redraw a status line when stdout is a terminal (plain lines otherwise).
-        total_steps: the step training stops at (for the ETA); 0 if unknown.
+        total_steps: the step training stops at (the status line's total); 0 if unknown.
         initial_step: the step a resumed run starts from (0 for a fresh run).
     """
 
