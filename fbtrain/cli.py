@@ -35,10 +35,10 @@ app = typer.Typer(
     name="fbtrain",
     cls=OneLineErrors,
     epilog=_examples(
-        "fbtrain train --config configs/tiny_shakespeare.yaml   # train (3-5 min on 2 cores)",
-        "fbtrain sample --checkpoint runs/tiny_shakespeare       # generate text",
-        "fbtrain eval --checkpoint runs/tiny_shakespeare         # bits per character",
-        "fbtrain export -c runs/tiny_shakespeare --out exports/ts  # weights to share",
+        "fbtrain train --config configs/tiny_shakespeare.yaml   # 3-5 min on 2 cores",
+        "fbtrain sample --checkpoint runs/tiny_shakespeare      # generate text",
+        "fbtrain eval --checkpoint runs/tiny_shakespeare        # bits per character",
+        "fbtrain export -c runs/tiny_shakespeare -o exports/ts  # weights to share",
     ),
     no_args_is_help=True,
     add_completion=False,
@@ -210,19 +210,31 @@ def train(
             typer.echo(yaml.safe_dump(cfg.to_dict(), sort_keys=False), nl=False)
             return
         from fbtrain import train as trainer
+        from fbtrain.checkpoint import CheckpointError
+        from fbtrain.config import ConfigError
 
+        if config is None and not quiet:  # forgetting --config is the newcomer's slip
+            typer.echo(f"note: no --config given: training the built-in defaults into "
+                       f"{cfg.run.out_dir}/{cfg.run.name}", err=True)
         try:
             trainer.run(cfg, resume=resume, quiet=quiet)
         except trainer.TrainingError as e:
             typer.echo(str(e), err=True)
             raise typer.Exit(e.exit_code) from None
+        except (ConfigError, CheckpointError) as e:  # a refusal about the run directory
+            if config is None:
+                raise ConfigError([f"{e} (no --config was given: these are the built-in "
+                                   f"defaults; the run's own settings are in "
+                                   f"{cfg.run.out_dir}/{cfg.run.name}/config.yaml)"]) from None
+            raise
 
 
 @app.command(
     epilog=_examples(
         "fbtrain sample --checkpoint runs/tiny_shakespeare",
-        "fbtrain sample -c runs/tiny_shakespeare/checkpoints/last.pt --prompt 'ROMEO:' \\",
-        "    --length 300 --temperature 0.7 --top-k 20 --num-samples 3",
+        "fbtrain sample -c runs/tiny_shakespeare/checkpoints/last.pt \\",
+        "    --prompt 'ROMEO:' --length 300 --temperature 0.7 --top-k 20 \\",
+        "    --num-samples 3",
     ),
 )
 def sample(
@@ -287,7 +299,8 @@ def sample(
     epilog=_examples(
         "fbtrain eval --checkpoint runs/tiny_shakespeare",
         "fbtrain eval -c runs/tiny_shakespeare --seq-len 256 --context carry --json",
-        "fbtrain eval -c runs/tiny_shakespeare/checkpoints/best.pt --data-path other.txt",
+        "fbtrain eval -c runs/tiny_shakespeare/checkpoints/best.pt \\",
+        "    --data-path other.txt  # any text in the checkpoint's vocabulary",
     ),
 )
 def evaluate(
@@ -362,8 +375,9 @@ def export(
         source, written = export_model(checkpoint, out)
     size = written[0].stat().st_size
     weights = f"{size / 2**20:.1f} MiB" if size >= 2**20 else f"{size / 2**10:.0f} KiB"
-    typer.echo(f"exported {source} to {written[0].parent}: {', '.join(p.name for p in written)}"
-               f" ({weights} of weights)")
+    # Two lines, each within 80 columns for the usual paths (one ran to 130 and wrapped).
+    typer.echo(f"exported {source}\n  to {written[0].parent}: {written[0].name} ({weights}), "
+               f"{', '.join(p.name for p in written[1:])}")
 
 
 def main() -> None:

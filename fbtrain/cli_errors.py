@@ -8,6 +8,7 @@ stdout (``| head``) ends quietly with 0.
 from __future__ import annotations
 
 import contextlib
+import re
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -42,7 +43,7 @@ class OneLineErrors(TyperGroup):
         except click.exceptions.UsageError as e:
             message = e.format_message().rstrip(".")
             where = f"{e.ctx.command_path}: " if e.ctx is not None else ""
-            error_line(f"{where}{message[:1].lower()}{message[1:]}")
+            error_line(f"{where}{message[:1].lower()}{message[1:]}{_config_hint(e)}")
             sys.exit(EXIT_USAGE)
         except click.exceptions.ClickException as e:
             e.show()
@@ -54,6 +55,15 @@ class OneLineErrors(TyperGroup):
         # Without standalone mode click returns a command's result, or the code it exited
         # with; fbtrain's commands return None.
         sys.exit(code if isinstance(code, int) else 0)
+
+
+def _config_hint(error: click.exceptions.UsageError) -> str:
+    """``; did you mean --config FILE?`` for ``fbtrain train FILE`` (a config given as an
+    argument: train takes none), else ""."""
+    extra = re.match(r"Got unexpected extra arguments?(?:\(s\))? \((.+)\)$", error.message)
+    if extra is None or error.ctx is None or error.ctx.command.name != "train":
+        return ""
+    return f"; did you mean --config {extra.group(1).split()[0]}?"
 
 
 def error_line(message: str) -> None:

@@ -11,6 +11,7 @@ from torch import Tensor, nn
 from fbtrain.config import INT64_MAX
 from fbtrain.data.streams import IGNORE_INDEX, Stream, as_stream, window
 from fbtrain.inference import inference, saved_precision
+from fbtrain.progress import Progress
 from fbtrain.scoring import Scores, window_scores
 
 LN2 = math.log(2.0)
@@ -38,7 +39,8 @@ CONTEXTS = ("reset", "carry")
 
 def evaluate_split(
     model: nn.Module, ids: Tensor | Stream, seq_len: int, batch_size: int, *,
-    context: str = "reset", history: int = 0, precision: str = "fp32"
+    context: str = "reset", history: int = 0, precision: str = "fp32",
+    show_progress: bool = False
 ) -> dict[str, Any]:
     """Score every prediction of a split once: ``ids`` [n] (a text: n - 1 next-token
     predictions) or a :class:`~fbtrain.data.streams.Stream` (its scored targets only).
@@ -64,6 +66,9 @@ def evaluate_split(
     right, over the scored targets), ``tokens`` (predictions run), ``scored`` (targets
     scored), ``seq_len`` (the window length used: the number of predictions when the split
     is shorter than ``seq_len``), ``context`` and ``precision``.
+
+    ``show_progress``: a progress line of the windows scored on stderr when it is a
+    terminal (a long evaluation takes minutes; nothing is printed elsewhere).
     """
     _check_split_args(ids, seq_len, batch_size, context, history)
     device = next(model.parameters()).device
@@ -74,21 +79,29 @@ def evaluate_split(
     if n < 1:
         raise ValueError("need at least one prediction to score, got an empty split")
     scores = Scores()
+    shown = Progress(-(-n // seq_len), desc=f"eval ({context})", unit="windows") \
+        if show_progress else None
 
     def add(x: Tensor, y: Tensor, state: Any = None) -> Any:
         """Run tokens x [B, T] (on ``state``), add the scores against y [B, T]."""
         logits, new_state = model(x, state)
         scores.add(logits, y)
+        if shown is not None:
+            shown.update(x.shape[0])
         return new_state
 
-    with inference(model, precision, device):
-        if context == "reset":
-            _score_reset_windows(add, inputs, targets, seq_len, batch_size, history)
-        else:
-            state = None
-            for start in range(0, n, seq_len):
-                chunk = slice(start, start + seq_len)
-                state = add(window(inputs, chunk)[None], window(targets, chunk)[None], state)
+    try:
+        with inference(model, precision, device):
+            if context == "reset":
+                _score_reset_windows(add, inputs, targets, seq_len, batch_size, history)
+            else:
+                state = None
+                for start in range(0, n, seq_len):
+                    chunk = slice(start, start + seq_len)
+                    state = add(window(inputs, chunk)[None], window(targets, chunk)[None], state)
+    finally:
+        if shown is not None:
+            shown.close()
     return {
         **loss_figures(scores.loss),
         "accuracy": scores.accuracy,
@@ -215,12 +228,18 @@ def run(
                                   "pass seq_len")
 
     where = f"data.path {data_cfg.path}" if data_cfg.path else f"dataset {data_cfg.dataset}"
+    if data_path is not None:  # name what the user typed, not the config key behind it
+        where = f"--data-path {data_path}"
     try:
         corpus = load_corpus(data_cfg, tokenizer.tokens)
     except VocabularyError as e:
         # Only a vocabulary mismatch is about the checkpoint; a file that is missing, empty
         # or unreadable is reported as it is.
         raise DataError(f"{where} does not fit the vocabulary of checkpoint {file}: {e}") from None
+    except DataError as e:
+        if data_path is None:
+            raise
+        raise DataError(str(e).replace(f"data.path {data_cfg.path}", where)) from None
     try:
         stream = corpus.stream(split)
     except ValueError as e:
@@ -228,7 +247,7 @@ def run(
     if precision is None:
         precision = saved_precision(payload)
     result = evaluate_split(model, stream, seq_len, batch_size, context=context,
-                            history=corpus.history, precision=precision)
+                            history=corpus.history, precision=precision, show_progress=True)
     if not corpus.labelled:  # every target is scored: accuracy is not this data's figure
         result.pop("accuracy")
         result.pop("scored")

@@ -24,6 +24,7 @@ from fbtrain.config.kinds import model_kind
 from fbtrain.data.errors import DataError
 from fbtrain.data.tokenizers import Tokenizer
 from fbtrain.inference import inference, saved_precision
+from fbtrain.progress import Progress, isatty, note
 from fbtrain.rng import sample_generator
 
 
@@ -238,7 +239,8 @@ def generate(
     The prompt (tokens [num_samples, len(prompt)]) goes through the model once; then each new
     character is one call with tokens [num_samples, 1] on the returned state - the prefix is
     never re-run. ``on_text(i, chunk)`` is called with each new character of sample ``i`` as
-    it is drawn. Returns the continuations (without the prompt), one string per sample.
+    it is drawn. Returns the continuations without the prompt (unlike fbtrain sample,
+    which prints the prompt first), one string per sample: ``prompt + text`` is the whole.
 
     ``device`` is where the tokens go (default: where the model's parameters are). Same
     ``generator`` seed, same text. Runs in the inference context
@@ -338,15 +340,23 @@ def run(
     check_memory(model, tokenizer, len(encode_prompt(tokenizer, prompt)), num_samples, length,
                  target)
 
-    on_text = None
-    if num_samples == 1:
-        out.write(prompt)
-        out.flush()
+    # Which model speaks, on stderr (stdout is the text alone), as eval's table says.
+    note(f"sampling from {file} (step {payload.get('step')})")
+    streamed = num_samples == 1
+    # A progress line (stderr, a terminal only) unless the text itself streams onto one.
+    shown = Progress(length, desc="sampling", unit=f"{tokenizer.unit}s") \
+        if not (streamed and isatty(out)) else None
 
-        def on_text(_: int, chunk: str) -> None:
+    def on_text(sample: int, chunk: str) -> None:
+        if streamed:
             out.write(chunk)
             out.flush()  # a terminal shows each character as it comes
+        if shown is not None and sample == 0 and shown.n < length:  # a call a token
+            shown.update(1)
 
+    if streamed:
+        out.write(prompt)
+        out.flush()
     try:
         texts = generate(model, tokenizer, prompt, length, temperature=temperature,
                          top_k=top_k, top_p=top_p, num_samples=num_samples,
@@ -357,6 +367,9 @@ def run(
             out.write("\n")  # end the streamed text, so the error starts on its own line
             out.flush()
         raise CheckpointError(f"{file}: cannot sample from it: {e}") from None
+    finally:
+        if shown is not None:
+            shown.close()
     if num_samples == 1:
         out.write("\n")
     else:

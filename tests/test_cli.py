@@ -63,7 +63,7 @@ def test_no_arguments_shows_help():
 
 
 def test_help_gives_the_main_jobs_real_time():
-    assert "# train (3-5 min on 2 cores)" in invoke("--help").output
+    assert "# 3-5 min on 2 cores" in invoke("--help").output
 
 
 @pytest.mark.parametrize(

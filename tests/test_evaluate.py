@@ -192,7 +192,7 @@ def test_cross_entropy_sanity() -> None:
 def test_missing_data_path_is_only_not_found(run_dir: Path) -> None:
     """Not 'does not fit the vocabulary of checkpoint ...': the vocabulary is not the issue."""
     missing = run_dir / "missing.txt"
-    with pytest.raises(DataError, match=rf"^data\.path {missing}: file not found; check the "
+    with pytest.raises(DataError, match=rf"^--data-path {missing}: file not found; check the "
                                         r"path$"):
         evaluate.run(str(run_dir), data_path=str(missing), device="cpu")
 

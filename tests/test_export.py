@@ -42,7 +42,7 @@ def test_export_then_sample_and_eval_as_from_the_run(trained: Path, tmp_path: Pa
     out = tmp_path / "exported"
     result = CliRunner().invoke(app, ["export", "--checkpoint", str(trained), "--out", str(out)])
     assert result.exit_code == 0, result.output
-    assert f"exported {trained / 'checkpoints' / 'best.pt'} to {out}" in result.stdout
+    assert f"exported {trained / 'checkpoints' / 'best.pt'}\n  to {out}: " in result.stdout
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors",
                                                      "vocab.json"]
     # Weights only: a fraction of best.pt, which carries the optimizer state too.

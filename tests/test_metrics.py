@@ -190,11 +190,42 @@ def test_hparams_and_layout_written_and_readable(tmp_path: Path) -> None:
     assert re.match(bpc.multiline.tag[0], "bpc")
     # A text run gets no accuracy chart (it would stay empty).
     assert not [c for c in layout.category[0].chart if "accuracy" in c.title]
-    memory = layout.category[1].chart[0]
-    assert "softmax(w)" in memory.title and re.match(memory.multiline.tag[0], "mem_weight/3")
+    # A chart per memory source (Custom Scalars colours lines by run, so one chart of five
+    # tags would be five lines of one colour): the embedding, then each layer, by name.
+    memory = layout.category[1]
+    assert memory.title == "memory" and len(memory.chart) == cfg.model.n_layers + 1
+    assert memory.chart[0].title == "softmax(w): share of the embedding in memory (mem_weight/0)"
+    assert memory.chart[2].title == "softmax(w): share of layer 2 in memory (mem_weight/2)"
+    for i, chart in enumerate(memory.chart):
+        (regex,) = chart.multiline.tag
+        assert [t for t in (f"mem_weight/{j}" for j in range(8)) if re.match(regex, t)] == [
+            f"mem_weight/{i}"]
     # One writer each, one events file each: the run directory, train/, val/.
     for folder in (tmp_path, tmp_path / "train", tmp_path / "val"):
         assert len(list(folder.glob("events.out.tfevents.*"))) == 1
+
+
+def test_bookkeeping_stays_out_of_tensorboard(tmp_path: Path) -> None:
+    """Batch size and tokens are exact functions of the step: smoothed, TensorBoard would
+    draw ramps that never happened. They stay in metrics.jsonl."""
+    with MetricsLogger(tmp_path, console=False) as m:
+        m.log(1, {"loss": 1.0, "lr": 1e-3, "batch_size": 16, "tokens": 1024})
+    assert set(_events(tmp_path / "train").Tags()["scalars"]) == {"loss", "train/lr"}
+    assert _records(tmp_path) == [{"step": 1, "loss": 1.0, "lr": 1e-3, "batch_size": 16,
+                                   "tokens": 1024}]
+
+
+def test_event_files_appear_only_with_something_to_show(tmp_path: Path) -> None:
+    """TensorBoard lists every folder holding an events file as a run: a logger that
+    logged nothing leaves none, and one that logged training figures only has no val/."""
+    run = tmp_path / "run"
+    with MetricsLogger(run, console=False):
+        pass
+    assert event_files(run) == []
+    with MetricsLogger(run, console=False) as m:
+        m.log(1, {"loss": 1.0})
+    assert [f.parent.name for f in event_files(run)] == ["train"]
+    assert not (run / "val").exists()
 
 
 def test_layout_of_a_labelled_run_has_accuracy(tmp_path: Path) -> None:
@@ -226,14 +257,14 @@ def test_plain_progress_lines_when_not_a_tty(
     with MetricsLogger(tmp_path, tensorboard=False, total_steps=2000, initial_step=100) as m:
         m.info("training on cpu")
         m.progress(120, {"loss": 2.10344, "bpc": 3.03466, "seq_len": 64,
-                         "tokens_per_sec": 12345.4})
+                         "tokens_per_sec": 12345.4}, remaining=192.0)
         m.log_text(120, "sample", "To be")
     out = capsys.readouterr().out
     assert "training on cpu" in out
     line = next(ln for ln in out.splitlines() if ln.startswith("step "))
-    assert line.startswith("step 120/2000 | loss 2.1034 | bpc 3.0347 | seq_len 64 | 12,345 tok/s")
-    assert " | eta " in line
-    assert "To be" in out
+    assert line == ("step 120/2000 | loss 2.1034 | bpc 3.0347 | seq_len 64 | 12,345 tok/s"
+                    " | eta 3m12s")
+    assert "To be" in out and "\r" not in out  # a log file gets no carriage returns
 
 
 def test_console_off_prints_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -251,19 +282,45 @@ class _FakeTTY(io.StringIO):
 
 
 def test_status_line_on_a_tty(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a terminal the status line is tqdm's: redrawn in place, messages above it, its
+    ETA tqdm's remaining time at the rate given (2 s a step: 30 steps left, 1 minute)."""
     fake = _FakeTTY()
     monkeypatch.setattr(sys, "stdout", fake)
+    monkeypatch.setenv("COLUMNS", "80")
     m = MetricsLogger(None, total_steps=50, initial_step=10)
-    m.progress(20, {"loss": 1.23456, "seq_len": 16, "tokens_per_sec": 999.0})
-    assert m.console._status.startswith("step 20/50 40% | loss 1.2346 | 999 tok/s")
+    m.progress(20, {"loss": 1.23456, "seq_len": 16, "tokens_per_sec": 999.0}, remaining=60.0)
+    assert m.console.status == ("step 20/50 40% | loss 1.2346 | 999 tok/s | eta 01:00 | "
+                                "seq_len 16")
     m.info("message above the status line")
+    m.progress(35, {"loss": 1.0, "tokens_per_sec": 999.0}, remaining=None)  # not measured
+    assert m.console.status == "step 35/50 70% | loss 1.0000 | 999 tok/s"
     m.close()
     out = fake.getvalue()
-    assert "loss 1.2346" in out and "999 tok/s" in out and "message above the status line" in out
     assert "step 20/50 |" not in out  # no plain lines when the status line is shown
     # The message is printed on a cleared line, and the status line drawn again below it.
-    assert "\r\x1b[Kmessage above the status line\nstep 20/50 40%" in out
+    lines = out.split("\n")
+    (message,) = [ln for ln in lines if "message above" in ln]
+    assert message.split("\r")[-1].strip() == "message above the status line"
+    assert lines[lines.index(message) + 1].lstrip("\r").startswith("step 20/50 40%")
     assert out.endswith("\n")  # closing leaves the status line as an ordinary line
+    assert "step 35/50 70%" in lines[-2]
+
+
+def test_the_eta_is_the_measured_wall_clock_rate_after_warm_up(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ETA: tokens still to train at the wall-clock rate of the steps after warm-up
+    (evaluations between them included), not the rate of the first, slowest step."""
+    from fbtrain.train import report
+
+    clock = iter([100.0, 130.0])
+    monkeypatch.setattr(report.time, "perf_counter", lambda: next(clock))
+    meter = report.Throughput(warmup=1)
+    meter.add(1000, 50.0)  # the warm-up step: slow, left out
+    assert meter.remaining_seconds(10_000) is None
+    meter.add(1000, 2.0)  # at t=100 a 2 s step ended: the clock starts at 98
+    meter.add(1000, 2.0)
+    # at t=130: 2,000 tokens in 32 s (with an evaluation between): 16 s per 1,000 tokens
+    assert meter.remaining_seconds(10_000) == pytest.approx(160.0)
 
 
 def test_console_only_logger_without_run_dir(capsys: pytest.CaptureFixture[str]) -> None:

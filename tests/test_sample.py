@@ -483,6 +483,7 @@ def test_cli_sample_extremes(tmp_path: Path) -> None:
     huge = str(write_run(tmp_path / "huge", _huge(tiny_model())))
     result = _cli("-c", huge, "-n", "20", "--device", "cpu")
     assert result.exit_code == 2
-    assert result.stderr.splitlines() == [f"error: {huge}: cannot sample from it: the model's "
+    assert result.stderr.splitlines() == [f"sampling from {huge} (step 7)",
+                                          f"error: {huge}: cannot sample from it: the model's "
                                           "predictions are NaN or inf (its weights are so "
                                           "large that the logits overflow)"]

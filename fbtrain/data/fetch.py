@@ -29,10 +29,12 @@ from fbtrain.data.errors import DataError, one_line
 from fbtrain.data.sources import SOURCES
 from fbtrain.filelock import LockHeld, PidLock, describe_holder
 from fbtrain.io import atomic_write
+from fbtrain.progress import Progress, amount, note
 
 log = logging.getLogger(__name__)
 
-OFFLINE_HINT = "or work offline with --set data.path=FILE pointing at a local copy of the corpus"
+OFFLINE_HINT = ("or work offline with --set data.path=FILE pointing at a local copy of the "
+                "corpus (with make: make train DATA=FILE)")
 _CHUNK = 1 << 16  # bytes per streamed read: large enough to be fast, small enough to stay live
 # A download's total time, retries included: enwik8's 36 MB zip at 20 KB/s. A module
 # constant (not configuration) so that tests can lower it.
@@ -40,6 +42,7 @@ DOWNLOAD_DEADLINE = 30 * 60.0
 # How long a process waits for another one that is filling the same cache entry: longer
 # than that one's download may take (and its unzipping).
 LOCK_WAIT = DOWNLOAD_DEADLINE + 10 * 60.0
+WAIT_TICK = 1.0  # seconds between two updates of the waiting line
 # Failures worth another attempt: the network, not the request, is at fault.
 _TRANSIENT = (
     requests.ConnectionError,  # includes ConnectTimeout and mid-body read timeouts
@@ -124,14 +127,17 @@ def _chunks(response: requests.Response) -> Iterator[bytes]:
 
 def _write_verified(
     response: requests.Response, f: IO[bytes], url: str, sha256: str | None, end: float,
-    limit: float,
+    limit: float, progress: Progress | None = None,
 ) -> None:
     """Stream the body into ``f``, hashing as we go; raise DataError on a checksum mismatch,
-    or once ``time.monotonic()`` passes ``end`` (the deadline, ``limit`` seconds long)."""
+    or once ``time.monotonic()`` passes ``end`` (the deadline, ``limit`` seconds long).
+    ``progress`` is told the bytes of each chunk."""
     digest = hashlib.sha256()
     for chunk in _chunks(response):
         digest.update(chunk)
         f.write(chunk)
+        if progress is not None:
+            progress.update(len(chunk))
         if time.monotonic() > end:
             # Raised inside atomic_write, which deletes the temp file.
             raise _late(url, limit)
@@ -182,8 +188,9 @@ def download(
             with requests.get(url, stream=True, timeout=(wait, wait)) as response:
                 status = response.status_code
                 if 200 <= status < 300:
-                    atomic_write(dest, lambda f: _write_verified(response, f, url, expected,
-                                                                 end, limit))
+                    with _download_progress(response, dest) as shown:
+                        atomic_write(dest, lambda f: _write_verified(
+                            response, f, url, expected, end, limit, shown))
                     return dest
                 reason = f"HTTP {status} {response.reason or ''}".strip()
                 if not (status >= 500 or status in (408, 429)):
@@ -205,6 +212,19 @@ def download(
         f"could not download {url}: {reason} (after {attempts} attempt"
         f"{'s' if attempts != 1 else ''}); check your connection, {OFFLINE_HINT}"
     )
+
+
+def _download_progress(response: requests.Response, dest: Path) -> Progress:
+    """The progress of one download (its size from Content-Length, when sent): a line on
+    a terminal, a plain line every 30 s in a log file (a download can take half an hour)."""
+    try:
+        size: int | None = int(response.headers.get("Content-Length", ""))
+    except ValueError:
+        size = None
+    size = size if size and size > 0 else None
+    sized = f" ({amount(size, 'B', scale=True)})" if size else ""
+    note(f"fbtrain: downloading {response.url}{sized} into {dest}")
+    return Progress(size, desc=f"downloading {dest.name}", unit="B", scale=True, plain=True)
 
 
 def address(data_cfg: DataConfig) -> tuple[str, str | None]:
@@ -283,7 +303,7 @@ class CacheLock:
         limit = LOCK_WAIT if self.wait is None else self.wait
         try:
             self.entry.parent.mkdir(parents=True, exist_ok=True)
-            self._lock.acquire(wait=limit, on_wait=self._waiting)
+            self._acquire(limit)
         except LockHeld as e:
             raise DataError(
                 f"cache entry {self.entry} is still being written by another fbtrain "
@@ -305,9 +325,39 @@ class CacheLock:
                      ", ".join(p.name for p in self.removed))
         return self
 
+    def _acquire(self, limit: float) -> None:
+        """Take the lock within ``limit`` seconds (LockHeld past it). While waiting, the
+        wait shows: a line on stderr naming the holder, then the time waited (a tqdm line
+        on a terminal, a plain line every 30 s elsewhere), as the wait may be long."""
+        give_up = time.monotonic() + limit
+        self._shown: list[str] = []  # the holders named so far
+        self._wait: Progress | None = None
+        try:
+            while True:
+                try:
+                    tick = max(0.0, min(WAIT_TICK, give_up - time.monotonic()))
+                    self._lock.acquire(wait=tick, on_wait=self._waiting)
+                    return
+                except LockHeld:
+                    if time.monotonic() >= give_up:
+                        raise
+                    if self._wait is not None:
+                        self._wait.update(0)
+        finally:
+            if self._wait is not None:
+                self._wait.close()
+
     def _waiting(self, holder: str) -> None:
         """Say who is writing the entry this process waits for (and again if that changes)."""
+        if self._shown and (not holder or holder == self._shown[-1]):
+            return
+        self._shown.append(holder)
         log.info("waiting for %s, which is writing %s", describe_holder(holder), self.entry)
+        if self._wait is not None:
+            self._wait.close()
+        note(f"fbtrain: waiting for another process ({describe_holder(holder)}) writing "
+             f"{self.entry}")
+        self._wait = Progress(None, desc="waiting for its download", plain=True)
 
     def _remove_leftovers(self) -> list[Path]:
         """Delete the entry's temp files and ``leftovers`` (only while holding the lock)."""

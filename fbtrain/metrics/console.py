@@ -1,8 +1,8 @@
 """What the terminal shows while a run trains: progress, messages, the ETA.
 
-On a terminal one status line is redrawn in place, fitted to its width; elsewhere (a log
-file, a pipe) each progress call prints one plain line. Losing the console (a closed pipe,
-a closed terminal) never costs the run.
+On a terminal one status line (a tqdm line, :class:`StatusBar`) is redrawn in place, fitted
+to its width; elsewhere (a log file, a pipe) each progress call prints one plain line, no
+carriage returns. Losing the console (a closed pipe, a closed terminal) never costs the run.
 """
 
 from __future__ import annotations
@@ -11,31 +11,79 @@ import contextlib
 import errno
 import math
 import os
-import shutil
 import sys
-import time
 from collections.abc import Iterator
 from typing import Any
 
+from tqdm import tqdm
+
 from fbtrain.metrics.values import is_number, plain
+from fbtrain.progress import isatty
 
 # Keys the console line formats specially, in this order, before any others.
 _CONSOLE_ORDER = ("loss", "bpc", "seq_len", "tokens_per_sec", "tok/s")
-_CLEAR_TO_END = "\x1b[K"  # ANSI: erase from the cursor to the end of the line
+
+
+class StatusBar(tqdm):
+    """tqdm drawing the training status line (:func:`status_line`) at the step set by
+    :meth:`show`. The ETA is tqdm's remaining time at the rate :meth:`show` is given (the
+    measured rate of whole steps after warm-up), never tqdm's own guess from the first,
+    slowest steps; the line is redrawn only when progress is reported (no monitor thread).
+    """
+
+    monitor_interval = 0  # no tqdm monitor thread: nothing to redraw between reports
+
+    def __init__(self, total: int, step: int, postfix: dict[str, Any],
+                 remaining: float | None, file: Any):
+        self._postfix_items = dict(postfix)
+        self._step_rate = _step_rate(total, step, remaining)
+        super().__init__(total=total or None, initial=step, file=file, dynamic_ncols=True,
+                         leave=True, mininterval=0, smoothing=0, bar_format="")
+
+    def show(self, step: int, postfix: dict[str, Any], remaining: float | None) -> None:
+        """Redraw the line at ``step``; ``remaining``: seconds left (None: not known yet)."""
+        self._postfix_items = dict(postfix)
+        self._step_rate = _step_rate(self.total or 0, step, remaining)
+        self.n = step
+        self.refresh()
+
+    @property
+    def format_dict(self) -> dict[str, Any]:
+        """tqdm's figures, with our rate (so ``{remaining}`` is the honest ETA) and our
+        line as the format: everything but ``{remaining}`` written out."""
+        d = super().format_dict
+        d["rate"] = self._step_rate
+        total = self.total or 0
+        eta = (self.format_interval(max(0, total - self.n) / self._step_rate)
+               if total and self._step_rate else None)
+        line = status_line(self.n, total, self._postfix_items, eta, d.get("ncols") or 80)
+        line = line.replace("{", "{{").replace("}", "}}")
+        if eta is not None:
+            line = line.replace(f"| eta {eta}", "| eta {remaining}", 1)
+        d["bar_format"] = line
+        return d
+
+
+def _step_rate(total: int, step: int, remaining: float | None) -> float | None:
+    """Steps per second that make tqdm's remaining time ``remaining`` (None: unknown)."""
+    if remaining is None or not total:
+        return None
+    left = total - step
+    return math.inf if left <= 0 or remaining <= 0 else left / remaining
 
 
 class Console:
     """Progress and messages on stdout.
 
-    On a terminal the progress is one status line, redrawn in place and fitted to the
-    terminal's width (:func:`status_line`); messages are printed above it. Elsewhere each
+    On a terminal the progress is one status line (:class:`StatusBar`), redrawn in place
+    and fitted to the terminal's width; messages are printed above it. Elsewhere each
     progress call prints one plain line (:func:`plain_line`).
 
     Args:
         enabled: print anything at all (False: a DDP rank other than 0).
         quiet: print only results (:meth:`result`): no progress, no messages (``--quiet``).
         progress: redraw a status line when stdout is a terminal (plain lines otherwise).
-        total_steps: the step training stops at (for the ETA); 0 if unknown.
+        total_steps: the step training stops at (the status line's total); 0 if unknown.
         initial_step: the step a resumed run starts from (0 for a fresh run).
     """
 
@@ -46,28 +94,35 @@ class Console:
         self.show_progress = progress
         self.total_steps = total_steps
         self.initial_step = initial_step
-        self._status = ""  # the status line now on the terminal ("" when none)
-        self._start = time.perf_counter()
+        self._bar: StatusBar | None = None  # the status line now on the terminal
 
     @property
     def talks(self) -> bool:
         """Whether progress and messages are printed (not quiet, not a silent rank)."""
         return self.enabled and not self.quiet
 
-    def progress(self, step: int, postfix: dict[str, Any]) -> None:
+    @property
+    def status(self) -> str:
+        """The status line now shown on the terminal ("" when none)."""
+        return str(self._bar).rstrip() if self._bar is not None else ""
+
+    def progress(self, step: int, postfix: dict[str, Any],
+                 remaining: float | None = None) -> None:
         """Show progress at ``step``: redraw the status line on a terminal, else print a
         plain line. ``postfix`` holds what to show beside the step (loss, bpc, seq_len,
-        tokens_per_sec, lr, anything else)."""
+        tokens_per_sec, lr, anything else); ``remaining`` the seconds left (the ETA; None
+        while not yet measured)."""
         if not self.talks:
             return
-        eta = self._eta(step)
         with self._guard():
             if self.show_progress and isatty(sys.stdout):
-                self._status = status_line(step, self.total_steps, postfix, eta,
-                                           terminal_width())
-                sys.stdout.write("\r" + self._status + _CLEAR_TO_END)
-                sys.stdout.flush()
+                if self._bar is None:
+                    self._bar = StatusBar(self.total_steps, step, postfix, remaining,
+                                          sys.stdout)
+                else:
+                    self._bar.show(step, postfix, remaining)
                 return
+            eta = format_duration(remaining) if remaining is not None else None
             print(plain_line(step, self.total_steps, postfix, eta), file=sys.stdout,
                   flush=True)
 
@@ -84,11 +139,10 @@ class Console:
 
     def finish(self) -> None:
         """Leave the status line on the terminal as an ordinary line (idempotent)."""
-        if self._status:
+        if self._bar is not None:
             with self._guard():
-                sys.stdout.write("\n")
-                sys.stdout.flush()
-            self._status = ""
+                self._bar.close()
+            self._bar = None
 
     def close(self) -> None:
         """End the console: the status line, if one is shown, stays as a line."""
@@ -97,8 +151,8 @@ class Console:
 
     def _print(self, message: str) -> None:
         with self._guard():
-            if self._status:  # clear the status line, print, then draw it again below
-                sys.stdout.write("\r" + _CLEAR_TO_END + message + "\n" + self._status)
+            if self._bar is not None:  # tqdm clears the line, prints, draws it again below
+                StatusBar.write(message, file=sys.stdout)
                 sys.stdout.flush()
             else:
                 print(message, file=sys.stdout, flush=True)
@@ -114,15 +168,10 @@ class Console:
             if e.errno not in (errno.EPIPE, errno.EIO, errno.ENXIO):
                 raise
             self.enabled = False
-            self._status = ""
+            if self._bar is not None:
+                self._bar.disable = True  # closing it must not write to the lost console
+                self._bar = None
             silence_stdout()
-
-    def _eta(self, step: int) -> str | None:
-        done = step - self.initial_step
-        if not self.total_steps or done <= 0:
-            return None
-        per_step = (time.perf_counter() - self._start) / done
-        return format_duration(max(0, self.total_steps - step) * per_step)
 
 
 def plain_line(step: int, total: int, postfix: dict[str, Any], eta: str | None) -> str:
@@ -160,14 +209,6 @@ def status_line(step: int, total: int, postfix: dict[str, Any], eta: str | None,
     return text(optional)[:max(1, width - 1)]
 
 
-def terminal_width() -> int:
-    """Columns of the terminal stdout is (COLUMNS when set, else 80 when unknown)."""
-    try:
-        return os.get_terminal_size(sys.stdout.fileno()).columns or 80
-    except (AttributeError, ValueError, OSError):
-        return shutil.get_terminal_size((80, 24)).columns
-
-
 def silence_stdout() -> None:
     """Point stdout at /dev/null, so that writes (and Python's flush at exit) to a console
     that is gone raise nothing more."""
@@ -196,6 +237,18 @@ def format_postfix(postfix: dict[str, Any], *, ordered: bool = True) -> list[str
     return parts
 
 
+def fit_parts(parts: list[str], width: int = 80) -> list[str]:
+    """``parts`` joined by `` | `` into lines of at most ``width`` columns, broken only
+    between parts (a part longer than a line gets a line of its own)."""
+    lines: list[str] = []
+    for part in parts:
+        if lines and len(lines[-1]) + 3 + len(part) <= width:
+            lines[-1] += " | " + part
+        else:
+            lines.append(part)
+    return lines
+
+
 def format_duration(seconds: float) -> str:
     """``42s``, ``3m12s``, ``2h05m``."""
     s = int(round(seconds))
@@ -204,11 +257,3 @@ def format_duration(seconds: float) -> str:
     if s < 3600:
         return f"{s // 60}m{s % 60:02d}s"
     return f"{s // 3600}h{(s % 3600) // 60:02d}m"
-
-
-def isatty(stream: Any) -> bool:
-    """Whether ``stream`` is a terminal (False for anything that cannot say)."""
-    try:
-        return bool(stream.isatty())
-    except (AttributeError, ValueError):
-        return False

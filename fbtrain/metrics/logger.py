@@ -151,9 +151,11 @@ class MetricsLogger:
 
     # ------------------------------------------------------------------ console
 
-    def progress(self, step: int, postfix: dict[str, Any]) -> None:
-        """Show progress at ``step`` (see :meth:`.console.Console.progress`)."""
-        self.console.progress(step, postfix)
+    def progress(self, step: int, postfix: dict[str, Any],
+                 remaining: float | None = None) -> None:
+        """Show progress at ``step``, ``remaining`` seconds left (see
+        :meth:`.console.Console.progress`)."""
+        self.console.progress(step, postfix, remaining)
 
     def info(self, message: str) -> None:
         """Print a message unless the console is off."""

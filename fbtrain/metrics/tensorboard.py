@@ -8,7 +8,13 @@ character), ``bpc`` (bits per character) and, for a labelled dataset only, ``acc
 (``train/lr``, ``train/tokens_per_sec``, ...) of the train sub-run, the memory weights in
 ``mem_weight``. The run directory itself holds the run's HParams entry (metrics: the
 sub-runs' losses), the Custom Scalars layout (:func:`chart_layout`) and the text samples,
-so ``tensorboard --logdir runs`` lists ``<run>``, ``<run>/train`` and ``<run>/val``.
+so ``tensorboard --logdir runs`` lists ``<run>``, ``<run>/train`` and ``<run>/val``. Each
+events file is created when there is something to write into it, so a run stopped before
+it logged anything leaves no empty run behind for TensorBoard to list.
+
+TensorBoard smooths every curve by its own slider (0.6 by default: a 21-point validation
+curve drawn visibly above its values); that is a setting of the page, not of the events,
+so :data:`UNSMOOTHED_URL` opens the Custom Scalars view with smoothing off.
 """
 
 from __future__ import annotations
@@ -29,6 +35,12 @@ if TYPE_CHECKING:
     from fbtrain.config import Config
 
 EVENTS_GLOB = "events.out.tfevents.*"  # TensorBoard's event files
+# The Custom Scalars view with smoothing off: the dashboard reads _smoothingWeight from the
+# page address (tensorboard/plugins/custom_scalar: getNumberInitializer('_smoothingWeight')).
+UNSMOOTHED_URL = "http://localhost:6006/#custom_scalars&_smoothingWeight=0"
+# Bookkeeping kept in metrics.jsonl only: exact functions of the step and the config, which
+# TensorBoard's smoothing would draw as ramps that never happened.
+JSONL_ONLY = ("batch_size", "tokens")
 SUBRUNS = ("train", "val")  # sub-directories of the run directory, one TensorBoard run each
 # Metric keys (of metrics.jsonl) whose sub-run and tag are not the default ones.
 TB_TAGS = {"loss": ("train", "loss"), "bpc": ("train", "bpc"),
@@ -43,7 +55,8 @@ TB_DESCRIPTIONS = {
                 "must output) whose arg-max prediction is right.",
     "perplexity": "exp(validation loss).",
     "mem_weight": "softmax(w): the share of the embedding (mem_weight/0) and of each layer's "
-                  "output (mem_weight/1..L) in the memory vector every layer attends to.",
+                  "output (mem_weight/1..L) in the memory vector every layer attends to; "
+                  "the shares sum to 1 and start equal, at 1/(L+1).",
 }
 # HParams metrics: (sub-run, tag) of scalars logged anyway (no one-point duplicates).
 HPARAM_METRICS = {("val", "loss"): "val loss (nats)", ("val", "bpc"): "val bpc",
@@ -73,39 +86,55 @@ def event_files(run_dir: Path) -> list[Path]:
 
 
 class TensorBoardWriter:
-    """The run's SummaryWriters (the run directory, ``train/``, ``val/``), opened so that
-    a resume overwrites the steps it repeats (``purge_step``)."""
+    """The run's SummaryWriters (the run directory, ``train/``, ``val/``), each opened when
+    it first has something to write, so that a resume overwrites the steps it repeats
+    (``purge_step``)."""
 
-    def __init__(self, writers: dict[str, Any]):
-        self._writers = writers  # "" (the run directory), "train", "val"
+    def __init__(self, log_dir: Path, purge_step: int | None = None):
+        self.log_dir = Path(log_dir)
+        self.purge_step = purge_step
+        self._writers: dict[str, Any] = {}  # "" (the run directory), "train", "val": opened
         self._described: set[tuple[str, str]] = set()  # descriptions written
-        # Each writer's events file, for error messages (asked now: after close() torch's
-        # SummaryWriter would open a new file to answer).
-        self._files = {name: _events_file(w) for name, w in writers.items()}
+        # Each writer's events file, for error messages (asked when it opens: after close()
+        # torch's SummaryWriter would open a new file to answer).
+        self._files: dict[str, Path] = {}
         _quiet_writer_threads()
 
     @classmethod
     def open(cls, log_dir: Path, initial_step: int) -> TensorBoardWriter:
         """The writers for ``log_dir``; ImportError when TensorBoard is not installed."""
-        from torch.utils.tensorboard import SummaryWriter
+        from torch.utils.tensorboard import SummaryWriter  # noqa: F401 (checked here, once)
 
         # Steps up to initial_step were logged by the run being resumed (and are kept, like
         # truncate_after(initial_step) keeps them); purge_step drops events from later steps,
         # which the resumed run is about to log again, so curves don't double back.
-        purge = initial_step + 1 if initial_step > 0 else None
-        return cls({name: SummaryWriter(log_dir=str(log_dir / name), purge_step=purge)
-                    for name in ("", *SUBRUNS)})
+        return cls(log_dir, initial_step + 1 if initial_step > 0 else None)
+
+    def writer(self, subrun: str) -> Any:
+        """The SummaryWriter of ``subrun`` ("" for the run directory), opened on first use
+        (which creates its folder and events file)."""
+        if subrun not in self._writers:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._files[subrun] = self.log_dir / subrun  # its folder, until the file exists
+            with self._named(subrun):
+                writer = SummaryWriter(log_dir=str(self.log_dir / subrun),
+                                       purge_step=self.purge_step)
+            self._writers[subrun] = writer
+            self._files[subrun] = _events_file(writer)
+        return self._writers[subrun]
 
     def add_record(self, step: int, record: dict[str, Any]) -> None:
-        """One scalar per numeric value of a metrics record (``step`` and text skipped)."""
+        """One scalar per numeric value of a metrics record (``step``, text and
+        :data:`JSONL_ONLY` skipped)."""
         for key, value in record.items():
-            if key == "step" or not is_number(value):
+            if key == "step" or key in JSONL_ONLY or not is_number(value):
                 continue
             self.add_scalar(*tag_of(key), value, step)
 
     def add_scalar(self, subrun: str, tag: str, value: float, step: int) -> None:
         """One scalar; the first of each tag (in this writer) carries its description."""
-        writer = self._writers[subrun]
+        writer = self.writer(subrun)
         description = (TB_DESCRIPTIONS.get((subrun, tag))
                        or TB_DESCRIPTIONS.get(tag.split("/", 1)[0]))
         with self._named(subrun):
@@ -122,12 +151,15 @@ class TensorBoardWriter:
     def add_text(self, tag: str, text: str, step: int) -> None:
         """A text (a sample) in the run directory's events, as a code block: TensorBoard
         renders text as markdown, and a code block keeps line breaks and spaces."""
+        writer = self.writer("")
         with self._named(""):
-            self._writers[""].add_text(tag, "```\n" + text + "\n```", step)
+            writer.add_text(tag, "```\n" + text + "\n```", step)
 
     def start_run(self, hparams: dict[str, Any], *, memory_weights: bool = True,
                   labelled: bool = False) -> None:
-        """The Custom Scalars layout and the HParams entry (see MetricsLogger.start_run)."""
+        """The Custom Scalars layout and the HParams entry (see MetricsLogger.start_run);
+        ``memory_weights``: a chart per memory source, ``hparams["n_layers"]`` + 1 of them."""
+        sources = int(hparams.get("n_layers", 0)) + 1 if memory_weights else 0
         from tensorboard.plugins.hparams import api_pb2, plugin_data_pb2
 
         values = {k: _hparam_value(v) for k, v in hparams.items()}
@@ -146,9 +178,9 @@ class TensorBoardWriter:
             field = ("bool_value" if isinstance(value, bool) else
                      "string_value" if isinstance(value, str) else "number_value")
             setattr(start.hparams[key], field, value)
-        file_writer = self._writers[""]._get_file_writer()
+        file_writer = self.writer("")._get_file_writer()
         with self._named(""):
-            for summary in (_layout_summary(chart_layout(memory_weights, labelled)),
+            for summary in (_layout_summary(chart_layout(sources, labelled)),
                             _hparams_summary(experiment=experiment),
                             _hparams_summary(session_start_info=start)):
                 file_writer.add_summary(summary, 0)
@@ -160,9 +192,9 @@ class TensorBoardWriter:
 
         end = plugin_data_pb2.SessionEndInfo(status=api_pb2.STATUS_SUCCESS,
                                              end_time_secs=time.time())
+        file_writer = self.writer("")._get_file_writer()
         with self._named(""):
-            self._writers[""]._get_file_writer().add_summary(
-                _hparams_summary(session_end_info=end), step)
+            file_writer.add_summary(_hparams_summary(session_end_info=end), step)
         self.flush()
 
     def flush(self) -> None:
@@ -228,9 +260,13 @@ def _quiet_writer_threads() -> None:
     threading.excepthook = hook
 
 
-def chart_layout(memory_weights: bool = True, labelled: bool = False) -> Any:
+def chart_layout(memory_sources: int = 0, labelled: bool = False) -> Any:
     """TensorBoard's Custom Scalars layout: the losses first (each chart: the train and the
-    val sub-run), accuracy only for a labelled dataset (no empty charts)."""
+    val sub-run), accuracy only for a labelled dataset (no empty charts), then one chart per
+    memory source (``memory_sources``: the embedding and each layer; 0: none).
+
+    Custom Scalars colours a line by its run, not its tag, so five memory weights in one
+    chart would be five lines of one colour; a chart each names its source instead."""
     from tensorboard.plugins.custom_scalar import layout_pb2
 
     def chart(title: str, regex: str) -> Any:
@@ -244,10 +280,11 @@ def chart_layout(memory_weights: bool = True, labelled: bool = False) -> Any:
                             r"^accuracy$"))
     losses.append(chart("validation perplexity", r"^perplexity$"))
     categories = [layout_pb2.Category(title="loss", chart=losses)]
-    if memory_weights:
-        categories.append(layout_pb2.Category(title="memory", chart=[chart(
-            "softmax(w): share of the embedding (0) and of each layer (1..L) in memory",
-            r"^mem_weight/\d+$")]))
+    if memory_sources:
+        names = ["the embedding", *(f"layer {i}" for i in range(1, memory_sources))]
+        categories.append(layout_pb2.Category(title="memory", chart=[
+            chart(f"softmax(w): share of {name} in memory (mem_weight/{i})",
+                  rf"^mem_weight/{i}$") for i, name in enumerate(names)]))
     categories.append(layout_pb2.Category(title="training", chart=[
         chart("learning rate", r"^train/lr$"), chart("sequence length", r"^train/seq_len$"),
         chart("gradient norm (before clipping)", r"^train/grad_norm$"),

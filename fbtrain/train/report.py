@@ -6,13 +6,14 @@ decides *when* to say something. Also the throughput meter behind tokens/s.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from fbtrain.evaluate import LN2
-from fbtrain.metrics.console import format_duration
+from fbtrain.metrics.console import fit_parts, format_duration
 from fbtrain.models import count_parameters
 from fbtrain.train.batches import CarriedStreams
 
@@ -24,7 +25,8 @@ WARMUP_STEPS = 1  # steps of each process left out of tokens/s (allocations, fir
 
 
 class Throughput:
-    """Tokens per second of whole training steps (their own time, not eval or saving).
+    """Tokens per second of whole training steps (their own time, not eval or saving), and
+    the wall-clock rate the ETA is computed from.
 
     The first ``WARMUP_STEPS`` steps of a process are left out: they pay for allocations
     and first-call setup that the rest of the run does not.
@@ -34,11 +36,14 @@ class Throughput:
         self._skip = warmup
         self._window = [0, 0.0]  # tokens, seconds since the last window_rate()
         self.tokens, self.seconds = 0, 0.0  # whole run (of this process)
+        self._wall_start: float | None = None  # when the first measured step began
 
     def add(self, tokens: int, seconds: float) -> None:
         if self._skip > 0:
             self._skip -= 1
             return
+        if self._wall_start is None:  # wall clock from the start of this step on
+            self._wall_start = time.perf_counter() - seconds
         self._window[0] += tokens
         self._window[1] += seconds
         self.tokens += tokens
@@ -53,6 +58,22 @@ class Throughput:
     @property
     def overall_rate(self) -> float | None:
         return self.tokens / self.seconds if self.seconds > 0 else None
+
+    def remaining_seconds(self, tokens_left: int) -> float | None:
+        """Seconds to train ``tokens_left`` more tokens at the wall-clock rate of the steps
+        measured so far (after warm-up), the evaluations, samples and saves between them
+        included: an ETA that the rest of the run can keep. None before a measured step."""
+        if self._wall_start is None or self.tokens <= 0:
+            return None
+        wall = time.perf_counter() - self._wall_start
+        return max(0, tokens_left) * wall / self.tokens
+
+
+def remaining_seconds(run: Run, progress: Progress, throughput: Throughput) -> float | None:
+    """The ETA of ``run``: its tokens still to train (the curriculum's, so longer stages
+    ahead count for what they are) at :meth:`Throughput.remaining_seconds`' rate."""
+    total = run.curriculum.total_tokens() * run.ctx.world_size
+    return throughput.remaining_seconds(total - progress.tokens)
 
 
 def device_text(run: Run) -> str:
@@ -143,7 +164,9 @@ def evaluation_line(step: int, metrics: dict[str, float], improved: bool,
 
 
 def summary(run: Run, progress: Progress, rate: float | None, seconds: float) -> str:
-    """The last line: where training stopped, its losses, its speed and its wall time."""
+    """The last lines: where training stopped, its losses, its speed and its wall time,
+    ``|``-separated and wrapped between parts into lines of at most 80 columns
+    (:func:`~fbtrain.metrics.console.fit_parts`)."""
     parts = [f"done at step {progress.step}"]
     if progress.val_loss is not None:
         parts.append(f"val loss {progress.val_loss:.4f} (bpc {progress.val_loss / LN2:.4f}, "
@@ -153,4 +176,4 @@ def summary(run: Run, progress: Progress, rate: float | None, seconds: float) ->
     if rate is not None:
         parts.append(f"{rate:,.0f} tokens/s on {device_text(run)}")
     parts.append(f"wall {format_duration(seconds)}")
-    return " | ".join(parts)
+    return "\n".join(fit_parts(parts))

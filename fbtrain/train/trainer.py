@@ -232,7 +232,8 @@ class Trainer:
                  if k in metrics}
         if rate is not None:
             shown["tokens_per_sec"] = rate
-        self.logger.progress(self.progress.step, shown)
+        self.logger.progress(self.progress.step, shown, remaining=report.remaining_seconds(
+            self.run, self.progress, self.throughput))
         return metrics
 
     # ------------------------------------------------------------------ evaluation, samples
