@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import re
 import types
 import typing
 from typing import Any
@@ -62,6 +63,27 @@ def coerce(value: Any, allowed: tuple[type, ...]) -> tuple[bool, Any]:
     if str in allowed and isinstance(value, (int, float)):
         return True, str(value)
     return isinstance(value, tuple(t for t in allowed if t is not type(None))), value
+
+
+# Numbers YAML 1.1 would read in a base no one means: a leading 0 (octal) or colons (base
+# 60). fbtrain's loader (load.py) leaves them text; this says why such a text is refused.
+_NOT_DECIMAL = re.compile(r"[-+]?(?:0[0-9_]+(?:\.[0-9_]*)?"  # 010, 010.5
+                          r"|[0-9][0-9_]*(?::[0-5]?[0-9])+(?:\.[0-9_]*)?)")  # 1:30, 1:30.5
+
+
+def decimal_hint(value: Any) -> str:
+    """For a text an int or float key refused, why it is not a number here ('' if that is
+    not the reason): ``'; numbers are read in decimal: YAML 1.1 would read 010 as the
+    octal 8; write it without the leading 0'``."""
+    if not (isinstance(value, str) and _NOT_DECIMAL.fullmatch(value)):
+        return ""
+    yaml11 = yaml.load(value, Loader=yaml.SafeLoader)  # what PyYAML's YAML 1.1 makes of it
+    if ":" in value:
+        return (f"; numbers are read in decimal: YAML 1.1 would read {value} in base 60, as "
+                f"{yaml11}; write it as one decimal number")
+    octal = (f": YAML 1.1 would read {value} as the octal {yaml11}" if isinstance(yaml11, int)
+             else "")
+    return f"; numbers are read in decimal{octal}; write it without the leading 0"
 
 
 def field_problems(section: Any) -> list[tuple[str, Any, str]]:
