@@ -212,7 +212,7 @@ def run(
 
     where = f"data.path {data_cfg.path}" if data_cfg.path else f"dataset {data_cfg.dataset}"
     try:
-        corpus = load_corpus(data_cfg, tokenizer.tokens)
+        corpus = load_corpus(data_cfg, tokenizer.tokens, any_text=data_path is not None)
     except VocabularyError as e:
         # Only a vocabulary mismatch is about the checkpoint; a file that is missing, empty
         # or unreadable is reported as it is.
@@ -223,6 +223,12 @@ def run(
         raise ValueError(f"{e} ({where})") from None
     result = evaluate_split(model, stream, seq_len, batch_size, context=context,
                             history=corpus.history)
+    if result["scored"] == 0:
+        raise DataError(f"split {split} of {where} holds no labelled target: nothing to score")
+    if not math.isfinite(result["loss"]):  # no figure to report; sample refuses it too
+        raise CheckpointError(f"{file}: cannot score it: the loss is {result['loss']}, as the "
+                              "model's predictions are NaN or inf (its weights are so large "
+                              "that the logits overflow)")
     if not corpus.labelled:  # every target is scored: accuracy is not this data's figure
         result.pop("accuracy")
         result.pop("scored")

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import bounded_run
 
 from fbtrain.config import SECTIONS, Config, ConfigError, load_config
 from fbtrain.config.reference import markdown_table
@@ -282,8 +283,7 @@ def test_what_is_not_a_regular_file_is_refused_at_once(tmp_path: Path, where: st
         pytest.skip(f"{path} does not exist here")
     code = ("import sys; from fbtrain.config import ConfigError, load_config\n"
             "try:\n    load_config(sys.argv[1])\nexcept ConfigError as e:\n    print(e)\n")
-    result = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True,
-                            text=True, timeout=60)
+    result = bounded_run([sys.executable, "-c", code, str(path)])
     assert result.returncode == 0, result.stderr
     assert result.stdout == (f"{path}: is {kind}, not a config file; --config takes a YAML "
                              "file\n")
