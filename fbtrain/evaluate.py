@@ -9,6 +9,7 @@ import torch
 from torch import Tensor, nn
 
 from fbtrain.config import INT64_MAX
+from fbtrain.config.fields import int_bound
 from fbtrain.data.streams import IGNORE_INDEX, Stream, as_stream, window
 from fbtrain.scoring import Scores, window_scores
 
@@ -114,7 +115,7 @@ def check_count(name: str, value: Any) -> None:
     """ValueError (one line) unless ``value`` is an integer in [1, 2^63 - 1]; the CLI's
     ``--seq-len`` and ``--batch-size`` are checked with it too."""
     if not (isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= INT64_MAX):
-        raise ValueError(f"{name} = {value!r}: must be an integer >= 1")
+        raise ValueError(f"{name} = {value!r}: must be {int_bound(value) or 'an integer >= 1'}")
 
 
 def _check_split_args(ids: Tensor | Stream, seq_len: int, batch_size: int, context: str,

@@ -860,3 +860,32 @@ def test_stages_training_never_reaches_are_not_counted(machine: int):
     stages = "curriculum=[{until_step: 10, seq_len: 64}, {seq_len: 1000000}]"
     assert Curriculum(load_config(None, [*sets, stages])).max_seq_len == 1000000
     assert "curriculum[1].seq_len = 1000000" in problems(*sets[:3], stages)[0]
+
+
+# ----------------------------------------------------------------------------- integer bounds
+
+
+@pytest.mark.parametrize(("command", "flag", "name"), [
+    ("sample", "--seed", "seed"), ("sample", "--num-samples", "num_samples"),
+    ("sample", "--length", "length"), ("sample", "--top-k", "top_k"),
+    ("eval", "--seq-len", "seq_len"), ("eval", "--batch-size", "batch_size"),
+])
+@pytest.mark.parametrize("value", [2**63, 2**64])
+def test_integer_flags_past_64_bits_name_the_bound_exceeded(command: str, flag: str, name: str,
+                                                            value: int):
+    """--seed 18446744073709551616 said "must be an integer >= 0", a bound it meets."""
+    from typer.testing import CliRunner
+
+    from fbtrain.cli import app
+
+    result = CliRunner().invoke(app, [command, "-c", "nowhere", flag, str(value)])
+    assert result.exit_code == 2
+    assert result.stderr.endswith(f"{name} = {value}: must be at most {2**63 - 1} (2**63 - 1)\n")
+    assert len(result.stderr.splitlines()) == 1
+
+
+@pytest.mark.parametrize("key", ["run.seed", "train.max_steps", "data.seed", "model.d_model"])
+def test_integer_keys_past_64_bits_name_the_bound(key: str):
+    assert problems(f"{key}={2**64}") == [
+        f"<defaults> (with --set): {key} = {2**64}: must fit in a 64-bit integer "
+        f"({-2**63} to {2**63 - 1})"]

@@ -112,6 +112,17 @@ def field_problems(section: Any) -> list[tuple[str, Any, str]]:
     return out
 
 
+def int_bound(value: Any) -> str:
+    """The 64-bit bound an integer ``value`` exceeds ('' when it is within them): what a
+    message says, rather than a lower bound the value meets."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value > INT64_MAX:
+            return f"at most {INT64_MAX} (2**63 - 1)"
+        if value < INT64_MIN:
+            return f"at least {INT64_MIN} (-2**63)"
+    return ""
+
+
 def unfit_number(value: int | float) -> str:
     """Why a number cannot be used at all ('' when it can): NaN, infinity, beyond int64."""
     if isinstance(value, float) and not math.isfinite(value):
