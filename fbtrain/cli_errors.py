@@ -57,6 +57,16 @@ class OneLineErrors(TyperGroup):
         sys.exit(code if isinstance(code, int) else 0)
 
 
+    def invoke(self, ctx: Any) -> Any:
+        """Run the command; a result printed after stdout's reader left (``eval --json |
+        true``) ends quietly with 0. Caught here, inside click, whose own main turns a
+        broken pipe into exit code 1."""
+        try:
+            return super().invoke(ctx)
+        except BrokenPipeError:
+            quit_on_closed_stdout()
+
+
 def error_line(message: str) -> None:
     for line in str(message).splitlines() or [""]:
         typer.echo(f"error: {line}", err=True)
