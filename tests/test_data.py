@@ -593,3 +593,42 @@ def test_stream_layout_state_and_problems() -> None:
         SegmentReader(torch.arange(80), n_streams=2).load_state_dict(layout.state_dict())
     with pytest.raises(DataError, match="too short for 8 streams: 8 tokens, need at least 9"):
         SegmentReader(torch.arange(8), n_streams=4, rank=1, world_size=2)
+
+
+# ----------------------------------------------------------------------------- window lengths
+
+
+@pytest.mark.parametrize(("sets", "message"), [
+    (["train.context=carry", "model.max_rel_pos=200"],
+     "validation text too short: 300 tokens, but each validation window reads 200 of carried "
+     "context (the memory window) and 200 scored (with train.context carry, a memory window) "
+     "tokens, so it needs at least 401 (the memory window is model.max_rel_pos = 200, as "
+     "model.mem_len is null); use a smaller model.mem_len, a larger data.val_fraction or a "
+     "longer text"),
+    (["train.context=carry", "model.max_rel_pos=200", "model.mem_len=150",
+      "curriculum=[{seq_len: 180}]"],
+     "validation text too short: 300 tokens, but each validation window reads 150 of carried "
+     "context (the memory window) and 180 scored (the longest curriculum seq_len) tokens, so it "
+     "needs at least 331 (the memory window is model.mem_len = 150); use a smaller "
+     "model.mem_len, a shorter curriculum seq_len, a larger data.val_fraction or a longer text"),
+    (["model.max_rel_pos=400", "curriculum=[{seq_len: 400}]"],
+     "validation text too short: 300 tokens, but each validation window reads 400 scored (the "
+     "longest curriculum seq_len) tokens, so it needs at least 401; use a shorter curriculum "
+     "seq_len, a larger data.val_fraction or a longer text"),
+])
+def test_short_validation_text_names_the_keys_of_its_window(tmp_path: Path, sets: list[str],
+                                                             message: str) -> None:
+    """It said "too short for seq_len 400 ... use a shorter curriculum seq_len" for a length
+    that came from model.max_rel_pos (200 of context + 200 scored), configured nowhere."""
+    from typer.testing import CliRunner
+
+    from fbtrain.cli import app
+
+    text = tmp_path / "small.txt"
+    text.write_text("".join(chr(97 + i % 26) for i in range(3000)), encoding="utf-8")
+    args = ["train", "--config", str(Path(__file__).parent.parent / "configs" / "tiny.yaml"),
+            "--device", "cpu", "--set", f"data.path={text}", "--set",
+            f"run.out_dir={tmp_path / 'runs'}", *sum((["--set", s] for s in sets), [])]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2
+    assert result.stderr == f"error: {message}\n"

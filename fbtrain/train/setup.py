@@ -202,10 +202,40 @@ def load_data(cfg: Config, ctx: DistContext, vocab: list[str] | None,
     scored = max_seq_len
     if carry:
         scored = max(scored, cfg.model.memory_window)
+    _check_validation_length(cfg, len(val_ids.inputs), scored, context)
     val_x, val_y = fixed_windows(val_ids, scored, cfg.train.eval_windows, context=context)
     return TrainData(tokenizer=corpus.tokenizer, labelled=corpus.labelled, train_ids=train_ids,
                      val_x=val_x.to(ctx.device), val_y=val_y.to(ctx.device),
                      n_chars=(len(train_ids.inputs), len(val_ids.inputs)))
+
+
+def _check_validation_length(cfg: Config, predictions: int, scored: int, context: int
+                             ) -> None:
+    """DataError when the validation split (``predictions`` [n]) cannot hold one window of
+    ``context`` unscored + ``scored`` scored tokens, naming the keys those lengths come from
+    (a carried memory's length is model.mem_len or max_rel_pos, not a curriculum seq_len)."""
+    span = context + scored
+    if predictions >= span:
+        return
+    model = cfg.model
+    window = (f"model.mem_len = {model.mem_len}" if model.mem_len is not None
+              else f"model.max_rel_pos = {model.max_rel_pos}, as model.mem_len is null")
+    longest = max(stage.seq_len for stage in cfg.curriculum)
+    reads = [f"{scored} scored (" + ("the longest curriculum seq_len" if scored == longest
+                                     else "with train.context carry, a memory window") + ")"]
+    if context:
+        source = ("the memory window" if context == model.memory_window
+                  else "the longest program, from data.program_len")
+        reads.insert(0, f"{context} of carried context ({source})")
+    uses_window = context == model.memory_window or scored != longest
+    fixes = (["a smaller model.mem_len"] if uses_window else []) + (
+        ["a shorter curriculum seq_len"] if scored == longest else [])
+    fixes += (["more data.valid_programs"] if cfg.data.dataset == "algorithmic"
+              else ["a larger data.val_fraction", "a longer text"])
+    raise DataError(f"validation text too short: {predictions + 1} tokens, but each validation "
+                    f"window reads {' and '.join(reads)} tokens, so it needs at least "
+                    f"{span + 1}{f' (the memory window is {window})' if uses_window else ''}; use "
+                    f"{', '.join(fixes[:-1])} or {fixes[-1]}")
 
 
 def _main_rank_first(cfg: Config, ctx: DistContext, load: Callable[[], Corpus]) -> Corpus:
