@@ -37,7 +37,7 @@ from fbtrain.config import Config, ConfigError
 from fbtrain.data.corpus import Corpus, load_corpus
 from fbtrain.data.errors import DataError, VocabularyError
 from fbtrain.data.samplers import BatchSampler, SegmentReader, fixed_windows
-from fbtrain.data.streams import require_tokens
+from fbtrain.data.streams import IGNORE_INDEX, require_tokens
 from fbtrain.device import autocast_dtype
 from fbtrain.distributed import DistContext
 from fbtrain.models import build_model
@@ -204,6 +204,12 @@ def load_data(cfg: Config, ctx: DistContext, vocab: list[str] | None,
         scored = max(scored, cfg.model.memory_window)
     _check_validation_length(cfg, len(val_ids.inputs), scored, context)
     val_x, val_y = fixed_windows(val_ids, scored, cfg.train.eval_windows, context=context)
+    if corpus.labelled and not bool((val_y != IGNORE_INDEX).any()):
+        # Validation would be NaN at every evaluation and best.pt never written.
+        raise DataError(f"the {len(val_x)} validation windows ({val_x.shape[1]} tokens each) "
+                        "hold no labelled target (a print's ;), so validation has nothing to "
+                        "score; use a longer curriculum seq_len, more train.eval_windows, or "
+                        "more data.valid_programs or a longer data.program_len")
     return TrainData(tokenizer=corpus.tokenizer, labelled=corpus.labelled, train_ids=train_ids,
                      val_x=val_x.to(ctx.device), val_y=val_y.to(ctx.device),
                      n_chars=(len(train_ids.inputs), len(val_ids.inputs)))

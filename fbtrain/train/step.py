@@ -86,11 +86,23 @@ def train_step(run: Run, index: int, signals: StopSignals, last: Path) -> StepRe
     loss_value, norm_value, accuracy_value, stop = agree(run, loss_sum, grad_norm, accuracy,
                                                          signals)
     check_finite(run, index + 1, loss_value, norm_value, last)
+    if run.data.labelled and not scored_anywhere(run, scored):
+        # No labelled target in the whole step: its loss, accuracy and gradient are not 0
+        # but undefined, so they are logged as null (as validation logs them); the update
+        # below is made as ever (a zero gradient), so training numbers do not change.
+        loss_value = norm_value = accuracy_value = math.nan
     run.scaler.step(run.optimizer)  # skips the step if fp16 gradients overflowed
     run.scaler.update()
     return StepResult(loss_value, norm_value, lr, seq_len, batch, tokens * ctx.world_size, stop,
                       memory_rms, time.perf_counter() - start,
                       accuracy_value if run.data.labelled else None)
+
+
+def scored_anywhere(run: Run, scored: Tensor) -> bool:
+    """Whether the step scored any target on any rank (``scored``: this rank's count)."""
+    if run.ctx.enabled:
+        scored = run.ctx.all_reduce_sum(scored.clone())
+    return bool(scored)
 
 
 def agree(run: Run, loss: Tensor, grad_norm: Tensor, accuracy: Tensor, signals: StopSignals
