@@ -56,6 +56,15 @@ class OneLineErrors(TyperGroup):
         # with; fbtrain's commands return None.
         sys.exit(code if isinstance(code, int) else 0)
 
+    def invoke(self, ctx: Any) -> Any:
+        """Run the command; a result printed after stdout's reader left (``eval --json |
+        true``) ends quietly with 0. Caught here, inside click, whose own main turns a
+        broken pipe into exit code 1."""
+        try:
+            return super().invoke(ctx)
+        except BrokenPipeError:
+            quit_on_closed_stdout()
+
 
 def _config_hint(error: click.exceptions.UsageError) -> str:
     """``; did you mean --config FILE?`` for ``fbtrain train FILE`` (a config given as an

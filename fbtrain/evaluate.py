@@ -9,6 +9,7 @@ import torch
 from torch import Tensor, nn
 
 from fbtrain.config import INT64_MAX
+from fbtrain.config.fields import int_bound
 from fbtrain.data.streams import IGNORE_INDEX, Stream, as_stream, window
 from fbtrain.inference import inference, saved_precision
 from fbtrain.progress import Progress
@@ -128,7 +129,7 @@ def check_count(name: str, value: Any) -> None:
     """ValueError (one line) unless ``value`` is an integer in [1, 2^63 - 1]; the CLI's
     ``--seq-len`` and ``--batch-size`` are checked with it too."""
     if not (isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= INT64_MAX):
-        raise ValueError(f"{name} = {value!r}: must be an integer >= 1")
+        raise ValueError(f"{name} = {value!r}: must be {int_bound(value) or 'an integer >= 1'}")
 
 
 def _check_split_args(ids: Tensor | Stream, seq_len: int, batch_size: int, context: str,
@@ -231,7 +232,7 @@ def run(
     if data_path is not None:  # name what the user typed, not the config key behind it
         where = f"--data-path {data_path}"
     try:
-        corpus = load_corpus(data_cfg, tokenizer.tokens)
+        corpus = load_corpus(data_cfg, tokenizer.tokens, any_text=data_path is not None)
     except VocabularyError as e:
         # Only a vocabulary mismatch is about the checkpoint; a file that is missing, empty
         # or unreadable is reported as it is.
@@ -248,6 +249,12 @@ def run(
         precision = saved_precision(payload)
     result = evaluate_split(model, stream, seq_len, batch_size, context=context,
                             history=corpus.history, precision=precision, show_progress=True)
+    if result["scored"] == 0:
+        raise DataError(f"split {split} of {where} holds no labelled target: nothing to score")
+    if not math.isfinite(result["loss"]):  # no figure to report; sample refuses it too
+        raise CheckpointError(f"{file}: cannot score it: the loss is {result['loss']}, as the "
+                              "model's predictions are NaN or inf (its weights are so large "
+                              "that the logits overflow)")
     if not corpus.labelled:  # every target is scored: accuracy is not this data's figure
         result.pop("accuracy")
         result.pop("scored")

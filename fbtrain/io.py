@@ -1,5 +1,5 @@
-"""Atomic file writes (a temp file beside the target, fsync, then ``os.replace``), and JSON
-that strict readers accept.
+"""Atomic file writes (a temp file beside the target, fsync, then ``os.replace``), JSON
+that strict readers accept, and opening a file for reading only when it is a regular one.
 
 A process killed at any point leaves either the old file or the new one, never half.
 The file gets the mode a plain ``open(path, "w")`` would give it (0666 less the umask), not
@@ -13,6 +13,7 @@ import errno
 import math
 import os
 import re
+import stat
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -192,3 +193,35 @@ def json_safe(obj: Any) -> Any:
     if isinstance(obj, (list, tuple)):
         return [json_safe(v) for v in obj]
     return obj
+
+
+_KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISCHR, "a character device"),
+          (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a pipe (FIFO)"),
+          (stat.S_ISSOCK, "a socket"))
+
+
+class NotRegularFileError(OSError):
+    """A path read as a file is something else; ``kind`` says what ("a character device")."""
+
+    def __init__(self, path: str | Path, kind: str):
+        super().__init__(errno.EINVAL, f"is {kind}, not a regular file", str(path))
+        self.kind = kind
+
+
+def open_regular(path: str | Path) -> IO[bytes]:
+    """``path`` opened for reading in binary, or :class:`NotRegularFileError` when it is not
+    a regular file: ``/dev/zero`` or ``/dev/urandom`` would be read without end, a FIFO
+    waits for a writer. The check is made on the opened descriptor (opened non-blocking,
+    so a FIFO does not wait), never on a name that could change between a look and a read.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = next((name for test, name in _KINDS if test(mode)), "not a regular file")
+            raise NotRegularFileError(path, kind)
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise

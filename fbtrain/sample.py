@@ -20,6 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from fbtrain.config import INT64_MAX
+from fbtrain.config.fields import int_bound
 from fbtrain.config.kinds import model_kind
 from fbtrain.data.errors import DataError
 from fbtrain.data.tokenizers import Tokenizer
@@ -51,7 +52,7 @@ def check_argument(name: str, value: Any) -> None:
     (integers also at most 2^63 - 1, what torch can index)."""
     ok, allowed = SAMPLING_RULES[name]
     if not ok(value):
-        raise ValueError(f"{name} = {value!r}: must be {allowed}")
+        raise ValueError(f"{name} = {value!r}: must be {int_bound(value) or allowed}")
 
 
 def check_sampling_args(

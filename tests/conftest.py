@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import resource
 import socket
+import subprocess
 import sys
 import threading
 from collections import Counter
@@ -123,6 +125,18 @@ def server(monkeypatch: pytest.MonkeyPatch) -> Iterator[Server]:
         httpd.shutdown()
         httpd.server_close()
         thread.join(5)
+
+
+def bounded_run(args: list[str], memory: int = 4 << 30, timeout: float = 120
+                ) -> subprocess.CompletedProcess[str]:
+    """Run ``args`` in a subprocess with at most ``memory`` bytes of address space and
+    ``timeout`` seconds: a read of /dev/zero or /dev/urandom that a regression lets through
+    fails (MemoryError, TimeoutExpired) instead of taking the machine's memory or the suite."""
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
+
+    return subprocess.run(args, capture_output=True, text=True, timeout=timeout,
+                          preexec_fn=limit)
 
 
 @pytest.fixture

@@ -413,3 +413,49 @@ def test_train_programs_of_mixed_lengths_only_in_train() -> None:
         assert all(p.count(";") == 12 for p in text.split("END")[:-1])
     assert interpret(words, 3) == [None if t == IGNORE_INDEX else corpus.tokenizer.tokens[t]
                                    for t in corpus.stream("train").targets.tolist()]
+
+
+# ----------------------------------------------------------------------------- unlabelled windows
+
+
+def _train_tiny_programs(tmp_path: Path, *sets: str):
+    """Train 4 steps of windows of 4 words over two-statement programs (a print is rare)."""
+    from typer.testing import CliRunner
+
+    from fbtrain.cli import app
+
+    base = ["data.program_len=2", "data.train_programs=50", "data.test_programs=5",
+            "model.d_model=16", "model.d_ff=32", "model.n_layers=1", "train.max_steps=4",
+            "train.log_every=1", "train.eval_every=2", "train.context=reset", "curriculum=4",
+            "train.batch_size=2", "logging.tensorboard=false", f"run.out_dir={tmp_path}",
+            "run.name=r"]
+    config = Path(__file__).parent.parent / "configs" / "algorithmic_feedback.yaml"
+    args = ["train", "--config", str(config), "--device", "cpu", "--quiet",
+            *sum((["--set", s] for s in [*base, *sets]), [])]
+    return CliRunner().invoke(app, args)
+
+
+def test_validation_windows_without_a_label_are_refused_up_front(tmp_path: Path) -> None:
+    """Such a run trained on with 'val loss nan' and never wrote best.pt."""
+    result = _train_tiny_programs(tmp_path, "data.valid_programs=3", "train.eval_windows=2")
+    assert result.exit_code == 2
+    assert result.stderr == (
+        "error: the 2 validation windows (4 tokens each) hold no labelled target (a print's ;), "
+        "so validation has nothing to score; use a longer curriculum seq_len, more "
+        "train.eval_windows, or more data.valid_programs or a longer data.program_len\n")
+    assert not (tmp_path / "r" / "checkpoints").exists()
+
+
+def test_a_step_without_a_labelled_target_logs_null_not_zero(tmp_path: Path) -> None:
+    """Loss, bpc, accuracy and grad norm were 0.0 for a batch with nothing scored."""
+    result = _train_tiny_programs(tmp_path, "data.valid_programs=30", "train.eval_windows=20")
+    assert result.exit_code == 0, result.output
+    lines = (tmp_path / "r" / "metrics.jsonl").read_text(encoding="utf-8").splitlines()
+    steps = [record for record in map(json.loads, lines) if "loss" in record]
+    empty = [r for r in steps if r["loss"] is None]
+    assert empty and len(empty) < len(steps)  # these programs leave some batches unlabelled
+    for record in empty:
+        assert record["bpc"] is record["accuracy"] is record["grad_norm"] is None
+    for record in steps:
+        assert (record["loss"] is None) == (record["accuracy"] is None)
+        assert record["loss"] is None or record["loss"] > 0

@@ -4,6 +4,7 @@ in one line that names the file, key, value and what is allowed."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import subprocess
 import sys
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import bounded_run
 
 from fbtrain.config import SECTIONS, Config, ConfigError, load_config
 from fbtrain.config.curriculum import Curriculum
@@ -257,8 +259,46 @@ def test_missing_file(tmp_path: Path):
 
 
 def test_unreadable_file(tmp_path: Path):
-    with pytest.raises(ConfigError, match=rf"^{tmp_path}: cannot read config file"):
-        load_config(tmp_path)  # a directory
+    path = write(tmp_path, "run: {}\n")
+    path.chmod(0)
+    if os.access(path, os.R_OK):
+        pytest.skip("running as a user who reads any file")
+    with pytest.raises(ConfigError, match=rf"^{path}: cannot read config file: Permission"):
+        load_config(path)
+
+
+@pytest.mark.parametrize(("where", "kind"), [("/dev/zero", "a character device"),
+                                             ("/dev/urandom", "a character device"),
+                                             ("folder", "a folder"),
+                                             ("fifo", "a pipe (FIFO)")])
+def test_what_is_not_a_regular_file_is_refused_at_once(tmp_path: Path, where: str, kind: str):
+    """/dev/zero took the memory, /dev/urandom never ended, a FIFO waits for a writer: each
+    is refused before a byte is read (a subprocess, so a hang is a timeout, not a stuck run)."""
+    path = Path(where) if where.startswith("/") else tmp_path / where
+    if where == "folder":
+        path.mkdir()
+    elif where == "fifo":
+        os.mkfifo(path)  # no writer ever comes: opening it to read would wait for ever
+    if not path.exists():
+        pytest.skip(f"{path} does not exist here")
+    code = ("import sys; from fbtrain.config import ConfigError, load_config\n"
+            "try:\n    load_config(sys.argv[1])\nexcept ConfigError as e:\n    print(e)\n")
+    result = bounded_run([sys.executable, "-c", code, str(path)])
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == (f"{path}: is {kind}, not a config file; --config takes a YAML "
+                             "file\n")
+
+
+def test_a_config_file_over_one_mib_is_refused_unparsed(tmp_path: Path):
+    """A 100 MB text took 112 s to be refused; now its size alone refuses it."""
+    path = tmp_path / "big.yaml"
+    with path.open("wb") as f:
+        f.truncate(100 * 2**20)  # sparse: 100 MiB of nothing, made at once
+    with pytest.raises(ConfigError, match=rf"^{path}: 100\.0 MiB is too big for a config file "
+                       r"\(at most 1\.0 MiB; a config is a few KiB\): is it the right file\?$"):
+        load_config(path)
+    path.write_text("run: {name: x}\n# " + "x" * (2**20 - 20) + "\n", encoding="utf-8")
+    assert len(path.read_bytes()) <= 2**20 and load_config(path).run.name == "x"
 
 
 def test_not_utf8(tmp_path: Path):
@@ -708,8 +748,88 @@ def test_text_fields_keep_the_text_written(tmp_path: Path, text: str):
 
 
 def test_a_text_field_keeps_its_text_without_changing_an_alias_of_it(tmp_path: Path):
-    cfg = load_config(write(tmp_path, "train:\n  max_steps: &n 007\nrun:\n  name: *n\n"))
-    assert (cfg.run.name, cfg.train.max_steps) == ("007", 7)
+    cfg = load_config(write(tmp_path, "train:\n  max_steps: &n 1_000\nrun:\n  name: *n\n"))
+    assert (cfg.run.name, cfg.train.max_steps) == ("1_000", 1000)
+
+
+# ----------------------------------------------------------------------------- numbers
+
+
+@pytest.mark.parametrize(("key", "text", "why"), [
+    ("train.max_steps", "010", "YAML 1.1 would read 010 as the octal 8; write it without the "
+                               "leading 0"),
+    ("train.max_steps", "-07", "YAML 1.1 would read -07 as the octal -7; write it without the "
+                               "leading 0"),
+    ("train.eval_every", "09", "write it without the leading 0"),
+    ("train.max_steps", "1:30", "YAML 1.1 would read 1:30 in base 60, as 90; write it as one "
+                                "decimal number"),
+    ("run.seed", "1:00:00", "YAML 1.1 would read 1:00:00 in base 60, as 3600; write it as one "
+                            "decimal number"),
+    ("train.lr", "1:30.5", "YAML 1.1 would read 1:30.5 in base 60, as 90.5; write it as one "
+                           "decimal number"),
+])
+def test_numbers_are_decimal_or_refused(tmp_path: Path, key: str, text: str, why: str):
+    """YAML 1.1 read --set train.max_steps=010 as 8 and 1:00:00 as 3600, silently."""
+    section, name = key.split(".")
+    must = "float" if name == "lr" else "int"
+    line = f"{key} = {text!r}: must be {must}; numbers are read in decimal"
+    line += f": {why}" if why.startswith("YAML") else f"; {why}"
+    assert problems(f"{key}={text}") == [f"<defaults> (with --set): {line}"]
+    path = write(tmp_path, f"{section}:\n  {name}: {text}\n")
+    assert problems(path=path) == [f"{path}: {line}"]
+
+
+def test_curriculum_numbers_are_decimal_too():
+    assert problems("curriculum=[{seq_len: 010}]") == [
+        "<defaults> (with --set): curriculum[0].seq_len = '010': must be an integer >= 1 (at "
+        f"most {2**63 - 1}); numbers are read in decimal: YAML 1.1 would read 010 as the octal "
+        "8; write it without the leading 0"]
+
+
+def test_decimal_hex_binary_and_underscores_still_read(tmp_path: Path):
+    cfg = load_config(None, ["train.max_steps=1_000", "train.warmup_steps=0x10",
+                             "train.eval_every=0b11", "run.seed=-0", "train.lr=010.5",
+                             "train.min_lr=+1.5e-3", "curriculum=[{seq_len: 0x20}]"])
+    assert (cfg.train.max_steps, cfg.train.warmup_steps, cfg.train.eval_every, cfg.run.seed,
+            cfg.train.lr, cfg.train.min_lr, cfg.curriculum[0].seq_len) == (
+        1000, 16, 3, 0, 10.5, 1.5e-3, 32)
+    # A text field keeps a text that is no number (or would have been one in base 60).
+    assert load_config(None, ["run.name=1:30", "data.path=010"]).run.name == "1:30"
+
+
+# ----------------------------------------------------------------------------- merge keys
+
+
+def test_merge_keys_merge_and_the_mapping_overrides(tmp_path: Path):
+    """``<<: *anchor`` failed with "could not determine a constructor for the tag merge"."""
+    path = write(tmp_path, "model: &m {d_model: 16, n_heads: 2}\n"
+                           "run:\n  <<: {name: 007, seed: 5}\n  seed: 9\n"
+                           "curriculum:\n  - &s {seq_len: 8, until_step: 2}\n"
+                           "  - {<<: *s, until_step: null, seq_len: 16}\n"
+                           "train:\n  <<: [{lr: 0.1}, {max_steps: 7}]\n")
+    cfg = load_config(path)
+    assert (cfg.model.d_model, cfg.model.n_heads, cfg.run.name, cfg.run.seed) == (16, 2, "007", 9)
+    assert [(s.seq_len, s.until_step) for s in cfg.curriculum] == [(8, 2), (16, None)]
+    assert (cfg.train.lr, cfg.train.max_steps) == (0.1, 7)
+    # A key given twice in the mapping itself is still a duplicate, merge or not.
+    twice = write(tmp_path, "run:\n  <<: {seed: 5}\n  seed: 9\n  seed: 10\n", "twice.yaml")
+    assert problems(path=twice) == [f"{twice}: duplicate key 'seed' at line 4 (first given at "
+                                    "line 3); give each key once"]
+    bad = write(tmp_path, "run:\n  <<: 3\n", "bad.yaml")
+    assert problems(path=bad) == [f"{bad}: line 2, column 7: malformed YAML: expected a mapping "
+                                  "or list of mappings for merging, but found scalar"]
+
+
+def test_merge_keys_stay_under_the_alias_limit(tmp_path: Path):
+    """Merges of merges repeat what they merge: the same bound as any alias."""
+    lines = ["a: &a {" + ", ".join(f"k{i}: {i}" for i in range(9)) + "}"]
+    for previous, name in zip("abcdefgh", "bcdefghi", strict=True):
+        lines.append(f"{name}: &{name} {{<<: [{', '.join(['*' + previous] * 9)}]}}")
+    path = write(tmp_path, "\n".join(lines) + "\nrun:\n  <<: *i\n")
+    assert problems(path=path) == [
+        f"{path}: the YAML expands to more than 100,000 values through its aliases (each "
+        "*name repeats everything &name anchors); a config holds a few dozen: write the "
+        "values out instead"]
 
 
 def test_text_fields_still_take_null_and_quotes(tmp_path: Path):
@@ -740,3 +860,32 @@ def test_stages_training_never_reaches_are_not_counted(machine: int):
     stages = "curriculum=[{until_step: 10, seq_len: 64}, {seq_len: 1000000}]"
     assert Curriculum(load_config(None, [*sets, stages])).max_seq_len == 1000000
     assert "curriculum[1].seq_len = 1000000" in problems(*sets[:3], stages)[0]
+
+
+# ----------------------------------------------------------------------------- integer bounds
+
+
+@pytest.mark.parametrize(("command", "flag", "name"), [
+    ("sample", "--seed", "seed"), ("sample", "--num-samples", "num_samples"),
+    ("sample", "--length", "length"), ("sample", "--top-k", "top_k"),
+    ("eval", "--seq-len", "seq_len"), ("eval", "--batch-size", "batch_size"),
+])
+@pytest.mark.parametrize("value", [2**63, 2**64])
+def test_integer_flags_past_64_bits_name_the_bound_exceeded(command: str, flag: str, name: str,
+                                                            value: int):
+    """--seed 18446744073709551616 said "must be an integer >= 0", a bound it meets."""
+    from typer.testing import CliRunner
+
+    from fbtrain.cli import app
+
+    result = CliRunner().invoke(app, [command, "-c", "nowhere", flag, str(value)])
+    assert result.exit_code == 2
+    assert result.stderr.endswith(f"{name} = {value}: must be at most {2**63 - 1} (2**63 - 1)\n")
+    assert len(result.stderr.splitlines()) == 1
+
+
+@pytest.mark.parametrize("key", ["run.seed", "train.max_steps", "data.seed", "model.d_model"])
+def test_integer_keys_past_64_bits_name_the_bound(key: str):
+    assert problems(f"{key}={2**64}") == [
+        f"<defaults> (with --set): {key} = {2**64}: must fit in a 64-bit integer "
+        f"({-2**63} to {2**63 - 1})"]

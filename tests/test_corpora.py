@@ -9,6 +9,7 @@ import hashlib
 import io
 import json
 import random
+import sys
 import zipfile
 from functools import partial
 from pathlib import Path
@@ -16,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import Server
+from conftest import Server, bounded_run
 from typer.testing import CliRunner
 
 from fbtrain.cli import app
@@ -462,6 +463,54 @@ def test_text8_evaluates_on_test(tmp_path: Path, server: Server) -> None:
                             "--split", "test", "--json")
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["tokens"] == HELD_OUT - 1
+
+
+def test_eval_data_path_scores_any_text_with_the_byte_tokenizer(tmp_path: Path,
+                                                                 server: Server) -> None:
+    """An enwik8 checkpoint scores any file by bytes (was: "not 4,000 bytes"), split by
+    data.val_fraction, invalid UTF-8 included; training on data.path keeps the size check."""
+    server.routes["/enwik8.zip"] = zipped("enwik8", enwik8_bytes())
+    sets = [f"data.url={server.url('/enwik8.zip')}", f"data.cache_dir={tmp_path / 'cache'}"]
+    other = tmp_path / "other.bin"
+    data = "Grüße, naïve café\n".encode() * 30 + b"\xff\xfe"
+    other.write_bytes(data)
+    result = train_and_eval(tmp_path, str(ROOT / "configs" / "enwik8.yaml"), sets,
+                            "--data-path", str(other), "--json")
+    assert result.exit_code == 0, result.output
+    figures = json.loads(result.stdout)
+    n_train = int(len(data) * 0.9)
+    assert figures["split"] == "val" and figures["tokens"] == len(data) - n_train - 1
+    assert 0 < figures["bpc"] < 10
+    train = runner.invoke(app, ["eval", "-c", str(tmp_path / "runs" / "r"), "--device", "cpu",
+                                "--data-path", str(other), "--split", "train", "--json"])
+    assert json.loads(train.stdout)["tokens"] == n_train - 1
+    with pytest.raises(DataError, match=rf"^data.path {other} is {len(data)} bytes, not 4,000; "
+                       "point data.path at the unzipped enwik8"):
+        load_corpus(DataConfig(dataset="enwik8", path=str(other)))
+    empty = tmp_path / "empty.bin"
+    empty.write_bytes(b"")
+    refused = runner.invoke(app, ["eval", "-c", str(tmp_path / "runs" / "r"), "--device", "cpu",
+                                  "--data-path", str(empty)])
+    assert refused.exit_code == 2
+    assert refused.stderr == (f"error: data.path {empty} is empty; point it at a text file with "
+                              "content\n")
+    zero = bounded_run([sys.executable, "-m", "fbtrain", "eval", "-c", str(tmp_path / "runs" / "r"),
+                        "--device", "cpu", "--data-path", "/dev/zero"])  # was a MemoryError
+    assert zero.returncode == 2, zero.stderr
+    assert zero.stderr == ("error: data.path /dev/zero is a character device, not a text file; "
+                           "point it at a text file\n")
+
+
+def test_benchmark_data_path_that_is_a_device_is_named() -> None:
+    """Not "is 0 bytes" (in a subprocess with bounded memory: main's zip check read it)."""
+    code = ("from fbtrain.config import DataConfig\nfrom fbtrain.data.corpus import load_corpus\n"
+            "from fbtrain.data.errors import DataError\ntry:\n"
+            "    load_corpus(DataConfig(dataset='enwik8', path='/dev/zero'))\n"
+            "except DataError as e:\n    print(e)\n")
+    result = bounded_run([sys.executable, "-c", code])
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == ("data.path /dev/zero is a character device, not a file; point "
+                             "data.path at the unzipped enwik8\n")
 
 
 def test_text_without_a_test_split_says_which_splits_exist(tmp_path: Path) -> None:

@@ -9,15 +9,17 @@ import hashlib
 import json
 import logging
 import os
+import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import Server
+from conftest import Server, bounded_run
 
 from fbtrain.config import DataConfig
+from fbtrain.config.budget import format_bytes, physical_memory
 from fbtrain.data import fetch
 from fbtrain.data.errors import DataError
 from fbtrain.data.fetch import cache_dir, download
@@ -172,6 +174,51 @@ def test_local_path_problems_name_the_file(
         local.write_bytes(content)
     with pytest.raises(DataError, match=f"data.path {local}.*{match}"):
         load_text(cfg(tmp_path, refused_url, path=str(local)))
+
+
+# load_text(data.path=argv[1], data.url=argv[2]) in a subprocess; prints the DataError.
+_LOAD_TEXT = ("import sys\nfrom fbtrain.config import DataConfig\n"
+              "from fbtrain.data.errors import DataError\nfrom fbtrain.data.text import load_text\n"
+              "try:\n    load_text(DataConfig(path=sys.argv[1], url=sys.argv[2]))\n"
+              "except DataError as e:\n    print(e)\n")
+
+
+@pytest.mark.parametrize(("where", "kind"), [("/dev/zero", "a character device"),
+                                             ("/dev/urandom", "a character device"),
+                                             ("fifo", "a pipe (FIFO)")])
+def test_local_path_that_is_not_a_regular_file_is_refused_at_once(
+    tmp_path: Path, refused_url: str, where: str, kind: str
+) -> None:
+    """/dev/zero was read until a MemoryError; a FIFO would wait for a writer for ever (in a
+    subprocess with a timeout, so a regression fails instead of hanging the suite)."""
+    path = Path(where) if where.startswith("/") else tmp_path / where
+    if where == "fifo":
+        os.mkfifo(path)
+    if not path.exists():
+        pytest.skip(f"{path} does not exist here")
+    result = bounded_run([sys.executable, "-c", _LOAD_TEXT, str(path), refused_url])
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == (f"data.path {path} is {kind}, not a text file; point it at a text "
+                             "file\n")
+
+
+def test_local_text_larger_than_memory_is_refused_before_reading(tmp_path: Path,
+                                                                  refused_url: str) -> None:
+    """A sparse file the size of this machine's memory: reading it as text needs at least 7
+    times that, so it is refused from its size alone, in no time and no memory (in a
+    subprocess with bounded memory: a regression that reads it fails, the machine stays)."""
+    memory = physical_memory()
+    if memory is None:
+        pytest.skip("this system does not say how much memory it has")
+    local = tmp_path / "huge.txt"
+    with local.open("wb") as f:
+        f.truncate(memory)
+    result = bounded_run([sys.executable, "-c", _LOAD_TEXT, str(local), refused_url])
+    assert result.returncode == 0, result.stderr
+    size = format_bytes(memory)
+    assert result.stdout == (f"data.path {local} is {size}: reading and tokenizing it needs at "
+                             f"least {format_bytes(7 * memory)} of memory (7 bytes per byte of "
+                             f"the file) but this machine has {size}; use a smaller file\n")
 
 
 def test_cache_dir_precedence(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -546,3 +593,42 @@ def test_stream_layout_state_and_problems() -> None:
         SegmentReader(torch.arange(80), n_streams=2).load_state_dict(layout.state_dict())
     with pytest.raises(DataError, match="too short for 8 streams: 8 tokens, need at least 9"):
         SegmentReader(torch.arange(8), n_streams=4, rank=1, world_size=2)
+
+
+# ----------------------------------------------------------------------------- window lengths
+
+
+@pytest.mark.parametrize(("sets", "message"), [
+    (["train.context=carry", "model.max_rel_pos=200"],
+     "validation text too short: 300 tokens, but each validation window reads 200 of carried "
+     "context (the memory window) and 200 scored (with train.context carry, a memory window) "
+     "tokens, so it needs at least 401 (the memory window is model.max_rel_pos = 200, as "
+     "model.mem_len is null); use a smaller model.mem_len, a larger data.val_fraction or a "
+     "longer text"),
+    (["train.context=carry", "model.max_rel_pos=200", "model.mem_len=150",
+      "curriculum=[{seq_len: 180}]"],
+     "validation text too short: 300 tokens, but each validation window reads 150 of carried "
+     "context (the memory window) and 180 scored (the longest curriculum seq_len) tokens, so it "
+     "needs at least 331 (the memory window is model.mem_len = 150); use a smaller "
+     "model.mem_len, a shorter curriculum seq_len, a larger data.val_fraction or a longer text"),
+    (["model.max_rel_pos=400", "curriculum=[{seq_len: 400}]"],
+     "validation text too short: 300 tokens, but each validation window reads 400 scored (the "
+     "longest curriculum seq_len) tokens, so it needs at least 401; use a shorter curriculum "
+     "seq_len, a larger data.val_fraction or a longer text"),
+])
+def test_short_validation_text_names_the_keys_of_its_window(tmp_path: Path, sets: list[str],
+                                                             message: str) -> None:
+    """It said "too short for seq_len 400 ... use a shorter curriculum seq_len" for a length
+    that came from model.max_rel_pos (200 of context + 200 scored), configured nowhere."""
+    from typer.testing import CliRunner
+
+    from fbtrain.cli import app
+
+    text = tmp_path / "small.txt"
+    text.write_text("".join(chr(97 + i % 26) for i in range(3000)), encoding="utf-8")
+    args = ["train", "--config", str(Path(__file__).parent.parent / "configs" / "tiny.yaml"),
+            "--device", "cpu", "--set", f"data.path={text}", "--set",
+            f"run.out_dir={tmp_path / 'runs'}", *sum((["--set", s] for s in sets), [])]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2
+    assert result.stderr == f"error: {message}\n"

@@ -12,6 +12,7 @@ import torch
 from test_sample import KINDS, VOCAB, one_thread, tiny_model, write_run  # noqa: F401
 
 from fbtrain import evaluate
+from fbtrain.checkpoint import CheckpointError
 from fbtrain.data.errors import DataError
 from fbtrain.data.streams import split
 from fbtrain.data.tokenizers import CharTokenizer
@@ -225,23 +226,26 @@ def huge_run(tmp_path: Path) -> Path:
     return tmp_path / "huge"
 
 
-def test_eval_of_a_diverged_model_gives_valid_json(huge_run: Path) -> None:
-    result = evaluate.run(str(huge_run), device="cpu")
-    assert not math.isfinite(result["loss"])
-    parsed = json.loads(json.dumps(json_safe(result), allow_nan=False))
-    assert parsed["loss"] is None and parsed["bpc"] is None and parsed["tokens"] > 0
-    assert "loss" in format_result(result)  # the table still prints (as nan)
+def test_eval_of_a_diverged_model_is_refused(huge_run: Path) -> None:
+    """It printed 'loss nan' and exited 0 where sample refuses the same checkpoint."""
+    best = huge_run / "checkpoints" / "best.pt"
+    with pytest.raises(CheckpointError, match=rf"^{best}: cannot score it: the loss is nan, as "
+                       r"the model's predictions are NaN or inf \(its weights are so large "
+                       r"that the logits overflow\)$"):
+        evaluate.run(str(huge_run), device="cpu")
 
 
-def test_cli_eval_json_is_strict_json(huge_run: Path) -> None:
+def test_cli_eval_of_a_diverged_model_is_one_line_and_exit_2(huge_run: Path) -> None:
     from typer.testing import CliRunner
 
     from fbtrain.cli import app
 
     result = CliRunner().invoke(app, ["eval", "-c", str(huge_run), "--json", "--device", "cpu"])
-    assert result.exit_code == 0
-    parsed = json.loads(result.stdout, parse_constant=lambda name: pytest.fail(name))
-    assert parsed["loss"] is None
+    assert result.exit_code == 2 and result.stdout == ""
+    assert result.stderr.splitlines() == [
+        f"error: {huge_run / 'checkpoints' / 'best.pt'}: cannot score it: the loss is nan, as "
+        "the model's predictions are NaN or inf (its weights are so large that the logits "
+        "overflow)"]
 
 
 # ----------------------------------------------------------------------------- the run's line

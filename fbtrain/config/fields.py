@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import re
 import types
 import typing
 from typing import Any
@@ -64,6 +65,27 @@ def coerce(value: Any, allowed: tuple[type, ...]) -> tuple[bool, Any]:
     return isinstance(value, tuple(t for t in allowed if t is not type(None))), value
 
 
+# Numbers YAML 1.1 would read in a base no one means: a leading 0 (octal) or colons (base
+# 60). fbtrain's loader (load.py) leaves them text; this says why such a text is refused.
+_NOT_DECIMAL = re.compile(r"[-+]?(?:0[0-9_]+(?:\.[0-9_]*)?"  # 010, 010.5
+                          r"|[0-9][0-9_]*(?::[0-5]?[0-9])+(?:\.[0-9_]*)?)")  # 1:30, 1:30.5
+
+
+def decimal_hint(value: Any) -> str:
+    """For a text an int or float key refused, why it is not a number here ('' if that is
+    not the reason): ``'; numbers are read in decimal: YAML 1.1 would read 010 as the
+    octal 8; write it without the leading 0'``."""
+    if not (isinstance(value, str) and _NOT_DECIMAL.fullmatch(value)):
+        return ""
+    yaml11 = yaml.load(value, Loader=yaml.SafeLoader)  # what PyYAML's YAML 1.1 makes of it
+    if ":" in value:
+        return (f"; numbers are read in decimal: YAML 1.1 would read {value} in base 60, as "
+                f"{yaml11}; write it as one decimal number")
+    octal = (f": YAML 1.1 would read {value} as the octal {yaml11}" if isinstance(yaml11, int)
+             else "")
+    return f"; numbers are read in decimal{octal}; write it without the leading 0"
+
+
 def field_problems(section: Any) -> list[tuple[str, Any, str]]:
     """Range/choice checks from field metadata, for values of the right type."""
     out = []
@@ -88,6 +110,17 @@ def field_problems(section: Any) -> list[tuple[str, Any, str]]:
         if "max" in meta and value > meta["max"]:
             out.append((f.name, value, f"must be <= {meta['max']}"))
     return out
+
+
+def int_bound(value: Any) -> str:
+    """The 64-bit bound an integer ``value`` exceeds ('' when it is within them): what a
+    message says, rather than a lower bound the value meets."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value > INT64_MAX:
+            return f"at most {INT64_MAX} (2**63 - 1)"
+        if value < INT64_MIN:
+            return f"at least {INT64_MIN} (-2**63)"
+    return ""
 
 
 def unfit_number(value: int | float) -> str:

@@ -9,33 +9,34 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import os
+import re
 import typing
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from fbtrain.config.budget import format_bytes
 from fbtrain.config.errors import ConfigError, cut, show
 from fbtrain.config.fields import allowed_types, yaml_copy
 from fbtrain.config.tree import SECTIONS, Config
 from fbtrain.config.validate import config_from_dict
-from fbtrain.io import atomic_write_text
+from fbtrain.io import NotRegularFileError, atomic_write_text, open_regular
 
 # A YAML document may stand for far more values than it holds: nine levels of nine aliases
 # of nine strings are 400 bytes and 387 million strings. No config comes near this.
 MAX_YAML_VALUES = 100_000
+# The largest shipped config is under 3 KiB; 1 MiB is hundreds of configs' worth, and
+# PyYAML (pure Python) parses about 1 MB a second, so a bigger file is refused at once
+# rather than after minutes of parsing (a 100 MB text took 112 s to be refused).
+MAX_CONFIG_BYTES = 1 << 20
 
 
 def read_yaml(path: str | Path) -> Any:
     """Read a YAML file; unreadable files and syntax errors become a one-line ConfigError."""
     path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ConfigError([f"{path}: config file not found"]) from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError([f"{path}: cannot read config file: {e}"]) from None
-    loader = _UniqueKeyLoader(text)
+    loader = _UniqueKeyLoader(_config_text(path))
     try:
         data = loader.get_single_data()
     except yaml.YAMLError as e:
@@ -52,6 +53,32 @@ def read_yaml(path: str | Path) -> Any:
     if loader.duplicates:
         raise ConfigError([f"{path}: {d}" for _, d in sorted(loader.duplicates)])
     return data
+
+
+def _config_text(path: Path) -> str:
+    """The text of config file ``path``, read only when it is a regular file of at most
+    MAX_CONFIG_BYTES (``/dev/zero`` would fill the memory, ``/dev/urandom`` never ends, a
+    FIFO would wait for a writer); a one-line ConfigError otherwise."""
+    try:
+        with open_regular(path) as f:
+            size = os.fstat(f.fileno()).st_size
+            raw = f.read(MAX_CONFIG_BYTES + 1) if size <= MAX_CONFIG_BYTES else b""
+    except FileNotFoundError:
+        raise ConfigError([f"{path}: config file not found"]) from None
+    except NotRegularFileError as e:
+        raise ConfigError([f"{path}: is {e.kind}, not a config file; --config takes a YAML "
+                           "file"]) from None
+    except OSError as e:
+        raise ConfigError([f"{path}: cannot read config file: {e.strerror or e}"]) from None
+    if max(size, len(raw)) > MAX_CONFIG_BYTES:  # len(raw): a file still growing as it is read
+        raise ConfigError([f"{path}: {format_bytes(max(size, len(raw)))} is too big for a config "
+                           f"file (at most {format_bytes(MAX_CONFIG_BYTES)}; a config is a few "
+                           "KiB): is it the right file?"])
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError([f"{path}: cannot read config file: not UTF-8 text (byte "
+                           f"{e.start})"]) from None
 
 
 class _YAMLTooBig(Exception):
@@ -126,6 +153,26 @@ class _BoundedLoader(yaml.SafeLoader):
         """A look at the composed document before it is built (nothing here)."""
 
 
+_INT_TAG, _FLOAT_TAG = "tag:yaml.org,2002:int", "tag:yaml.org,2002:float"
+# YAML 1.1 (PyYAML) reads a leading 0 as octal (010 is 8) and colons as base 60 (1:30 is
+# 90, 1:00:00 is 3600): silently, and never what a config meant. These resolvers read
+# integers in decimal (or 0x hex, 0b binary: a prefix no one writes by accident) and floats
+# without base 60; the rest is left text, which an int or float key then refuses, naming
+# the key and the value (fields.decimal_hint says why).
+_BoundedLoader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag not in (_INT_TAG, _FLOAT_TAG)]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+_BoundedLoader.add_implicit_resolver(
+    _INT_TAG, re.compile(r"^(?:[-+]?0b[0-1_]+|[-+]?0x[0-9a-fA-F_]+|[-+]?(?:0|[1-9][0-9_]*))$"),
+    list("-+0123456789"))
+_BoundedLoader.add_implicit_resolver(
+    _FLOAT_TAG, re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+][0-9]+)?
+                           |\.[0-9][0-9_]*(?:[eE][-+][0-9]+)?
+                           |[-+]?\.(?:inf|Inf|INF)
+                           |\.(?:nan|NaN|NAN))$""", re.X),
+    list("-+0123456789."))
+
+
 def _load_yaml_value(text: str) -> Any:
     """yaml.safe_load of one --set value, under the same bound as a file."""
     loader = _BoundedLoader(text)
@@ -136,6 +183,7 @@ def _load_yaml_value(text: str) -> Any:
 
 
 _STR_TAG, _NULL_TAG = "tag:yaml.org,2002:str", "tag:yaml.org,2002:null"
+_MERGE_TAG = "tag:yaml.org,2002:merge"
 
 
 class _UniqueKeyLoader(_BoundedLoader):
@@ -146,6 +194,7 @@ class _UniqueKeyLoader(_BoundedLoader):
     def __init__(self, stream: str):
         super().__init__(stream)
         self.duplicates: list[tuple[int, str]] = []  # (line, message)
+        self._checked: set[int] = set()  # ids of the mappings checked for duplicates
 
     def before_construct(self, node: yaml.Node) -> None:
         """Text fields (run.name, data.path, ...) keep the text written: YAML 1.1 would read
@@ -153,10 +202,12 @@ class _UniqueKeyLoader(_BoundedLoader):
         (unquoted) scalars that would not be null change; as --set does (apply_overrides)."""
         if not isinstance(node, yaml.MappingNode):
             return
+        self.flatten_mapping(node)  # merged-in sections and keys are looked at too
         for section_node, body in node.value:
             if not (isinstance(section_node, yaml.ScalarNode)
                     and isinstance(body, yaml.MappingNode)):
                 continue
+            self.flatten_mapping(body)
             for i, (key_node, value_node) in enumerate(body.value):
                 if (isinstance(key_node, yaml.ScalarNode)
                         and isinstance(value_node, yaml.ScalarNode)
@@ -168,9 +219,21 @@ class _UniqueKeyLoader(_BoundedLoader):
                                            value_node.end_mark, style=None)
                     body.value[i] = (key_node, text)
 
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+    def flatten_mapping(self, node: yaml.MappingNode) -> None:
+        """Merge keys (``<<: *defaults``) spliced in, as PyYAML does, after noting the keys
+        this mapping itself gives twice: a key a merge brings in and the mapping then sets
+        is an override, as YAML means it, not a duplicate. Called again on a mapping
+        already spliced (by before_construct, then by its construction): checked once."""
+        if id(node) not in self._checked:
+            self._checked.add(id(node))
+            self._note_duplicates(node)
+        super().flatten_mapping(node)
+
+    def _note_duplicates(self, node: yaml.MappingNode) -> None:
         first_line: dict[Any, int] = {}
         for key_node, _ in node.value:
+            if key_node.tag == _MERGE_TAG:
+                continue
             key = self.construct_object(key_node, deep=True)
             line = key_node.start_mark.line + 1
             try:
@@ -180,9 +243,8 @@ class _UniqueKeyLoader(_BoundedLoader):
                                             "give each key once"))
                 else:
                     first_line[key] = line
-            except TypeError:  # an unhashable key: construct_mapping below reports it
+            except TypeError:  # an unhashable key: construct_mapping reports it
                 pass
-        return super().construct_mapping(node, deep=deep)
 
 
 def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:

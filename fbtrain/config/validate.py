@@ -14,7 +14,7 @@ from typing import Any
 
 from fbtrain.config.budget import memory_problem
 from fbtrain.config.errors import ConfigError, cut, show
-from fbtrain.config.fields import INT64_MAX, allowed_types, coerce, type_name
+from fbtrain.config.fields import INT64_MAX, allowed_types, coerce, decimal_hint, type_name
 from fbtrain.config.schema import DEFAULT_CURRICULUM, CurriculumStage
 from fbtrain.config.tree import SECTIONS, Config
 
@@ -45,6 +45,7 @@ def _build_section(cls: type, raw: Any, name: str, where: str, problems: list[st
         if not ok:
             problems.append(
                 f"{where}: {name}.{key} = {show(value)}: must be {type_name(accepted)}"
+                f"{decimal_hint(value)}"
             )
             continue
         values[key] = coerced
@@ -82,7 +83,7 @@ def _build_curriculum(raw: Any, where: str, problems: list[str]) -> list[Curricu
         if (not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 1
                 or seq_len > INT64_MAX):
             problems.append(f"{where}: {key}.seq_len = {show(seq_len)}: must be an integer "
-                            f">= 1 (at most {INT64_MAX})")
+                            f">= 1 (at most {INT64_MAX}){decimal_hint(seq_len)}")
             continue
         last = i == len(raw) - 1
         if until is None and not last:
@@ -93,7 +94,8 @@ def _build_curriculum(raw: Any, where: str, problems: list[str]) -> list[Curricu
             if (not isinstance(until, int) or isinstance(until, bool) or until <= previous
                     or until > INT64_MAX):
                 problems.append(f"{where}: {key}.until_step = {show(until)}: must be an integer "
-                                f"> {previous} (stages run in order; at most {INT64_MAX})")
+                                f"> {previous} (stages run in order; at most {INT64_MAX})"
+                                f"{decimal_hint(until)}")
                 continue
             previous = until
         stages.append(CurriculumStage(seq_len=seq_len, until_step=until))

@@ -27,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import zipfile
 import zlib
 from collections.abc import Callable, Sequence
@@ -47,7 +48,7 @@ from fbtrain.data.fetch import (
     file_sha256,
 )
 from fbtrain.data.sources import SOURCES, Source
-from fbtrain.io import atomic_write, atomic_write_text
+from fbtrain.io import NotRegularFileError, atomic_write, atomic_write_text, open_regular
 
 log = logging.getLogger(__name__)
 
@@ -257,13 +258,14 @@ def _alphabet_problem(raw: torch.Tensor, present: Sequence[int], source: Source,
 
 def _check_size(path: Path, what: str, fix: str) -> None:
     try:
-        size = path.stat().st_size
+        with open_regular(path) as f:  # a device or a FIFO is never read (nor waited on)
+            size = os.fstat(f.fileno()).st_size
     except FileNotFoundError:
         raise DataError(f"{what}: file not found; check the path") from None
+    except NotRegularFileError as e:
+        raise DataError(f"{what} is {e.kind}, not a file; {fix}") from None
     except OSError as e:
         raise DataError(f"{what}: cannot read it ({e.strerror or one_line(str(e))})") from None
-    if path.is_dir():
-        raise DataError(f"{what} is a folder; {fix}")
     if size != SIZE:
         zipped = " (a zip archive: unzip it first)" if zipfile.is_zipfile(path) else ""
         raise DataError(f"{what} is {size:,} bytes, not {SIZE:,}{zipped}; {fix}")

@@ -20,15 +20,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from fbtrain.config import DataConfig
 from fbtrain.data import algorithmic, archives
-from fbtrain.data.errors import VocabularyError
+from fbtrain.data.errors import DataError, VocabularyError
 from fbtrain.data.sources import SOURCES
 from fbtrain.data.streams import IGNORE_INDEX, Stream, next_token_stream, split
-from fbtrain.data.text import load_text
+from fbtrain.data.text import load_text, read_local
 from fbtrain.data.tokenizers import ByteTokenizer, CharTokenizer, Tokenizer, WordTokenizer
 
 ALGORITHMIC = "algorithmic"
@@ -54,8 +55,13 @@ class Corpus:
         return self.splits[name]
 
 
-def load_corpus(data_cfg: DataConfig, vocab: Sequence[str] | None = None) -> Corpus:
+def load_corpus(data_cfg: DataConfig, vocab: Sequence[str] | None = None, *,
+                any_text: bool = False) -> Corpus:
     """The dataset ``data_cfg`` names; ``vocab`` (a checkpoint's) fixes the token ids.
+
+    ``any_text``: ``data.path`` is any text to score (``fbtrain eval --data-path``), not the
+    benchmark's own file: read with the dataset's tokenization (bytes for enwik8) and split
+    by ``data.val_fraction``, without the standard size check and split.
 
     Downloads into the cache when needed (under DDP the trainer lets rank 0 call this
     first). Raises DataError when the data does not fit ``vocab``.
@@ -64,7 +70,10 @@ def load_corpus(data_cfg: DataConfig, vocab: Sequence[str] | None = None) -> Cor
         return algorithmic_corpus(data_cfg, vocab)
     source = SOURCES.get(data_cfg.dataset)
     if source is not None and source.archived:
-        return benchmark_corpus(data_cfg, vocab)
+        if not (any_text and data_cfg.path):
+            return benchmark_corpus(data_cfg, vocab)
+        if source.tokenization == "byte":
+            return byte_text_corpus(data_cfg, vocab)
     text = load_text(data_cfg)
     tokenizer = CharTokenizer(vocab) if vocab else CharTokenizer.from_text(text)
     ids = tokenizer.encode(text)
@@ -94,6 +103,27 @@ def benchmark_corpus(data_cfg: DataConfig, vocab: Sequence[str] | None = None) -
     splits = {split_name: next_token_stream(ids[start:end])
               for split_name, (start, end) in archives.split_bounds().items()}
     return Corpus(tokenizer, splits, labelled=False)
+
+
+# Reading a text as bytes takes its bytes and their uint8 ids: 2 bytes a byte.
+BYTE_TEXT_MEMORY_PER_BYTE = 2
+
+
+def byte_text_corpus(data_cfg: DataConfig, vocab: Sequence[str] | None = None) -> Corpus:
+    """The file ``data.path``, any size, one token per byte (as enwik8 is read), split into
+    ``train`` and ``val`` by ``data.val_fraction``; ids are uint8 ``[n]``."""
+    assert data_cfg.path is not None
+    where = f"data.path {Path(data_cfg.path).expanduser()}"
+    data = read_local(data_cfg.path, BYTE_TEXT_MEMORY_PER_BYTE)
+    if not data:
+        raise DataError(f"{where} is empty; point it at a text file with content")
+    raw = torch.frombuffer(data, dtype=torch.uint8)  # the bytes read, not a copy
+    present = archives.present_bytes(raw)
+    tokenizer = ByteTokenizer(vocab if vocab else [chr(b) for b in present])
+    ids = archives.encode_bytes(raw, tokenizer.tokens, present, where)  # uint8 [n]
+    train, val = split(ids, data_cfg.val_fraction)
+    return Corpus(tokenizer, {"train": next_token_stream(train), "val": next_token_stream(val)},
+                  labelled=False)
 
 
 def algorithmic_corpus(data_cfg: DataConfig, vocab: Sequence[str] | None = None) -> Corpus:

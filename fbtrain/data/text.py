@@ -9,9 +9,11 @@ refused with a :class:`~fbtrain.data.errors.DataError` and never kept in the cac
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 from fbtrain.config import DataConfig
+from fbtrain.config.budget import format_bytes, physical_memory
 from fbtrain.data.errors import DataError, one_line
 from fbtrain.data.fetch import (
     OFFLINE_HINT,
@@ -21,11 +23,12 @@ from fbtrain.data.fetch import (
     download,
     sha256_bytes,
 )
+from fbtrain.io import NotRegularFileError, open_regular
 
 log = logging.getLogger(__name__)
 
 
-def _decode(raw: bytes, what: str, fix: str | None = None) -> str:
+def _decode(raw: bytes | bytearray, what: str, fix: str | None = None) -> str:
     """``raw`` as UTF-8 text; DataError "<what> is not valid UTF-8 / is empty; <fix>" (fix
     None: the advice for a local file)."""
     try:
@@ -38,20 +41,52 @@ def _decode(raw: bytes, what: str, fix: str | None = None) -> str:
     return text
 
 
-def _read_local(path_str: str) -> str:
-    """The text of ``data.path`` (never the network); DataError naming the file otherwise."""
+# Memory that reading and tokenizing a text takes, per byte of the file, at least: the
+# bytes read (1), then for each character - there is one per 4 bytes of UTF-8 at least -
+# its entry in the tokenizer's list of pieces and of ids and its int64 id (24). So a text
+# the machine could not hold is refused before a byte is read, not by a MemoryError.
+TEXT_MEMORY_PER_BYTE = 7
+
+
+def read_local(path_str: str, memory_per_byte: int = TEXT_MEMORY_PER_BYTE) -> bytearray:
+    """The bytes of ``data.path`` (never the network): a regular file only (``/dev/zero``
+    would be read without end), and one whose ``memory_per_byte`` times its size fits this
+    machine's memory (:func:`fbtrain.config.budget.physical_memory`); DataError naming the
+    file otherwise."""
     path = Path(path_str).expanduser()
     try:
-        raw = path.read_bytes()
+        with open_regular(path) as f:
+            size = os.fstat(f.fileno()).st_size
+            _check_memory(path, size, memory_per_byte)
+            raw = bytearray(size)
+            del raw[f.readinto(raw):]  # a file cut short while read is read as it is
     except FileNotFoundError:
         raise DataError(f"data.path {path}: file not found; check the path") from None
-    except IsADirectoryError:
-        raise DataError(f"data.path {path} is a folder; point it at a text file") from None
+    except NotRegularFileError as e:
+        raise DataError(f"data.path {path} is {e.kind}, not a text file; point it at a text "
+                        "file") from None
     except OSError as e:
         raise DataError(
             f"data.path {path}: cannot read it ({e.strerror or one_line(str(e))})"
         ) from None
-    return _decode(raw, f"data.path {path}")
+    return raw
+
+
+def _check_memory(path: Path, size: int, per_byte: int) -> None:
+    """DataError when a file of ``size`` bytes, at ``per_byte`` bytes of memory each,
+    cannot fit in this machine's memory (nothing is checked where the system does not say)."""
+    available = physical_memory()
+    need = size * per_byte
+    if available is not None and need > available:
+        raise DataError(f"data.path {path} is {format_bytes(size)}: reading and tokenizing it "
+                        f"needs at least {format_bytes(need)} of memory ({per_byte} bytes per "
+                        f"byte of the file) but this machine has {format_bytes(available)}; "
+                        "use a smaller file")
+
+
+def _read_local(path_str: str) -> str:
+    """The text of ``data.path``: :func:`read_local`, decoded."""
+    return _decode(read_local(path_str), f"data.path {Path(path_str).expanduser()}")
 
 
 def _cached_text(dest: Path, expected: str | None, warn: bool) -> str | None:

@@ -36,7 +36,7 @@ from fbtrain.data.corpus import Corpus, load_corpus
 from fbtrain.data.errors import DataError, VocabularyError
 from fbtrain.data.identity import DataIdentity
 from fbtrain.data.samplers import BatchSampler, SegmentReader, fixed_windows
-from fbtrain.data.streams import require_tokens
+from fbtrain.data.streams import IGNORE_INDEX, require_tokens
 from fbtrain.device import autocast_dtype
 from fbtrain.distributed import DistContext
 from fbtrain.messages import is_int, is_number
@@ -197,11 +197,47 @@ def load_data(cfg: Config, ctx: DistContext, vocab: list[str] | None,
     scored = max_seq_len
     if carry:
         scored = max(scored, cfg.model.memory_window)
+    _check_validation_length(cfg, len(val_ids.inputs), scored, context)
     val_x, val_y = fixed_windows(val_ids, scored, cfg.train.eval_windows, context=context)
+    if corpus.labelled and not bool((val_y != IGNORE_INDEX).any()):
+        # Validation would be NaN at every evaluation and best.pt never written.
+        raise DataError(f"the {len(val_x)} validation windows ({val_x.shape[1]} tokens each) "
+                        "hold no labelled target (a print's ;), so validation has nothing to "
+                        "score; use a longer curriculum seq_len, more train.eval_windows, or "
+                        "more data.valid_programs or a longer data.program_len")
     return TrainData(tokenizer=corpus.tokenizer, labelled=corpus.labelled, train_ids=train_ids,
                      val_x=val_x.to(ctx.device), val_y=val_y.to(ctx.device),
                      n_chars=(len(train_ids.inputs), len(val_ids.inputs)),
                      identity=DataIdentity(cfg.data, corpus.splits))
+
+
+def _check_validation_length(cfg: Config, predictions: int, scored: int, context: int
+                             ) -> None:
+    """DataError when the validation split (``predictions`` [n]) cannot hold one window of
+    ``context`` unscored + ``scored`` scored tokens, naming the keys those lengths come from
+    (a carried memory's length is model.mem_len or max_rel_pos, not a curriculum seq_len)."""
+    span = context + scored
+    if predictions >= span:
+        return
+    model = cfg.model
+    window = (f"model.mem_len = {model.mem_len}" if model.mem_len is not None
+              else f"model.max_rel_pos = {model.max_rel_pos}, as model.mem_len is null")
+    longest = max(stage.seq_len for stage in cfg.curriculum)
+    reads = [f"{scored} scored (" + ("the longest curriculum seq_len" if scored == longest
+                                     else "with train.context carry, a memory window") + ")"]
+    if context:
+        source = ("the memory window" if context == model.memory_window
+                  else "the longest program, from data.program_len")
+        reads.insert(0, f"{context} of carried context ({source})")
+    uses_window = context == model.memory_window or scored != longest
+    fixes = (["a smaller model.mem_len"] if uses_window else []) + (
+        ["a shorter curriculum seq_len"] if scored == longest else [])
+    fixes += (["more data.valid_programs"] if cfg.data.dataset == "algorithmic"
+              else ["a larger data.val_fraction", "a longer text"])
+    raise DataError(f"validation text too short: {predictions + 1} tokens, but each validation "
+                    f"window reads {' and '.join(reads)} tokens, so it needs at least "
+                    f"{span + 1}{f' (the memory window is {window})' if uses_window else ''}; use "
+                    f"{', '.join(fixes[:-1])} or {fixes[-1]}")
 
 
 def _main_rank_first(cfg: Config, ctx: DistContext, load: Callable[[], Corpus]) -> Corpus:

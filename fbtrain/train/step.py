@@ -64,7 +64,8 @@ def train_step(run: Run, index: int, signals: StopSignals, last: Path) -> StepRe
     correct = torch.zeros((), dtype=torch.long, device=device)
     tokens = 0
     micro_batches = run.batches.micro_batches(seq_len, batch, device)
-    denominator = loss_denominator(ctx, [y for _, y, _ in micro_batches])
+    scored = step_scored(ctx, [y for _, y, _ in micro_batches])
+    denominator = loss_denominator(ctx, scored)
     for micro, (x, y, state) in enumerate(micro_batches):
         # DDP all-reduces gradients on the last micro-batch only.
         sync = micro == accum - 1 or not ctx.enabled
@@ -86,6 +87,11 @@ def train_step(run: Run, index: int, signals: StopSignals, last: Path) -> StepRe
     loss_value, norm_value, accuracy_value, stop = agree(run, loss_sum, grad_norm, accuracy,
                                                          signals)
     check_finite(run, index + 1, loss_value, norm_value, last)
+    if run.data.labelled and not bool(scored):
+        # No labelled target in the whole step: its loss, accuracy and gradient are not 0
+        # but undefined, so they are logged as null (as validation logs them); the update
+        # below is made as ever (a zero gradient), so training numbers do not change.
+        loss_value = norm_value = accuracy_value = math.nan
     run.scaler.step(run.optimizer)  # skips the step if fp16 gradients overflowed
     run.scaler.update()
     return StepResult(loss_value, norm_value, lr, seq_len, batch, tokens * ctx.world_size, stop,
@@ -93,26 +99,30 @@ def train_step(run: Run, index: int, signals: StopSignals, last: Path) -> StepRe
                       accuracy_value if run.data.labelled else None)
 
 
-def loss_denominator(ctx: DistContext, targets: list[Tensor]) -> Tensor:
-    """What each micro-batch's summed cross-entropy is divided by (a 0-dim float tensor).
+def step_scored(ctx: DistContext, targets: list[Tensor]) -> Tensor:
+    """The scored targets of the whole step (a 0-dim integer tensor): all its micro-batches
+    (``targets``, this rank's) on every rank - all targets for a text, the labelled ones for
+    a labelled dataset, which are spread unevenly - summed over ranks by one all-reduce
+    before the backward (as torchtitan does)."""
+    scored = sum(count_scored(y) for y in targets)
+    return ctx.all_reduce_sum(scored.clone()) if ctx.enabled else scored
 
-    The step's loss is the mean over every scored target of the whole step: all its
-    micro-batches (``targets``, this rank's) on every rank - all targets for a text, the
-    labelled ones for a labelled dataset, which are spread unevenly. So the divisor is the
-    step's global count, summed over ranks by one all-reduce before the backward (as
-    torchtitan does), over the world size, because DDP averages the ranks' gradients. A
-    rank's own count would make the loss a mean of per-rank means, which is not the loss of
-    one process on the same global batch when the ranks score different numbers of targets.
+
+def loss_denominator(ctx: DistContext, scored: Tensor) -> Tensor:
+    """What each micro-batch's summed cross-entropy is divided by (a 0-dim float tensor),
+    given the step's global count ``scored`` (:func:`step_scored`).
+
+    The step's loss is the mean over every scored target of the whole step, so the divisor
+    is that count, over the world size because DDP averages the ranks' gradients. A rank's
+    own count would make the loss a mean of per-rank means, which is not the loss of one
+    process on the same global batch when the ranks score different numbers of targets.
 
     Alone, or with equal counts on every rank, this is the rank's own count exactly (the
     global count over a power-of-two world size, or the count itself, is exact in float32),
     so a text's steps keep their numbers bit for bit.
     """
-    scored = sum(count_scored(y) for y in targets)
-    if not ctx.enabled:
-        return scored.clamp(min=1).float()
-    total = ctx.all_reduce_sum(scored.clone())
-    return total.clamp(min=1).float() / ctx.world_size
+    total = scored.clamp(min=1).float()
+    return total / ctx.world_size if ctx.enabled else total
 
 
 def agree(run: Run, loss: Tensor, grad_norm: Tensor, accuracy: Tensor, signals: StopSignals
