@@ -10,6 +10,13 @@ SHARED of the kernel's function); Triton's own metadata adds the dynamic shared 
 kernel is launched with (``metadata.shared``) and its warps. (``n_regs`` / ``n_spills`` on
 a compiled kernel are only filled in when a driver loads it, so they are not read here.)
 
+Triton fixes its mode when ``triton.language`` is imported: under ``TRITON_INTERPRET=1`` its
+own library functions (``tl.sum``, ``tl.max``...) are interpreter functions, and nothing can
+be compiled in that process (and without it, nothing interpreted). So where this process's
+Triton is the interpreter's (a test session that checks kernels in the interpreter, say),
+each compile runs in a child process with a compiling Triton (:func:`usage`, ``--worker``),
+which imports the kernel from its source file.
+
 What the check holds each kernel to (:meth:`Usage.problems`):
 - no stack frame and no local memory: either means registers spilled (or an array indexed
   at run time), which turns register traffic into memory traffic;
@@ -34,7 +41,10 @@ a second run takes seconds.
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import inspect
 import json
+import os
 import re
 import subprocess
 import sys
@@ -81,6 +91,18 @@ def cuobjdump() -> Path:
     import triton.backends.nvidia as nvidia
 
     return Path(nvidia.__file__).parent / "bin" / "cuobjdump"
+
+
+def triton_interpreting() -> bool:
+    """Whether this process's Triton was imported as the interpreter (TRITON_INTERPRET=1
+    when ``triton.language`` was first imported): it then cannot compile, and only then
+    can it interpret a kernel that calls Triton's library functions."""
+    lang = sys.modules.get("triton.language")
+    if lang is None:
+        return False
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(lang.sum, InterpretedFunction)
 
 
 _USAGE = re.compile(r"^\s*Function (\S+?):\s*$\n\s*(.*)$", re.MULTILINE)
@@ -151,8 +173,14 @@ def compile_kernel(fn: Any, signature: dict, constexprs: dict, arch: int):
 
 
 def usage(name: str, fn: Any, signature: dict, constexprs: dict, arch: int,
-          grid: Iterable[int] | None = None) -> Usage:
-    """Compile ``fn`` for sm_``arch`` and read its resource use (see the module docstring)."""
+          grid: Iterable[int] | None = None, isolated: bool | None = None) -> Usage:
+    """Compile ``fn`` for sm_``arch`` and read its resource use (see the module docstring).
+    ``isolated``: compile in a child process (default: where this process's Triton is the
+    interpreter's, which cannot compile)."""
+    if isolated is None:
+        isolated = triton_interpreting()
+    if isolated:
+        return _usage_in_child(name, fn, signature, constexprs, arch, grid)
     kernel = compile_kernel(fn, signature, constexprs, arch)
     with tempfile.TemporaryDirectory() as tmp:
         cubin = Path(tmp) / "kernel.cubin"
@@ -170,6 +198,40 @@ def usage(name: str, fn: Any, signature: dict, constexprs: dict, arch: int,
                  local=fields["LOCAL"], static_shared=fields["SHARED"],
                  dynamic_shared=kernel.metadata.shared, num_warps=kernel.metadata.num_warps,
                  programs=programs)
+
+
+def _usage_in_child(name: str, fn: Any, signature: dict, constexprs: dict, arch: int,
+                    grid: Iterable[int] | None) -> Usage:
+    """:func:`usage` in a child process without TRITON_INTERPRET; the kernel is imported
+    there from its source file, by its Python name."""
+    py = getattr(fn, "fn", fn)  # a JITFunction / InterpretedFunction wraps the function
+    job = {"file": inspect.getsourcefile(py), "attr": py.__name__, "name": name,
+           "signature": signature, "constexprs": constexprs, "arch": arch,
+           "grid": None if grid is None else list(grid)}
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, __file__, "--worker"], input=json.dumps(job),
+                          capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        raise RuntimeError(f"compiling {name} for sm_{arch} failed: "
+                           f"{proc.stderr.strip().splitlines()[-1:]}")
+    return Usage(**json.loads(proc.stdout.strip().splitlines()[-1]))
+
+
+def _worker() -> int:
+    """The child of :func:`_usage_in_child`: one job (JSON on stdin) -> Usage (JSON)."""
+    from triton.runtime.jit import JITFunction
+
+    job = json.loads(sys.stdin.read())
+    spec = importlib.util.spec_from_file_location("_fused_compile_kernels", job["file"])
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    fn = getattr(module, job["attr"])
+    if not isinstance(fn, JITFunction):
+        fn = JITFunction(getattr(fn, "fn", fn))
+    u = usage(job["name"], fn, job["signature"], job["constexprs"], job["arch"],
+              job["grid"], isolated=False)
+    print(json.dumps(asdict(u)))
+    return 0
 
 
 def run_sizes(config: Path) -> dict:
@@ -243,7 +305,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--arch", type=int, choices=ARCHS, action="append",
                         help="compute capability x10 (default: 90 and 80)")
     parser.add_argument("--json", type=Path, help="also write the rows here")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.worker:
+        return _worker()
     why = triton_missing()
     if why:
         print(f"error: {why}", file=sys.stderr)

@@ -99,6 +99,22 @@ def test_add_layernorm_compiles_without_a_gpu_and_fits(arch):
     assert u.problems() == []
 
 
+def test_a_compile_in_a_child_process_reads_the_same(monkeypatch, tmp_path):
+    """Where this process's Triton is the interpreter's (which cannot compile), the compile
+    runs in a child process that imports the kernel from its file: same figures."""
+    args = ("add_layernorm", add_layernorm, ADD_LN_SIG, {"D": 128, "BD": 128}, 90, (16,))
+    here = fused_compile.usage(*args)
+    monkeypatch.setattr(fused_compile, "triton_interpreting", lambda: True)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the child must not inherit it
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))  # and must compile, not reuse
+
+    def not_here(*a, **k):
+        raise AssertionError("compiled in the interpreting process")
+
+    monkeypatch.setattr(fused_compile, "compile_kernel", not_here)
+    assert fused_compile.usage(*args) == here
+
+
 def test_a_kernel_that_spills_fails_the_check():
     """Capped at 32 registers a thread, one warp cannot hold 2,048 values: it spills."""
     u = fused_compile.usage("softmax_row", softmax_row,
