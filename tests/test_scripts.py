@@ -65,7 +65,14 @@ def test_gpu_check_runs_its_cpu_stand_in(tmp_path: Path):
     report = json.loads(out.read_text())
     assert report["device"].startswith("no CUDA: a toy run on the CPU")
     assert "no CUDA: a toy run on the CPU" in proc.stdout.splitlines()[0]
-    assert all(report["checks"].values()) and len(report["checks"]) == 3
+    # The fused core's two checks where it runs (Triton installed: in its interpreter).
+    fused = "fused_fp32" in report
+    assert all(report["checks"].values()) and len(report["checks"]) == 3 + 2 * fused
+    if fused:
+        assert report["fused_fp32"]["tolerance"] == 1e-4
+        assert len(report["fused_exactness_max_abs_diff"]) == 2
+        assert all(d < 1e-9 for d in report["fused_exactness_max_abs_diff"].values())
+        assert "== fused" in proc.stdout
     assert "skipped" in report["tests"]["summary"]
     assert len(report["exactness_max_abs_diff"]) == 4
     assert all(d < 1e-9 for d in report["exactness_max_abs_diff"].values())
