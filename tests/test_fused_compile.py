@@ -5,6 +5,7 @@ overflow. Compiled kernels are cached in this test run's own folder."""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -181,14 +182,26 @@ def _fused_cases_or_skip(sizes: dict, shared_kv: bool) -> list:
     return fused_compile.fused_cases(sizes, shared_kv)
 
 
+# Compiling the fused core's kernels takes about 10-40 s each on a 2-core machine: by
+# default the test compiles the main job's for sm_90 (the H100/H200); the rest of the table
+# (sm_80, configs/gpu.yaml's sizes) is scripts/fused_compile.py's, or here with
+# FBTRAIN_COMPILE_ALL=1.
+FULL_TABLE_ENV = "FBTRAIN_COMPILE_ALL"
+
+
 @pytest.mark.parametrize("arch", fused_compile.ARCHS)
 @pytest.mark.parametrize("config", list(fused_compile.CONFIGS))
 def test_fused_core_kernels_compile_without_spills_within_shared_memory(config, arch):
     """Every kernel the fused core launches (feedback_kv; feedback's differ only in the
     number of key/value sets), at the config's last stage, dropout and memory_norm on."""
+    if (config, arch) != ("main", 90) and not os.environ.get(FULL_TABLE_ENV):
+        pytest.skip(f"{config} sm_{arch}: minutes of compiling; set {FULL_TABLE_ENV}=1 "
+                    "or run scripts/fused_compile.py")
     sizes = fused_compile.run_sizes(fused_compile.CONFIGS[config])
     cases = _fused_cases_or_skip(sizes, shared_kv=True)
     assert cases
+    problems = []
     for name, fn, signature, constexprs, grid in cases:
         u = fused_compile.usage(name, fn, signature, constexprs, arch, grid)
-        assert u.problems() == [], f"{config} sm_{arch} {name}: {u}"
+        problems += [f"{name}: {p}" for p in u.problems()]
+    assert problems == [], f"{config} sm_{arch}"
