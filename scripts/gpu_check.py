@@ -4,7 +4,8 @@ Sections, in order (each timed; the report ends with a summary line per check):
 
   tests    the CUDA-marked tests (``pytest -m cuda``)
   exact    float64 on the device against tests/reference.py: logits, loss and every
-           gradient of feedback_kv and feedback (memory_norm none and layernorm)
+           gradient of feedback_kv and feedback (memory_norm none and layernorm), on the
+           default core and on the fused core (FBTRAIN_CORE=fused)
   bench    training steps (forward, cross-entropy, backward, AdamW; bf16 autocast on CUDA)
            of feedback_kv, feedback and transformer at configs/gpu.yaml's sizes and at the
            CPU benchmark's (scripts/benchmark.py), T = 64 and 256: ms/step, tokens/s, peak
@@ -15,18 +16,24 @@ Sections, in order (each timed; the report ends with a summary line per check):
   graphs   feedback_kv and feedback at configs/gpu.yaml's sizes, T = 64, batch gpu.yaml's,
            16, 128 and 512, fp32: per step the host's launch calls (cudaLaunchKernel and
            kin; a graph replay is one cudaGraphLaunch) and the kernels the GPU ran (both
-           from torch.profiler), eager and CUDA-graphed (FBTRAIN_CUDA_GRAPHS=1) ms/step and
-           tokens/s, the GPU-busy share of each, whether the graphs were captured, and
-           whether graphed and eager steps agree bitwise (loss and every gradient, dropout
-           0.1). On the CPU stand-in: the ATen path's launches (scripts/launch_count.py) and
-           the eager step; no graphs
+           from torch.profiler), ATen eager, ATen CUDA-graphed (FBTRAIN_CUDA_GRAPHS=1) and
+           the fused core (FBTRAIN_CORE=fused, graphs asked for) ms/step and tokens/s, the
+           GPU-busy share of each, whether the graphs were captured, and whether graphed
+           and eager steps agree bitwise (loss and every gradient, dropout 0.1). On the CPU
+           stand-in: the ATen path's launches (scripts/launch_count.py), the eager step and
+           the fused core's step in Triton's interpreter; no graphs
+  fused    the fused core against the ATen path's eager step in float32 (logits, loss and
+           every gradient of one training step at configs/gpu.yaml's sizes, dropout 0):
+           logits within 1e-4, each gradient within 1e-4 of its largest entry (the bound
+           tests/test_fused_core.py holds the fused core to against the C++ core)
   profile  one feedback_kv training step at configs/gpu.yaml's sizes (T = 64) under
            torch.profiler: the share of its wall time the GPU is busy. Well below 1 means the
            step is launch-bound (the GPU waits for the CPU to queue thousands of small
            kernels), which is what CUDA graphs would address
 
 Without CUDA it runs the same path on the CPU at toy sizes and says so (CI runs it that way:
-the figures then mean nothing, the code paths are exercised), unless --require-cuda (what
+the figures then mean nothing, the code paths are exercised; the fused core then runs in
+Triton's interpreter, and is left out where Triton is missing), unless --require-cuda (what
 ``make gpu-check`` passes) makes that a failure. Exits 1 if a check fails.
 
     python scripts/gpu_check.py --require-cuda        # on a CUDA machine (make gpu-check)
@@ -37,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import os
 import platform
@@ -128,14 +136,70 @@ def run_cuda_tests(paths: list[str], budget: Budget) -> dict:
     return {"ok": proc.returncode in (0, 5), "summary": summary, "exit_code": proc.returncode}
 
 
-def check_exactness(device: torch.device, sizes: dict | None) -> dict[str, float]:
-    """Largest |fbtrain - reference| (logits, loss, gradients; float64) per kind and norm."""
+# The fused core's float32 bound against the ATen path (tests/test_fused_core.py's, against
+# the C++ core): logits absolute, gradients relative to each one's largest entry.
+FUSED_FP32_TOL = 1e-4
+
+
+def check_exactness(device: torch.device, sizes: dict | None,
+                    cases: tuple[tuple[str, str], ...] | None = None) -> dict[str, float]:
+    """Largest |fbtrain - reference| (logits, loss, gradients; float64) per kind and norm
+    (``cases``: (kind, memory_norm) pairs; default all four), on the core that
+    $FBTRAIN_CORE selects."""
     out = {}
-    for kind in ("feedback_kv", "feedback"):
-        for norm in ("none", "layernorm"):
-            out[f"{kind}/memory_norm={norm}"] = benchmark.check_exact(
-                kind, device=device, sizes={**(sizes or benchmark.SIZES), "memory_norm": norm})
+    for kind, norm in cases or [(k, n) for k in ("feedback_kv", "feedback")
+                                for n in ("none", "layernorm")]:
+        out[f"{kind}/memory_norm={norm}"] = benchmark.check_exact(
+            kind, device=device, sizes={**(sizes or benchmark.SIZES), "memory_norm": norm})
     return out
+
+
+def fused_unavailable(device: torch.device) -> str | None:
+    """Why the fused core cannot run on ``device`` in this process (one line), or None."""
+    from fbtrain.models.core import select
+
+    if not hasattr(select, "fused_unavailable"):
+        return "this fbtrain has no fused core"
+    if device.type != "cuda" and not os.environ.get("TRITON_INTERPRET"):
+        return "no CUDA and no TRITON_INTERPRET"
+    return select.fused_unavailable()
+
+
+def fused_runs() -> bool:
+    """Whether $FBTRAIN_CORE=fused gives the fused core here (not its fallback)."""
+    from fbtrain.models.core import select
+
+    return type(select.core()).__name__ == "FusedCore"
+
+
+def grads_of_step(model: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    """Logits and every gradient of one cross-entropy step of ``model`` on ``x``."""
+    model.zero_grad(set_to_none=True)
+    logits = model(x)[0]
+    torch.nn.functional.cross_entropy(logits.reshape(-1, benchmark.VOCAB),
+                                      x.reshape(-1)).backward()
+    return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def fused_agreement(device: torch.device, sizes: dict, batch: int, seq_len: int) -> dict:
+    """The fused core's float32 training step against the ATen path's eager one (same
+    weights, dropout 0): the largest logit difference and the largest gradient difference
+    relative to that gradient's largest entry, each against FUSED_FP32_TOL."""
+    results = []
+    for core in ("auto", "fused"):
+        with env_var("FBTRAIN_CORE", core), cuda_graphs(False):
+            torch.manual_seed(0)
+            model = build_model(benchmark.model_config("feedback_kv", sizes),
+                                benchmark.VOCAB).to(device).train()
+            x = torch.randint(0, benchmark.VOCAB, (batch, seq_len), device=device)
+            results.append(grads_of_step(model, x))
+    (logits, grads), (f_logits, f_grads) = results
+    logit_diff = (f_logits - logits).abs().max().item()
+    grad_rel = max(((f_grads[n] - g).abs().max() / g.abs().max().clamp_min(1e-30)).item()
+                   for n, g in grads.items())
+    return {"logits_max_abs_diff": logit_diff, "grads_max_rel_diff": grad_rel,
+            "tolerance": FUSED_FP32_TOL,
+            "ok": logit_diff <= FUSED_FP32_TOL and grad_rel <= FUSED_FP32_TOL}
 
 
 def bench_steps(device: torch.device, precision: torch.dtype | None, sizes: dict,
@@ -261,17 +325,26 @@ def busy_share(device: torch.device, precision: torch.dtype | None, sizes: dict,
 
 
 @contextlib.contextmanager
-def cuda_graphs(on: bool) -> Iterator[None]:
-    """``$FBTRAIN_CUDA_GRAPHS`` set to ``on`` for the block."""
-    saved = os.environ.get(graphs.GRAPHS_ENV)
-    os.environ[graphs.GRAPHS_ENV] = "1" if on else "0"
+def env_var(name: str, value: str) -> Iterator[None]:
+    """``$name`` set to ``value`` for the block."""
+    saved = os.environ.get(name)
+    os.environ[name] = value
     try:
         yield
     finally:
         if saved is None:
-            os.environ.pop(graphs.GRAPHS_ENV, None)
+            os.environ.pop(name, None)
         else:
-            os.environ[graphs.GRAPHS_ENV] = saved
+            os.environ[name] = saved
+
+
+def cuda_graphs(on: bool) -> contextlib.AbstractContextManager[None]:
+    """``$FBTRAIN_CUDA_GRAPHS`` set to ``on`` for the block."""
+    return env_var(graphs.GRAPHS_ENV, "1" if on else "0")
+
+
+# The modes of the graphs section: name -> ($FBTRAIN_CORE, CUDA graphs asked for).
+MODES = {"eager": ("auto", False), "graphed": ("auto", True), "fused": ("fused", True)}
 
 
 def _entry(kind: str, sizes: dict, batch: int, seq_len: int, device: torch.device,
@@ -319,11 +392,13 @@ def graphs_agree(kind: str, sizes: dict, batch: int, seq_len: int,
 
 
 def graph_steps(device: torch.device, sizes: dict, batches: tuple[int, ...], seq_len: int,
-                repeats: int, budget: Budget) -> dict:
+                repeats: int, budget: Budget, fused: bool = False) -> dict:
     """The graphs section (see the module docstring): per kind and batch, launches per
-    step, eager and graphed ms/step and tokens/s, busy shares and bitwise agreement."""
+    step, eager, graphed and (``fused``) fused-core ms/step and tokens/s, busy shares and
+    bitwise agreement."""
     out: dict = {}
     cuda = device.type == "cuda"
+    names = [n for n in MODES if (cuda or n != "graphed") and (fused or n != "fused")]
     for kind in ("feedback_kv", "feedback"):
         for batch in batches:
             key = f"{kind}/batch={batch}"
@@ -331,15 +406,16 @@ def graph_steps(device: torch.device, sizes: dict, batches: tuple[int, ...], seq
                 out[key] = "skipped: time budget"
                 continue
             row: dict = {"kind": kind, "batch": batch, "seq_len": seq_len}
-            modes = (False, True) if cuda else (False,)
-            for on in modes:
+            for name in names:
+                core, on = MODES[name]
                 graphs.release()  # this row's captures alone
-                with cuda_graphs(on):
+                with cuda_graphs(on and cuda), env_var("FBTRAIN_CORE", core):
                     entry, x = _entry(kind, sizes, batch, seq_len, device)
-                    for _ in range(3):  # warm-up (and, graphed, the captures)
+                    # Warm-up (and, graphed, the captures; fused, Triton's compiles). The
+                    # interpreted fused core on the CPU is slow: one warm-up step there.
+                    for _ in range(3 if cuda or name != "fused" else 1):
                         entry.step(x, x)
                     ms = statistics.median(entry.step(x, x) for _ in range(repeats)) * 1000
-                    name = "graphed" if on else "eager"
                     row[f"{name}_ms"] = ms
                     row[f"{name}_tokens_per_sec"] = batch * seq_len / ms * 1000
                     if cuda:
@@ -348,8 +424,9 @@ def graph_steps(device: torch.device, sizes: dict, batches: tuple[int, ...], seq
                         row[f"{name}_kernels"] = work["kernels"]
                         row[f"{name}_busy_share"] = (work["busy_ms"] / ms if work["kernels"]
                                                      else None)
-                    if on:  # a failed capture runs eagerly: the row must say so
-                        row["graphs"] = graphs.capture_status()
+                    if on and cuda:  # a failed capture runs eagerly: the row must say so
+                        row["graphs" if name == "graphed" else f"{name}_graphs"] = \
+                            graphs.capture_status()
             if cuda:
                 row["bitwise_equal"] = graphs_agree(kind, sizes, min(batch, 16), seq_len,
                                                     device)
@@ -382,6 +459,11 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 1
     device = torch.device("cuda" if cuda else "cpu")
+    if not cuda and importlib.util.find_spec("triton") and "triton" not in sys.modules:
+        # The fused core in Triton's interpreter: set before Triton is first imported (its
+        # mode is fixed then).
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    fused_why = fused_unavailable(device)
     precision = autocast_dtype("auto", device)  # what training uses: bf16 where the GPU has it
     if cuda:
         sizes_gpu, batch_gpu = gpu_sizes()
@@ -422,6 +504,24 @@ def main(argv: list[str] | None = None) -> int:
     report["checks"]["float64 exactness"] = all(d < 1e-9 for d in exact.values())
     for name, diff in exact.items():
         print(f"  {name:32s} {diff:.2e}  {'PASS' if diff < 1e-9 else 'FAIL'}")
+    if fused_why is None:
+        with env_var("FBTRAIN_CORE", "fused"):
+            runs = fused_runs()
+            # On the CPU the interpreter is slow: one case of each kind there.
+            fused_exact = check_exactness(device, None if cuda else TOY_SIZES, None if cuda
+                                          else (("feedback_kv", "none"),
+                                                ("feedback", "layernorm"))) if runs else {}
+        report["fused_exactness_max_abs_diff"] = fused_exact
+        report["checks"]["fused float64 exactness"] = runs and all(
+            d < 1e-9 for d in fused_exact.values())
+        if not runs:
+            print("  fused core: FBTRAIN_CORE=fused ran another core here: FAIL")
+        for name, diff in fused_exact.items():
+            print(f"  fused {name:26s} {diff:.2e}  {'PASS' if diff < 1e-9 else 'FAIL'}")
+    else:
+        print(f"  fused core: not run ({fused_why})")
+        if cuda:  # on a GPU it must run
+            report["checks"]["fused float64 exactness"] = False
 
     section("bench: training step (forward, loss, backward, AdamW)")
     report["bench"] = {}
@@ -461,7 +561,8 @@ def main(argv: list[str] | None = None) -> int:
     section("graphs: launches, eager vs CUDA-graphed steps (fp32)")
     sizes, batch = next(iter(size_sets.values()))
     batches = tuple(dict.fromkeys((batch, *GRAPH_BATCHES))) if cuda else (batch,)
-    graph_rows = graph_steps(device, sizes, batches, seq_lens[0], args.repeats, budget)
+    graph_rows = graph_steps(device, sizes, batches, seq_lens[0], args.repeats, budget,
+                             fused=fused_why is None)
     report["graphs"] = graph_rows
     if cuda:
         rows = [r for r in graph_rows.values() if isinstance(r, dict)]
@@ -487,7 +588,29 @@ def main(argv: list[str] | None = None) -> int:
                      f"{'equal' if r['bitwise_equal'] else 'DIFFERENT'}")
         else:
             line += " (ATen path, counted on the CPU; no CUDA graphs here)"
+        if "fused_ms" in r:
+            line += (f"; fused {r['fused_ms']:8.1f} ms {r['fused_tokens_per_sec']:9.0f} tok/s")
+            if cuda:
+                fg = r["fused_graphs"]
+                line += (f" {r['fused_launches']:6d} launches ({r['fused_kernels']} kernels) "
+                         f"busy {busy(r['fused_busy_share'])}; "
+                         + ("graphs captured" if fg["captured"] and not fg["failed"] else
+                            "not graphed"))
         print(line)
+
+    section("fused: the fused core's float32 step against the ATen path's eager one")
+    if fused_why is None:
+        sizes, batch = next(iter(size_sets.values()))
+        agree = fused_agreement(device, sizes, min(batch, 16), seq_lens[0])
+        report["fused_fp32"] = agree
+        report["checks"]["fused = eager (fp32)"] = agree["ok"]
+        print(f"  logits max |diff| {agree['logits_max_abs_diff']:.2e}, gradients max "
+              f"|diff| / max|grad| {agree['grads_max_rel_diff']:.2e} (tolerance "
+              f"{agree['tolerance']:g}): {'PASS' if agree['ok'] else 'FAIL'}")
+    else:
+        print(f"  not run ({fused_why})")
+        if cuda:
+            report["checks"]["fused = eager (fp32)"] = False
 
     section("profile: share of a training step the device is busy")
     sizes, batch = next(iter(size_sets.values()))

@@ -23,27 +23,54 @@ C++ by ``fbtrain::forward_sweep`` / ``fbtrain::backward_sweep``), ``core other``
 of the core's ops: set-up, recorded LayerNorms, the weight-gradient matmuls) and ``rest``
 (embedding, logits, loss, autograd's copies, the optimizer step).
 
-The launch-bound floor printed is ``launches x per-launch cost``: a model of a GPU whose
-host can queue one kernel every ``--us-per-launch`` microseconds, not a GPU measurement.
+The fused core (``--core fused``, ``$FBTRAIN_CORE=fused``) runs its Triton kernels in
+Triton's interpreter here (``TRITON_INTERPRET=1``, set here): each launch of a Triton kernel
+is one kernel (``triton::<name>``; the interpreter's own ATen calls below it are not
+counted), and since its calls carry no sweep marks of their own, its ``forward sweep`` and
+``backward sweep`` are the whole forward and backward calls of the core (set-up and
+weight-gradient matmuls included). Triton fixes its mode when it is first imported, so
+where this process's Triton compiles (or is not imported yet), that count runs in a child
+process started with ``TRITON_INTERPRET=1`` (``--worker``).
+
+Host launches (``--graphed``): with one CUDA graph per shape (``FBTRAIN_CUDA_GRAPHS=1``,
+``fbtrain.models.core.graphs.GraphedCore``), the host queues one replay for all the kernels
+a captured call runs, plus the copies into the graph's static inputs and the clones out
+of it. A CPU has no graphs, so the count runs GraphedCore's own code with a stand-in for
+the captured graph (:class:`ReplayStandIn`: the same copies, then the call itself under a
+``fbtrain::graph_replay`` mark that counts one host launch); the device still runs every
+kernel, so ``launches`` (what the GPU runs) and ``host launches`` (what the host queues)
+differ there. Eager, the two are the same.
+
+The launch-bound floor printed is ``host launches x per-launch cost``: a model of a GPU
+whose host can queue one kernel every ``--us-per-launch`` microseconds, not a GPU
+measurement.
 
     python scripts/launch_count.py                      # feedback_kv, B 16, T 64, D 128, L 4
     python scripts/launch_count.py --kind feedback --dropout 0.1 --json counts.json
+    python scripts/launch_count.py --core fused --graphed
+    python scripts/launch_count.py --table              # both kinds, dropout, eager/graphed
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import fused_compile  # noqa: E402  (scripts/: whether this process's Triton interprets)
 
 from fbtrain.config import ModelConfig, TrainConfig  # noqa: E402
 from fbtrain.models import build_model  # noqa: E402
@@ -83,15 +110,24 @@ SYNC_OPS = frozenset({"aten::_local_scalar_dense", "fbtrain::host_sync"})
 SECTIONS = ("forward sweep", "backward sweep", "core other", "rest")
 SWEEP_MARKS = {"fbtrain::forward_sweep": "forward sweep",
                "fbtrain::backward_sweep": "backward sweep"}
-CORE_OPS = ("fbtrain::core_forward", "fbtrain::core_backward")
+CORE_OPS = ("fbtrain::core_forward", "fbtrain::core_backward", "fbtrain::core_call")
+CORE_MARK = "fbtrain::core_call"  # around a core call made here (the graphs' copies are in it)
+GRAPH_REPLAY = "fbtrain::graph_replay"  # the CPU stand-in of one cudaGraphLaunch
+TRITON_PREFIX = "triton::"  # one launch of a Triton kernel (launch_marks)
+CORES = ("aten", "fused")
+TINY_WIDTHS = dict(d_model=16, n_heads=2, d_ff=32)
 
 
 def count_events(events) -> dict:
     """Launches per (section, op) and host syncs per section, from profiler events (the
     list ``prof.events()`` gives, whose ``cpu_children`` / ``cpu_parent`` form the op tree).
 
-    Returns ``{"launches": {section: Counter(op -> n)}, "syncs": {section: Counter}}``."""
+    Returns ``{"launches": {section: Counter(op -> n)}, "host_launches": {...},
+    "syncs": {section: Counter}}``: the kernels the device runs, what the host queues (the
+    same, except that a GRAPH_REPLAY is one host launch for every kernel below it), and the
+    host syncs."""
     launches = {s: collections.Counter() for s in SECTIONS}
+    host = {s: collections.Counter() for s in SECTIONS}
     syncs = {s: collections.Counter() for s in SECTIONS}
 
     def section_of(event) -> str:
@@ -104,90 +140,269 @@ def count_events(events) -> dict:
             node = node.cpu_parent
         return "core other" if in_core else "rest"
 
-    def launching(event, inside: bool = False) -> bool:
+    def count(event, replayed: bool) -> None:
+        section = section_of(event)
+        launches[section][event.name] += 1
+        if not replayed:
+            host[section][event.name] += 1
+
+    def launching(event, inside: bool = False, replayed: bool = False) -> bool:
         """Counts ``event``'s own launch where it has one; True if it or an op below does.
-        ``inside``: the event runs inside one of ONE_KERNEL (not counted)."""
+        ``inside``: the event runs inside one of ONE_KERNEL or a Triton kernel (not
+        counted); ``replayed``: inside a GRAPH_REPLAY (a kernel, but no host launch)."""
         if inside:
             return True
         name = event.name
+        if name.startswith(TRITON_PREFIX):
+            count(event, replayed)
+            return True
+        if name == GRAPH_REPLAY:
+            host[section_of(event)][name] += 1
+            replayed = True
         below = False
         for child in event.cpu_children:
-            below |= launching(child, name in ONE_KERNEL)
+            below |= launching(child, name in ONE_KERNEL, replayed)
         if name in SYNC_OPS:
             syncs[section_of(event)][name] += 1
             return below
         if not name.startswith("aten::") or name in NO_KERNEL:
             return below
         if not below or name in OWN_KERNEL:
-            launches[section_of(event)][name] += 1
+            count(event, replayed)
         return True
 
     for event in events:
         if event.cpu_parent is None:
             launching(event)
-    return {"launches": launches, "syncs": syncs}
+    return {"launches": launches, "host_launches": host, "syncs": syncs}
+
+
+class ReplayStandIn:
+    """``graphs._Graph`` on a CPU, for counting: no capture; each call copies its inputs into
+    the static ones as the real graph does, then runs the call on them under GRAPH_REPLAY
+    (the kernels one ``cudaGraphLaunch`` would run). Returns that call's outputs (the real
+    graph returns its static outputs: the same count of tensors for GraphedCore to clone)."""
+
+    def __init__(self, fn, args):
+        self.fn = fn
+        self.static = [None if a is None else a.clone() for a in args]
+
+    def __call__(self, args):
+        for s, a in zip(self.static, args, strict=True):
+            if s is not None:
+                s.copy_(a)
+        with torch.profiler.record_function(GRAPH_REPLAY):
+            return self.fn(self.static)
+
+
+class MarkedCore:
+    """A core whose calls run under profiler marks ``(forward, backward)``."""
+
+    def __init__(self, inner, marks: tuple[str, str]):
+        self.inner, self.marks = inner, marks
+
+    def core_forward(self, *args, **kwargs):
+        with torch.profiler.record_function(self.marks[0]):
+            return self.inner.core_forward(*args, **kwargs)
+
+    def core_backward(self, *args, **kwargs):
+        with torch.profiler.record_function(self.marks[1]):
+            return self.inner.core_backward(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def launch_marks() -> Iterator[None]:
+    """Every launch of a Triton kernel (compiled or interpreted) under a profiler mark
+    ``triton::<kernel name>`` while the block runs (nothing where Triton is missing)."""
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+        from triton.runtime.jit import JITFunction
+    except ImportError:
+        yield
+        return
+
+    def marked(run):
+        def run_marked(self, *args, grid, warmup, **kwargs):
+            if warmup:
+                return run(self, *args, grid=grid, warmup=warmup, **kwargs)
+            name = getattr(self, "__name__", None) or self.fn.__name__
+            with torch.profiler.record_function(TRITON_PREFIX + name):
+                return run(self, *args, grid=grid, warmup=warmup, **kwargs)
+        return run_marked
+
+    with contextlib.ExitStack() as stack:
+        for cls in (JITFunction, InterpretedFunction):
+            stack.enter_context(mock.patch.object(cls, "run", marked(cls.run)))
+        yield
+
+
+@contextlib.contextmanager
+def core_setting(core: str, graphed: bool) -> Iterator[None]:
+    """The core the count runs: the ATen path (``aten``: the C++ core with
+    ``FBTRAIN_CORE_ATEN=1``) or the fused core in Triton's interpreter (``fused``), behind
+    GraphedCore with ReplayStandIn where ``graphed``. Its calls are marked CORE_MARK (the
+    graphs' copies are in it), and a core other than the C++ one (which marks its own
+    sweeps) has its calls marked as the sweeps, inside any graph."""
+    from fbtrain.models.core import autograd, graphs, native
+
+    env = ({"FBTRAIN_CORE_ATEN": "1", "FBTRAIN_CORE": "auto"} if core == "aten" else
+           {"FBTRAIN_CORE": "fused", "TRITON_INTERPRET": "1"})
+
+    def wrap(inner, like):
+        if inner is not native.NativeCore:
+            inner = MarkedCore(inner, ("fbtrain::forward_sweep", "fbtrain::backward_sweep"))
+        return MarkedCore(graphs.GraphedCore(inner) if graphed else inner,
+                          (CORE_MARK, CORE_MARK))
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(mock.patch.dict(os.environ, env))
+        stack.enter_context(mock.patch.object(autograd, "maybe_graphed", wrap))
+        stack.enter_context(mock.patch.object(graphs, "_Graph", ReplayStandIn))
+        stack.enter_context(launch_marks())
+        yield
 
 
 def count_step(kind: str = "feedback_kv", batch: int = 16, seq_len: int = 64,
                dropout: float = 0.0, sizes: dict | None = None,
-               optimizer: bool = True) -> dict:
+               optimizer: bool = True, core: str = "aten", graphed: bool = False) -> dict:
     """Profile one training step (forward, cross-entropy, backward, AdamW step) of ``kind``
-    on the CPU's ATen path after one warm-up step; :func:`count_events` of it, plus the
-    step's token-layer count under ``"token_layers"``."""
+    on ``core`` (:func:`core_setting`) after one warm-up step; :func:`count_events` of it,
+    plus the step's token-layer count under ``"token_layers"``."""
     sizes = {k: v for k, v in {**SIZES, **(sizes or {})}.items() if k != "dropout"}
-    saved = os.environ.get("FBTRAIN_CORE_ATEN"), torch.get_num_threads()
-    os.environ["FBTRAIN_CORE_ATEN"] = "1"  # read by the C++ core on every call
+    if core == "fused" and not fused_compile.triton_interpreting():
+        return _count_in_child(dict(kind=kind, batch=batch, seq_len=seq_len, dropout=dropout,
+                                    sizes=sizes, optimizer=optimizer, core=core,
+                                    graphed=graphed))
+    saved = torch.get_num_threads()
     torch.set_num_threads(1)  # one shard, as on a GPU
     try:
-        torch.manual_seed(0)
-        model = build_model(ModelConfig(kind=kind, dropout=dropout, **sizes), VOCAB)
-        model.train()
-        opt = build_optimizer(model, TrainConfig(lr=1e-4), torch.device("cpu"))
-        x = torch.randint(0, VOCAB, (batch, seq_len))
+        with core_setting(core, graphed):
+            torch.manual_seed(0)
+            model = build_model(ModelConfig(kind=kind, dropout=dropout, **sizes), VOCAB)
+            model.train()
+            opt = build_optimizer(model, TrainConfig(lr=1e-4), torch.device("cpu"))
+            x = torch.randint(0, VOCAB, (batch, seq_len))
 
-        def step() -> None:
-            opt.zero_grad(set_to_none=True)
-            logits = model(x)[0]
-            F.cross_entropy(logits.reshape(-1, VOCAB), x.reshape(-1)).backward()
-            if optimizer:
-                opt.step()
+            def step() -> None:
+                opt.zero_grad(set_to_none=True)
+                logits = model(x)[0]
+                F.cross_entropy(logits.reshape(-1, VOCAB), x.reshape(-1)).backward()
+                if optimizer:
+                    opt.step()
 
-        step()
-        from torch.profiler import ProfilerActivity, profile
+            from torch.profiler import ProfilerActivity, profile
 
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            step()
+            step()  # warm-up (and, graphed, the stand-in's "captures")
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                step()
         counts = count_events(prof.events())
     finally:
-        if saved[0] is None:
-            os.environ.pop("FBTRAIN_CORE_ATEN", None)
-        else:
-            os.environ["FBTRAIN_CORE_ATEN"] = saved[0]
-        torch.set_num_threads(saved[1])
+        torch.set_num_threads(saved)
     counts["token_layers"] = seq_len * sizes["n_layers"]
     return counts
 
 
+def _count_in_child(kwargs: dict) -> dict:
+    """:func:`count_step` in a child process whose Triton interprets (TRITON_INTERPRET=1
+    from its start): the counts, Counters again."""
+    import subprocess
+
+    proc = subprocess.run([sys.executable, __file__, "--worker"], input=json.dumps(kwargs),
+                          capture_output=True, text=True,
+                          env={**os.environ, "TRITON_INTERPRET": "1"})
+    if proc.returncode != 0:
+        raise RuntimeError(f"counting the fused core failed: "
+                           f"{proc.stderr.strip().splitlines()[-3:]}")
+    raw = json.loads(proc.stdout.strip().splitlines()[-1])
+    counts = {key: {sec: collections.Counter(c) for sec, c in raw[key].items()}
+              for key in ("launches", "host_launches", "syncs")}
+    counts["token_layers"] = raw["token_layers"]
+    return counts
+
+
+def _worker() -> int:
+    """The child of :func:`_count_in_child`: count_step's keywords (JSON on stdin) -> its
+    counts (JSON, one line)."""
+    kwargs = json.loads(sys.stdin.read())
+    if not fused_compile.triton_interpreting():  # (else count_step would start another)
+        raise SystemExit("error: the worker's Triton does not interpret (TRITON_INTERPRET)")
+    print(json.dumps(count_step(**kwargs)))
+    return 0
+
+
 def summary(counts: dict, us_per_launch: float) -> dict:
-    """Totals per section and per token-layer, syncs, and the modelled launch-bound floor."""
+    """Totals per section and per token-layer, host launches, syncs, and the modelled
+    launch-bound floor (host launches x ``us_per_launch``)."""
     tl = counts["token_layers"]
     per = {s: sum(c.values()) for s, c in counts["launches"].items()}
-    total = sum(per.values())
+    host = {s: sum(c.values()) for s, c in counts.get("host_launches",
+                                                       counts["launches"]).items()}
+    total, host_total = sum(per.values()), sum(host.values())
     return {
         "launches": per, "launches_total": total,
         "per_token_layer": {s: n / tl for s, n in per.items()},
         "per_token_layer_total": total / tl,
+        "host_launches": host, "host_launches_total": host_total,
         "host_syncs": {s: sum(c.values()) for s, c in counts["syncs"].items()},
         "by_op": {s: dict(c.most_common()) for s, c in counts["launches"].items()},
         "us_per_launch": us_per_launch,
-        "launch_bound_floor_ms": total * us_per_launch / 1000,
+        "launch_bound_floor_ms": host_total * us_per_launch / 1000,
     }
 
 
+def core_per_token_layer(s: dict) -> float:
+    """The core's kernels per token-layer, forward and backward together (its sweeps and
+    its other calls): the figure the fused core's target of 8 is about."""
+    per = s["per_token_layer"]
+    return per["forward sweep"] + per["backward sweep"] + per["core other"]
+
+
+TABLE_ROWS = [(kind, dropout) for kind in ("feedback_kv", "feedback") for dropout in (0.0, 0.1)]
+
+
+def table(cores: tuple[str, ...], batch: int, seq_len: int, sizes: dict | None = None,
+          us_per_launch: float = 5.0, out=print) -> list[dict]:
+    """The before/after table: per core, kind and dropout, the kernels per token-layer
+    (forward sweep, backward sweep, whole step) and the host launches per step, eager and
+    graphed. Prints a markdown row per entry as it is counted; returns the rows."""
+    out("| core | kind | dropout | fwd sweep / token-layer | bwd sweep / token-layer | "
+        "core / token-layer | step / token-layer | kernels / step | host launches / step, "
+        "eager | host launches / step, graphed |")
+    out("|---|---|---|---|---|---|---|---|---|---|")
+    rows = []
+    for core in cores:
+        for kind, dropout in TABLE_ROWS:
+            eager = summary(count_step(kind, batch, seq_len, dropout, sizes, core=core),
+                            us_per_launch)
+            graphed = summary(count_step(kind, batch, seq_len, dropout, sizes, core=core,
+                                         graphed=True), us_per_launch)
+            per = eager["per_token_layer"]
+            row = {"core": core, "kind": kind, "dropout": dropout, "eager": eager,
+                   "graphed": graphed}
+            rows.append(row)
+            out(f"| {core} | {kind} | {dropout:g} | {per['forward sweep']:.1f} | "
+                f"{per['backward sweep']:.1f} | {core_per_token_layer(eager):.1f} | "
+                f"{eager['per_token_layer_total']:.1f} | {eager['launches_total']} | "
+                f"{eager['host_launches_total']} | {graphed['host_launches_total']} |")
+    return rows
+
+
 def main() -> int:
-    """Print (and optionally write) the counts of one step."""
+    """Print (and optionally write) the counts of one step, or the before/after table."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--kind", default="feedback_kv", choices=("feedback_kv", "feedback"))
+    parser.add_argument("--core", default="aten", choices=(*CORES, "all"),
+                        help="the C++ core's ATen path (default) or the fused core, "
+                             "interpreted")
+    parser.add_argument("--graphed", action="store_true",
+                        help="host launches with one CUDA graph per shape (a replay: one)")
+    parser.add_argument("--table", action="store_true",
+                        help="both kinds, dropout 0 and 0.1, eager and graphed: one "
+                             "markdown row each (--core all: both cores)")
+    parser.add_argument("--tiny", action="store_true",
+                        help=f"count at tiny widths and batch 2 ({TINY_WIDTHS}): the same "
+                             "counts (they follow the steps and layers alone), much faster "
+                             "for the interpreted fused core")
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--dropout", type=float, default=0.0)
@@ -195,27 +410,45 @@ def main() -> int:
                         help="modelled host cost of one kernel launch (microseconds)")
     parser.add_argument("--top", type=int, default=12, help="ops listed per section")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    counts = count_step(args.kind, args.batch, args.seq_len, args.dropout)
-    s = summary(counts, args.us_per_launch)
-    print(f"{args.kind}, batch {args.batch}, length {args.seq_len}, dropout {args.dropout}, "
-          f"sizes {SIZES}: one training step on the ATen path (FBTRAIN_CORE_ATEN=1, 1 shard)")
-    print(f"  {'section':16s} {'launches':>9s} {'/token-layer':>13s} {'host syncs':>11s}")
-    for sec in SECTIONS:
-        print(f"  {sec:16s} {s['launches'][sec]:9d} {s['per_token_layer'][sec]:13.1f} "
-              f"{s['host_syncs'][sec]:11d}")
-    print(f"  {'total':16s} {s['launches_total']:9d} {s['per_token_layer_total']:13.1f} "
-          f"{sum(s['host_syncs'].values()):11d}")
-    for sec in SECTIONS:
-        top = ", ".join(f"{op.removeprefix('aten::')} {n}"
-                        for op, n in list(s["by_op"][sec].items())[:args.top])
-        print(f"  {sec}: {top}")
-    print(f"MODEL, not a GPU measurement: at {args.us_per_launch:g} us per launch the host "
-          f"alone needs >= {s['launch_bound_floor_ms']:.1f} ms per step to queue these kernels")
+    if args.worker:
+        return _worker()
+    if args.core == "all" and not args.table:
+        parser.error("--core all is for --table; one count takes aten or fused")
+    sizes, batch = ({**SIZES, **TINY_WIDTHS}, 2) if args.tiny else (SIZES, args.batch)
+    if args.table:
+        print(f"batch {batch}, length {args.seq_len}, sizes {sizes}: one training step")
+        result = table(tuple(CORES) if args.core == "all" else (args.core,), batch,
+                       args.seq_len, sizes, us_per_launch=args.us_per_launch,
+                       out=lambda line: print(line, flush=True))
+    else:
+        counts = count_step(args.kind, batch, args.seq_len, args.dropout, sizes,
+                            core=args.core, graphed=args.graphed)
+        result = s = summary(counts, args.us_per_launch)
+        mode = "graphed (one replay per captured call)" if args.graphed else "eager"
+        where = ("the ATen path (FBTRAIN_CORE_ATEN=1, 1 shard)" if args.core == "aten" else
+                 "the fused core (Triton's interpreter, FBTRAIN_CORE=fused)")
+        print(f"{args.kind}, batch {batch}, length {args.seq_len}, dropout "
+              f"{args.dropout}, sizes {sizes}: one training step on {where}, {mode}")
+        print(f"  {'section':16s} {'launches':>9s} {'/token-layer':>13s} {'host launches':>14s} "
+              f"{'host syncs':>11s}")
+        for sec in SECTIONS:
+            print(f"  {sec:16s} {s['launches'][sec]:9d} {s['per_token_layer'][sec]:13.1f} "
+                  f"{s['host_launches'][sec]:14d} {s['host_syncs'][sec]:11d}")
+        print(f"  {'total':16s} {s['launches_total']:9d} {s['per_token_layer_total']:13.1f} "
+              f"{s['host_launches_total']:14d} {sum(s['host_syncs'].values()):11d}")
+        for sec in SECTIONS:
+            top = ", ".join(f"{op.removeprefix('aten::')} {n}"
+                            for op, n in list(s["by_op"][sec].items())[:args.top])
+            print(f"  {sec}: {top}")
+        print(f"MODEL, not a GPU measurement: at {args.us_per_launch:g} us per launch the "
+              f"host alone needs >= {s['launch_bound_floor_ms']:.1f} ms per step to queue "
+              f"these kernels")
     if args.json:
         from fbtrain.io import atomic_write_text
 
-        atomic_write_text(args.json, json.dumps(s, indent=2))
+        atomic_write_text(args.json, json.dumps(result, indent=2))
     return 0
 
 

@@ -7,10 +7,21 @@ from __future__ import annotations
 import dataclasses
 import re
 
+import pytest
 import torch
 
+from fbtrain.config import ModelConfig
+from fbtrain.models import build_model
 from fbtrain.models.core import native
-from fbtrain.models.core.spec import LAYER_PARAMS, CoreInputs, CoreOutputs, CoreSpec
+from fbtrain.models.core.spec import (
+    ATT_PARAMS,
+    LAYER_PARAMS,
+    BackwardInputs,
+    CoreInputs,
+    CoreOutputs,
+    CoreSpec,
+    flatten,
+)
 
 # The C++ source calls the position bias ``c`` CPOS (``c`` is a LayerNorm's output there).
 CPP_NAMES = {"c": "CPOS"}
@@ -45,8 +56,9 @@ def test_cpp_ops_take_the_tensors_in_core_inputs_order():
     backward = ops.core_backward.default._schema
     assert [a.name for a in forward.arguments] == [*CoreInputs._fields, *spec_fields,
                                                    "keep_tape"]
-    assert [a.name for a in backward.arguments] == ["d_top", *CoreOutputs._fields, "mix",
-                                                    "wkv", "layers", *spec_fields]
+    nested = {"outputs": CoreOutputs._fields}
+    backward_fields = [f for name in BackwardInputs._fields for f in nested.get(name, [name])]
+    assert [a.name for a in backward.arguments] == [*backward_fields, *spec_fields]
     lists = ["List[Tensor]" if name in ("layers", "tape") else "Tensor"
              for name in (*CoreInputs._fields, *CoreOutputs._fields)]
     n_in = len(CoreInputs._fields)
@@ -67,3 +79,42 @@ def test_core_inputs_flat_round_trip():
     flat = inputs.flat()
     assert len(flat) == 6 + 4 and flat[5] is None and flat[6] is t[5]
     assert CoreInputs.from_flat(flat) == inputs
+
+
+def test_cpp_zero_list_is_att_params():
+    """The attention parameters that get a zero gradient when no step attends: the C++
+    core's list (``for (int k : {...}) gl[k] = at::zeros_like``) is spec.ATT_PARAMS."""
+    match = re.search(r"for \(int k : \{([^}]*)\}\) gl\[k\] = at::zeros_like",
+                      native.CSRC.read_text())
+    assert match, "no zero list in the C++ source"
+    members = [m.strip() for m in match.group(1).split(",")]
+    assert members == [CPP_NAMES.get(name, name.upper()) for name in ATT_PARAMS]
+    assert set(ATT_PARAMS) <= set(LAYER_PARAMS)
+
+
+def test_backward_inputs_flat_round_trip():
+    """BackwardInputs' flat form is the C++ backward's argument order with the tape and
+    layers spread (what graphs.py captures); ``from_flat`` undoes it given the tape's
+    length."""
+    t = [torch.full((1,), float(i)) for i in range(12)]
+    outputs = CoreOutputs(*t[1:5], [t[5], t[6]])
+    inputs = BackwardInputs(t[0], outputs, t[7], t[8], (t[9], t[10], t[11]))
+    flat = inputs.flat()
+    assert list(flat) == t and flatten(inputs) == t
+    back = BackwardInputs.from_flat(flat, n_tape=2)
+    assert back.outputs.tape == (t[5], t[6]) and back.layers == (t[9], t[10], t[11])
+    assert [x is y for x, y in zip(back.flat(), t, strict=True)] == [True] * 12
+    with pytest.raises(AssertionError):
+        BackwardInputs.from_flat(flat[:4], n_tape=2)
+
+
+def test_no_double_backward_through_the_core():
+    """The core's backward is hand-written and first-order only: a second derivative
+    through it raises instead of silently being zero."""
+    model = build_model(ModelConfig(kind="feedback_kv", d_model=8, n_heads=2, d_ff=8,
+                                    n_layers=1), 5)
+    logits, _ = model(torch.randint(0, 5, (1, 3)))
+    weight = next(model.parameters())
+    (grad,) = torch.autograd.grad(logits.square().sum(), weight, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        grad.sum().backward()

@@ -22,7 +22,7 @@ ALL_KINDS = [*FEEDBACK_KINDS, "transformer"]
 # Every kind on the C++ core, the feedback kinds on the PyTorch core too (the transformer
 # has no sequential core); for ``parametrize(..., indirect=["core_name"])``.
 KIND_CORES = [*((kind, "native") for kind in ALL_KINDS),
-              *((kind, "python") for kind in FEEDBACK_KINDS)]
+              *((kind, core) for core in ("aten", "python") for kind in FEEDBACK_KINDS)]
 
 
 def small(kind: str, **kw) -> ModelConfig:
@@ -61,10 +61,13 @@ def core_path(request, monkeypatch) -> str:
     return request.param
 
 
-@pytest.fixture(params=["native", "python"])
+@pytest.fixture(params=["native", "aten", "python"])
 def core_name(request, monkeypatch) -> str:
-    """Both cores (FBTRAIN_CORE), for checks that do not depend on the attention path."""
-    monkeypatch.setenv("FBTRAIN_CORE", request.param)
+    """Both cores (FBTRAIN_CORE), the C++ one on its CPU loops and on its ATen path (what
+    other devices take; FBTRAIN_CORE_ATEN), for the chunking, float32 and shape checks."""
+    monkeypatch.setenv("FBTRAIN_CORE", "python" if request.param == "python" else "native")
+    if request.param == "aten":
+        monkeypatch.setenv("FBTRAIN_CORE_ATEN", "1")
     return request.param
 
 

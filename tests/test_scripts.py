@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -64,7 +65,14 @@ def test_gpu_check_runs_its_cpu_stand_in(tmp_path: Path):
     report = json.loads(out.read_text())
     assert report["device"].startswith("no CUDA: a toy run on the CPU")
     assert "no CUDA: a toy run on the CPU" in proc.stdout.splitlines()[0]
-    assert all(report["checks"].values()) and len(report["checks"]) == 3
+    # The fused core's two checks where it runs (Triton installed: in its interpreter).
+    fused = "fused_fp32" in report
+    assert all(report["checks"].values()) and len(report["checks"]) == 3 + 2 * fused
+    if fused:
+        assert report["fused_fp32"]["tolerance"] == 1e-4
+        assert len(report["fused_exactness_max_abs_diff"]) == 2
+        assert all(d < 1e-9 for d in report["fused_exactness_max_abs_diff"].values())
+        assert "== fused" in proc.stdout
     assert "skipped" in report["tests"]["summary"]
     assert len(report["exactness_max_abs_diff"]) == 4
     assert all(d < 1e-9 for d in report["exactness_max_abs_diff"].values())
@@ -124,3 +132,87 @@ def test_corpus_load_reports_first_and_cached_runs(tmp_path: Path):
         assert report[run]["splits"] == {"train": 17999, "val": 999, "test": 999}
         assert report[run]["dtype"] == "torch.uint8" and report[run]["peak_rss_mb"] > 0
         assert f"{run}: load " in proc.stdout
+
+
+def _h200_model():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import h200_model
+
+    return h200_model
+
+
+def test_h200_model_recomputes_one_row_by_hand(monkeypatch):
+    """A toy step (D 2, F 4, one layer, 3 steps, window 2, vocab 3, batch 16), its FLOPs,
+    bytes and modelled times worked out by hand from the model's stated rules."""
+    m = _h200_model()
+    s = m.Sizes(d_model=2, n_heads=1, d_ff=4, n_layers=1, batch=16, seq_len=3, window=2,
+                vocab=3)
+    # Slots attended: 0 + 1 + 2 = 3, on 2 steps with memory. Forward matmuls per row:
+    # 2 x (4 D^2 = 16) + 3 x (4 D F = 32) + 3 x (4 D^2 = 16) = 176, x 16 rows = 2816;
+    # window terms 16 x 3 x 6 D = 576; the sweep 2816 + 576 + 2816 + 2 x 576 = 7360;
+    # logits: forward, backward and weight gradient, 3 x 16 rows x 3 steps x 2 D V = 1728.
+    assert m.step_flops(s) == {"sweep": 7360.0, "weight_grads": 2816.0, "rest": 1728.0}
+    # Records 3 x 16 x (3 x (8 D + 2 F = 24) + 3) x 4 B = 14400; weights (2 D^2 + 2 D F = 24,
+    # + 2 D^2 + 2 V D = 20: 44 floats) fit in L2: 176 B; the optimizer 7 x 176 = 1232.
+    assert m.step_hbm_bytes(s) == {"records": 14400.0, "weights": 176.0, "optimizer": 1232.0}
+    with monkeypatch.context() as mp:  # weights that do not fit: read 2 T + 1 = 7 times
+        mp.setattr(m, "L2_BYTES", 100)
+        assert m.step_hbm_bytes(s)["weights"] == 7 * 176.0
+    # ATen eager, 100 kernels: host 100 x 5 us = 0.5 ms; device 100 x 2 us plus the larger
+    # of 11904 FLOP at 989 TFLOP/s and 15808 B at 4.8 TB/s (the bytes).
+    row = m.aten_row("aten eager", s, m.Counts(kernels=100, host=100))
+    assert row.host_ms == pytest.approx(0.5)
+    assert row.device_ms == pytest.approx(0.2 + 15808 / 4.8e12 * 1000)
+    assert row.step_ms == pytest.approx(0.5) and row.bound == "host"
+    assert row.tokens_per_s == pytest.approx(48 / 0.5 * 1000)
+    # Fused, graphed, without the 2 us floor: 12 sweep launches of one program each (1/132
+    # of the GPU); per launch L2 bytes 64 (the layer's and the memory's weights averaged:
+    # (24 + 8) / 2 floats) + 2304 / 12 (keys and values) = 256 B at 10 TB/s / 132, which
+    # beats 7360 / 12 FLOP at 67 TFLOP/s / 132 and (14400 + 176) / 12 B at 4.8 TB/s; then
+    # 8 other kernels at no floor and the optimizer's 1232 B at 4.8 TB/s. Host: 6 launches
+    # x 5 us + 2 replays x 10 us.
+    monkeypatch.setattr(m, "DEVICE_FLOOR_US", 0.0)
+    row = m.fused_row("fused graphed", s, m.Counts(kernels=20, host=8, replays=2, triton=12))
+    per_launch = 256 / (10e12 / 132)
+    assert row.device_ms == pytest.approx((12 * per_launch + 1232 / 4.8e12) * 1000)
+    assert row.host_ms == pytest.approx(0.05) and row.bound == "host"
+    # Batch 48: three programs, each reading the 64 B of weights: 3 x 64 + 6912 / 12 = 768 B
+    # a launch, over 3/132 of the L2's bandwidth.
+    row = m.fused_row("fused graphed", m.Sizes(**{**asdict(s), "batch": 48}),
+                      m.Counts(kernels=20, host=8, replays=2, triton=12))
+    per_launch = 768 / (10e12 * 3 / 132)
+    assert row.device_ms == pytest.approx((12 * per_launch + 1232 / 4.8e12) * 1000)
+
+
+def test_h200_model_fit_is_exact_on_its_points():
+    m = _h200_model()
+    values = {(t, layers): 7 * t * layers + 3 * t + 5 * layers + 11
+              for t, layers in m.FIT_POINTS}
+    coef = m.fit(values)
+    assert coef == pytest.approx((7, 3, 5, 11))
+    assert m.predict(coef, 64, 4) == pytest.approx(7 * 256 + 3 * 64 + 5 * 4 + 11)
+
+
+def test_h200_model_script_prints_a_labelled_table(tmp_path: Path):
+    """From saved coefficients (no counting): every path at batch 16, 128, 512 and the
+    config's own, for both configs, labelled a model."""
+    paths = {"aten eager": {"kernels": [28, 1, 10, 200], "host": [28, 1, 10, 200],
+                            "replays": [0, 0, 0, 0], "triton": [0, 0, 0, 0]},
+             "aten graphed": {"kernels": [28, 1, 10, 250], "host": [0, 0, 60, 250],
+                              "replays": [0, 0, 0, 2], "triton": [0, 0, 0, 0]},
+             "fused graphed": {"kernels": [2, 2, 0, 250], "host": [0, 0, 60, 250],
+                               "replays": [0, 0, 0, 2], "triton": [2, 2, 0, 0]}}
+    counts = tmp_path / "counts.json"
+    counts.write_text(json.dumps({"feedback_kv/dropout=0": paths,
+                                  "feedback_kv/dropout=0.2": paths}))
+    out = tmp_path / "model.json"
+    proc = run_script("h200_model.py", "--counts", str(counts), "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("MODEL of an H200 training step, not a measurement")
+    report = json.loads(out.read_text())
+    main, gpu = report.values()
+    assert [(r["path"], r["batch"]) for r in main["rows"]] == [
+        (p, b) for b in (16, 128, 512) for p in ("aten eager", "aten graphed", "fused graphed")]
+    assert [r["batch"] for r in gpu["rows"]][-3:] == [32] * 3  # gpu.yaml's own batch
+    assert main["counts"]["aten eager"]["kernels"] == 28 * 256 + 64 + 40 + 200
+    assert "| fused graphed | 512 |" in proc.stdout

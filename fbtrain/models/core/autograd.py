@@ -5,10 +5,17 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 from fbtrain.models.core.graphs import maybe_graphed
 from fbtrain.models.core.select import core
-from fbtrain.models.core.spec import LAYER_PARAMS, CoreInputs, CoreOutputs, CoreSpec
+from fbtrain.models.core.spec import (
+    LAYER_PARAMS,
+    BackwardInputs,
+    CoreInputs,
+    CoreOutputs,
+    CoreSpec,
+)
 
 
 class FeedbackCoreFunction(torch.autograd.Function):
@@ -20,6 +27,10 @@ class FeedbackCoreFunction(torch.autograd.Function):
     keys/values ``mem_k``, ``mem_v`` do get gradients, so a caller may project them from
     carried memory vectors with the current weights. The backward runs on the core the
     forward ran on (CUDA-graphed where ``$FBTRAIN_CUDA_GRAPHS`` asks: ``graphs``).
+
+    No double backward: the cores' backward sweeps are hand-written and run without
+    autograd, so their gradients are not differentiable again (``once_differentiable``:
+    ``create_graph=True`` through the core, then a second backward, raises).
     """
 
     @staticmethod
@@ -42,14 +53,17 @@ class FeedbackCoreFunction(torch.autograd.Function):
         return top, new_k, new_v, new_memory
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, d_top: Tensor, _dk: Tensor, _dv: Tensor, _dm: Tensor):
         """Every input's gradient, in the order the inputs came (None for spec, and for bkv
         where there was none)."""
         mix, wkv, *layers = ctx.saved_tensors
         outputs = CoreOutputs(*ctx.buffers, ctx.tape)
         ctx.buffers = ctx.tape = None
-        grads = ctx.core.core_backward(ctx.spec, d_top.contiguous(), outputs, mix, wkv, layers)
+        inputs = BackwardInputs(d_top.contiguous(), outputs, mix, wkv, layers)
         del outputs
+        grads = ctx.core.core_backward(ctx.spec, *inputs)
+        del inputs
         grads = CoreInputs.from_flat([g.clone() for g in grads.flat()])  # out of inference mode
         if not ctx.has_bkv:
             grads = grads._replace(bkv=None)

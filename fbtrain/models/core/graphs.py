@@ -18,9 +18,10 @@ and eager calls agree bitwise in fp32. Where a capture fails, one notice line sa
 the core runs eagerly from then on (a failed capture can leave the allocator's capture
 state behind it, so no other shape is tried).
 
-Only the C++ core is captured (the PyTorch core reads the memory weights on the host), and
-not under torch.distributed (DDP's gradient all-reduces run alongside the backward's
-capture, which graph capture's global mode forbids); each says so once and runs eagerly.
+Only the C++ core and the fused core (``capturable``) are captured (the PyTorch core reads
+the memory weights on the host), and not under torch.distributed (DDP's gradient all-reduces
+run alongside the backward's capture, which graph capture's global mode forbids); each says
+so once and runs eagerly.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import torch
 from torch import Tensor
 
 from fbtrain.models.core.native import NativeCore
-from fbtrain.models.core.spec import Core, CoreInputs, CoreOutputs, CoreSpec
+from fbtrain.models.core.spec import BackwardInputs, Core, CoreInputs, CoreOutputs, CoreSpec
 
 GRAPHS_ENV = "FBTRAIN_CUDA_GRAPHS"
 WARMUP_CALLS = 2  # eager calls on the side stream before capture (allocator, cuBLAS handles)
@@ -141,11 +142,9 @@ class GraphedCore:
                      keep_tape: bool = False) -> CoreOutputs:
         """``Core.core_forward``, graphed; the outputs are clones (see the module docstring)."""
         flat = list(inputs.flat())
-        n = len(CoreInputs._fields) - 1
 
         def forward(args: list[Tensor | None]) -> CoreOutputs:
-            return self.inner.core_forward(spec, CoreInputs(*args[:n], tuple(args[n:])),
-                                           keep_tape)
+            return self.inner.core_forward(spec, CoreInputs.from_flat(args), keep_tape)
 
         out = self._run(("forward", spec, keep_tape, _signature(flat)), forward, flat)
         return CoreOutputs(*(t.clone() for t in out[:4]), [t.clone() for t in out.tape])
@@ -154,15 +153,11 @@ class GraphedCore:
                       wkv: Tensor, layers: Sequence[Tensor]) -> CoreInputs:
         """``Core.core_backward``, graphed; the gradients are the graph's own buffers (the
         autograd Function clones them)."""
-        n_tape, n_layers = len(outputs.tape), len(layers)
-        flat = [d_top, *outputs[:4], *outputs.tape, mix, wkv, *layers]
+        n_tape = len(outputs.tape)
+        flat = list(BackwardInputs(d_top, outputs, mix, wkv, layers).flat())
 
         def backward(args: list[Tensor | None]) -> CoreInputs:
-            tape = args[5:5 + n_tape]
-            rest = args[5 + n_tape:]
-            return self.inner.core_backward(
-                spec, args[0], CoreOutputs(*args[1:5], tape), rest[0], rest[1],
-                rest[2:2 + n_layers])
+            return self.inner.core_backward(spec, *BackwardInputs.from_flat(args, n_tape))
 
         return self._run(("backward", spec, _signature(flat)), backward, flat)
 
@@ -185,10 +180,11 @@ def _eager_because(why: str) -> None:
 def maybe_graphed(core: Core, like: Tensor) -> Core:
     """``core`` itself unless ``$FBTRAIN_CUDA_GRAPHS`` is on and ``like`` is a CUDA tensor;
     then its :class:`GraphedCore` (one per core, so graphs are captured once per process).
-    Only the C++ core is captured, and not under torch.distributed (module docstring)."""
+    Only the C++ core and cores marked ``capturable`` are captured, and not under
+    torch.distributed (module docstring)."""
     if not (like.is_cuda and graphs_requested()):
         return core
-    if core is not NativeCore:
+    if core is not NativeCore and not getattr(core, "capturable", False):
         _eager_because("CUDA graphs need the C++ core (the PyTorch core syncs with the host)")
         return core
     if torch.distributed.is_available() and torch.distributed.is_initialized():

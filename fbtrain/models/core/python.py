@@ -17,18 +17,25 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
-from fbtrain.models.core.spec import LAYER_PARAMS, CoreInputs, CoreOutputs, CoreSpec, LayerTensors
+from fbtrain.models.core.spec import (
+    ATT_PARAMS,
+    LAYER_PARAMS,
+    CoreInputs,
+    CoreOutputs,
+    CoreSpec,
+    LayerTensors,
+)
 
 _layer_norm = torch.native_layer_norm
 _layer_norm_backward = torch.ops.aten.native_layer_norm_backward.default
 _softmax_backward = torch.ops.aten._softmax_backward_data.default
 _relu_backward = torch.ops.aten.threshold_backward.default
 
-_ATT_PARAMS = ("ln1_w", "ln1_b", "wq", "uq", "wo_t", "bo")
 
 
 @dataclass
@@ -51,19 +58,70 @@ class Masks:
         return self.prob[layer, start:start + B * H * ell].view(B, H, ell)
 
 
+class AttRecord(NamedTuple):
+    """One attention step of one layer, as the forward keeps it. Masks are None without
+    dropout."""
+
+    a: Tensor  # [B, D] LayerNorm1(x)
+    mu1: Tensor  # [B, 1] its mean
+    rs1: Tensor  # [B, 1] its reciprocal standard deviation
+    qu: Tensor  # [B, D] (q + u) / sqrt(d_k)
+    prob: Tensor  # [B, H, ell] attention probabilities
+    prob_used: Tensor  # [B, H, ell] after dropout
+    o: Tensor  # [B, D] attention output, before Wo
+    mask_prob: Tensor | None  # [B, H, ell]
+    mask_att: Tensor | None  # [B, D]
+
+
+class FFRecord(NamedTuple):
+    """One feed-forward step of one layer, as the forward keeps it."""
+
+    y: Tensor  # [B, D] its input (after attention)
+    mu2: Tensor  # [B, 1]
+    rs2: Tensor  # [B, 1]
+    c: Tensor  # [B, D] LayerNorm2(y)
+    h: Tensor  # [B, F] relu(c W1 + b1)
+    h_used: Tensor  # [B, F] after dropout
+    mask_h: Tensor | None  # [B, F]
+    mask_ff: Tensor | None  # [B, D]
+
+
+class MemRecord(NamedTuple):
+    """With memory norm, one step's normalised memory vector."""
+
+    m_hat: Tensor  # [B, D] norm(m_t)
+    mu: Tensor  # [B, 1]
+    rstd: Tensor  # [B, 1]
+
+
+class AttGrads(NamedTuple):
+    """One attention step's activation gradients, kept for the weight gradients."""
+
+    dz: Tensor  # [B, D] gradient of Wo's output (after its dropout mask)
+    dqu: Tensor  # [B, D] of the query
+    da: Tensor  # [B, D] of LayerNorm1's output
+
+
+class FFGrads(NamedTuple):
+    """One feed-forward step's activation gradients, kept for the weight gradients."""
+
+    df: Tensor  # [B, D] gradient of W2's output (after its mask)
+    dh: Tensor  # [B, F] of W1's output (before relu)
+    dc: Tensor  # [B, D] of LayerNorm2's output
+
+
 @dataclass
 class Tape:
-    """What the forward keeps for the backward: per layer, one tuple per step.
+    """What the forward keeps for the backward: per layer, one record per step.
 
-    ``att[l]`` holds (a, mu1, rs1, qu, prob, prob_used, o, mask_prob, mask_att) for the
-    steps that attend (non-empty memory); ``ff[l]`` holds (y, mu2, rs2, c, h, h_used,
-    mask_h, mask_ff) for every step. Masks are None without dropout. ``mem`` holds, with
-    memory norm, (norm(m_t) [B, D], mean [B, 1], rstd [B, 1]) for every step.
+    ``att[l]`` holds an :class:`AttRecord` for each step that attends (non-empty memory);
+    ``ff[l]`` an :class:`FFRecord` for every step; ``mem``, with memory norm, a
+    :class:`MemRecord` for every step.
     """
 
-    att: list[list[tuple]] = field(default_factory=list)
-    ff: list[list[tuple]] = field(default_factory=list)
-    mem: list[tuple] = field(default_factory=list)
+    att: list[list[AttRecord]] = field(default_factory=list)
+    ff: list[list[FFRecord]] = field(default_factory=list)
+    mem: list[MemRecord] = field(default_factory=list)
 
 
 def _window(slot: int, window: int) -> tuple[int, int]:
@@ -164,8 +222,8 @@ def _forward(spec: CoreSpec, x0: Tensor, mem_k: Tensor, mem_v: Tensor,
                     z = z.mul_(mask_att)
                 y = z.add_(x)
                 if tape is not None:
-                    tape.att[li].append((a, mu1, rs1, qu, prob, prob_used, o, mask_prob,
-                                         mask_att))
+                    tape.att[li].append(AttRecord(a, mu1, rs1, qu, prob, prob_used, o,
+                                                  mask_prob, mask_att))
             else:
                 y = x
             c, mu2, rs2 = _layer_norm(y, shape, p.ln2_w, p.ln2_b, eps)
@@ -176,7 +234,7 @@ def _forward(spec: CoreSpec, x0: Tensor, mem_k: Tensor, mem_v: Tensor,
                 f = f.mul_(mask_ff)
             x = torch.add(y, f, out=hidden[t, li + 1])
             if tape is not None:
-                tape.ff[li].append((y, mu2, rs2, c, h, h_used, mask_h, mask_ff))
+                tape.ff[li].append(FFRecord(y, mu2, rs2, c, h, h_used, mask_h, mask_ff))
         # m_t = sum_l softmax(w)_l h_t^l, then its keys/values for every key set at once.
         m = torch.mm(mix.view(1, L + 1), hidden[t].view(L + 1, B * D), out=memory[t].view(1, -1))
         m = m.view(B, D)
@@ -185,7 +243,7 @@ def _forward(spec: CoreSpec, x0: Tensor, mem_k: Tensor, mem_v: Tensor,
         if spec.memory_norm:
             m_hat, mu_m, rs_m = _layer_norm(m, shape, None, None, eps)
             if tape is not None:
-                tape.mem.append((m_hat, mu_m, rs_m))
+                tape.mem.append(MemRecord(m_hat, mu_m, rs_m))
             m = m_hat
         kv_new = torch.mm(m, wkv) if bkv is None else torch.addmm(bkv, m, wkv)
         kv_new = kv_new.view(B, 2, n_kv, H, dk)
@@ -235,8 +293,8 @@ def _backward(spec: CoreSpec, d_top: Tensor, hidden: Tensor, memory: Tensor, key
     d_c = [hidden.new_zeros(H, n_pos) for _ in params]  # [H, n_pos]
     # Per layer, per step (in reverse step order): activation gradients the weight
     # gradients are built from at the end.
-    g_att: list[list[tuple]] = [[] for _ in range(L)]
-    g_ff: list[list[tuple]] = [[] for _ in range(L)]
+    g_att: list[list[AttGrads]] = [[] for _ in range(L)]
+    g_ff: list[list[FFGrads]] = [[] for _ in range(L)]
     for t in reversed(range(T)):
         slot = n0 + t
         lo, ell = _window(slot, spec.window)
@@ -247,8 +305,8 @@ def _backward(spec: CoreSpec, d_top: Tensor, hidden: Tensor, memory: Tensor, key
             d_kv[t, :, 1] = d_value_rows[:, :, :, slot].transpose(0, 1)
             dm = torch.mm(d_kv[t].view(B, -1), wkv.t(), out=d_memory[t])  # [B, D]
             if spec.memory_norm:  # through the normalisation, back to m_t
-                _, mu_m, rs_m = tape.mem[t]
-                dm.copy_(_layer_norm_backward(dm, memory[t], shape, mu_m, rs_m, None, None,
+                rec = tape.mem[t]
+                dm.copy_(_layer_norm_backward(dm, memory[t], shape, rec.mu, rec.rstd, None, None,
                                               (True, False, False))[0])
         if ell:
             k_w = [k.narrow(1, lo, ell) for k in key_sets]  # [BH, ell, dk]
@@ -259,30 +317,31 @@ def _backward(spec: CoreSpec, d_top: Tensor, hidden: Tensor, memory: Tensor, key
         for li in reversed(range(L)):
             p = params[li]
             wq_b, rt_b, wo_b, w1_b, w2_b = back[li]
-            y, mu2, rs2, _, h, _, mask_h, mask_ff = tape.ff[li][t]
+            ff = tape.ff[li][t]
             # Feed-forward block: x_out = y + Drop(W2 Drop(relu(W1 LN2(y) + b1)) + b2).
-            df = dx * mask_ff if drop else dx
+            df = dx * ff.mask_ff if drop else dx
             dh = torch.mm(df, w2_b)
             if drop:
-                dh = dh.mul_(mask_h)
-            dh = _relu_backward(dh, h, 0)
+                dh = dh.mul_(ff.mask_h)
+            dh = _relu_backward(dh, ff.h, 0)
             dc = torch.mm(dh, w1_b)
-            dy = _layer_norm_backward(dc, y, shape, mu2, rs2, p.ln2_w, p.ln2_b,
+            dy = _layer_norm_backward(dc, ff.y, shape, ff.mu2, ff.rs2, p.ln2_w, p.ln2_b,
                                       (True, False, False))[0]
             dy += dx
-            g_ff[li].append((df, dh, dc))
+            g_ff[li].append(FFGrads(df, dh, dc))
             if ell:
                 # Attention block: y = x + Drop(Wo (softmax(scores) V) + bo).
-                _, mu1, rs1, qu, prob, prob_used, _, mask_prob, mask_att = tape.att[li][ai]
+                att = tape.att[li][ai]
+                qu, prob = att.qu, att.prob
                 kv = set_of[li]
-                dz = dy * mask_att if drop else dy
+                dz = dy * att.mask_att if drop else dy
                 do = torch.mm(dz, wo_b).view(BH, 1, dk)
                 d_prob = torch.bmm(do, v_t[kv]).view(B, H, ell)
                 # Rank-1 updates, broadcast in place (baddbmm_ into a strided view falls
                 # back to one small matmul per batch row).
-                dv_w[kv].addcmul_(prob_used.view(BH, ell, 1), do)
+                dv_w[kv].addcmul_(att.prob_used.view(BH, ell, 1), do)
                 if drop:
-                    d_prob = d_prob.mul_(mask_prob)
+                    d_prob = d_prob.mul_(att.mask_prob)
                 d_scores = _softmax_backward(d_prob, prob, -1, prob.dtype)  # [B, H, ell]
                 d_scores_hb = d_scores.transpose(0, 1)  # [H, B, ell]
                 dqu = torch.bmm(d_scores.view(BH, 1, ell), k_w[kv]).view(B, H, dk)
@@ -293,10 +352,10 @@ def _backward(spec: CoreSpec, d_top: Tensor, hidden: Tensor, memory: Tensor, key
                 d_c[li].narrow(1, n_pos - ell, ell).add_(d_scores.sum(0))
                 dqu = dqu.view(B, D)
                 da = torch.mm(dqu, wq_b)
-                dx = _layer_norm_backward(da, hidden[t, li], shape, mu1, rs1, p.ln1_w, p.ln1_b,
-                                          (True, False, False))[0]
+                dx = _layer_norm_backward(da, hidden[t, li], shape, att.mu1, att.rs1, p.ln1_w,
+                                          p.ln1_b, (True, False, False))[0]
                 dx += dy
-                g_att[li].append((dz, dqu, da))
+                g_att[li].append(AttGrads(dz, dqu, da))
             else:
                 dx = dy
             if dm is not None:
@@ -310,16 +369,16 @@ def _backward(spec: CoreSpec, d_top: Tensor, hidden: Tensor, memory: Tensor, key
         layer_grads += [grads[name] for name in LAYER_PARAMS]
     d_mix = torch.einsum("tbd,tlbd->l", d_memory, hidden)
     d_kv_flat = d_kv.view(T * B, -1)
-    kv_in = _stacked(tape.mem, 0) if spec.memory_norm else memory.view(T * B, D)  # projected
+    kv_in = _stacked(tape.mem, "m_hat") if spec.memory_norm else memory.view(T * B, D)
     d_wkv = torch.mm(kv_in.t(), d_kv_flat)
     # The carried slots' key/value gradients, for callers that projected them differentiably.
     return (d_x0, d_keys[:, :, :n0], d_values[:, :, :n0], d_mix, d_wkv, d_kv_flat.sum(0),
             layer_grads)
 
 
-def _stacked(records: list[tuple], index: int, reverse: bool = False) -> Tensor:
-    """Field ``index`` of every per-step record, stacked and flattened to [steps * B, n]."""
-    items = [r[index] for r in (reversed(records) if reverse else records)]
+def _stacked(records: Sequence[NamedTuple], name: str, reverse: bool = False) -> Tensor:
+    """Field ``name`` of every per-step record, stacked and flattened to [steps * B, n]."""
+    items = [getattr(r, name) for r in (reversed(records) if reverse else records)]
     out = torch.stack(items)
     return out.view(-1, out.shape[-1])
 
@@ -331,28 +390,28 @@ def _layer_norm_affine_grads(d_out: Tensor, x: Tensor, mu: Tensor, rs: Tensor
     return (d_out * x_hat).sum(0), d_out.sum(0)
 
 
-def _layer_weight_grads(att: list[tuple], ff: list[tuple], g_att: list[tuple],
-                        g_ff: list[tuple], x_att: Tensor, p: LayerTensors
+def _layer_weight_grads(att: list[AttRecord], ff: list[FFRecord], g_att: list[AttGrads],
+                        g_ff: list[FFGrads], x_att: Tensor, p: LayerTensors
                         ) -> dict[str, Tensor]:
     """One large matmul per weight, over all steps at once (see spec.py).
 
     ``att``/``ff`` are the forward's records (step order), ``g_att``/``g_ff`` the
     backward's (reverse step order); x_att [n_att, B, D] the attention steps' inputs.
     """
-    df, dh, dc = (_stacked(g_ff, i, reverse=True) for i in range(3))
+    df, dh, dc = (_stacked(g_ff, name, reverse=True) for name in FFGrads._fields)
     grads = {
-        "w2_t": torch.mm(_stacked(ff, 5).t(), df), "b2": df.sum(0),
-        "w1_t": torch.mm(_stacked(ff, 3).t(), dh), "b1": dh.sum(0),
+        "w2_t": torch.mm(_stacked(ff, "h_used").t(), df), "b2": df.sum(0),
+        "w1_t": torch.mm(_stacked(ff, "c").t(), dh), "b1": dh.sum(0),
     }
     grads["ln2_w"], grads["ln2_b"] = _layer_norm_affine_grads(
-        dc, _stacked(ff, 0), _stacked(ff, 1), _stacked(ff, 2))
+        dc, _stacked(ff, "y"), _stacked(ff, "mu2"), _stacked(ff, "rs2"))
     if not att:  # no step attended: attention parameters get zero gradient
-        for name in _ATT_PARAMS:
+        for name in ATT_PARAMS:
             grads[name] = torch.zeros_like(getattr(p, name))
         return grads
-    dz, dqu, da = (_stacked(g_att, i, reverse=True) for i in range(3))
-    grads["wo_t"], grads["bo"] = torch.mm(_stacked(att, 6).t(), dz), dz.sum(0)
-    grads["wq"], grads["uq"] = torch.mm(_stacked(att, 0).t(), dqu), dqu.sum(0)
+    dz, dqu, da = (_stacked(g_att, name, reverse=True) for name in AttGrads._fields)
+    grads["wo_t"], grads["bo"] = torch.mm(_stacked(att, "o").t(), dz), dz.sum(0)
+    grads["wq"], grads["uq"] = torch.mm(_stacked(att, "a").t(), dqu), dqu.sum(0)
     grads["ln1_w"], grads["ln1_b"] = _layer_norm_affine_grads(
-        da, x_att.reshape(-1, x_att.shape[-1]), _stacked(att, 1), _stacked(att, 2))
+        da, x_att.reshape(-1, x_att.shape[-1]), _stacked(att, "mu1"), _stacked(att, "rs1"))
     return grads

@@ -1,17 +1,25 @@
-"""Which core runs: ``$FBTRAIN_CORE`` (``auto``, ``native`` or ``python``), and the notice
-when ``auto`` falls back to the PyTorch core because the C++ one cannot be built."""
+"""Which core runs: ``$FBTRAIN_CORE`` (``auto``, ``native``, ``python`` or ``fused``), and
+the notice when ``auto`` falls back to the PyTorch core because the C++ one cannot be built,
+or when ``fused`` cannot run here (no Triton, or no CUDA device and no ``TRITON_INTERPRET``).
+
+``fused`` (off by default, until a GPU has measured it) is the Triton core for CUDA
+(``fused/``); under ``TRITON_INTERPRET=1`` it runs its kernels on CPU tensors, slowly, so
+it can be checked against the reference anywhere."""
 
 from __future__ import annotations
 
 import functools
+import importlib.util
 import os
 import sys
+
+import torch
 
 from fbtrain.models.core import native, python
 from fbtrain.models.core.spec import Core, CoreError
 
 CORE_ENV = "FBTRAIN_CORE"
-CORE_CHOICES = ("auto", "native", "python")
+CORE_CHOICES = ("auto", "native", "python", "fused")
 # How much slower a training step is on the PyTorch core than on the C++ one, for the
 # fallback notice: feedback_kv at the benchmark sizes (d_model 128, 4 layers, batch 16) on
 # a busy 2-core CPU, two interleaved runs: 2.8x and 3.9x at length 64 (1346 vs 481 ms a
@@ -20,7 +28,8 @@ PYTHON_CORE_SLOWDOWN = "3-5x"
 
 
 def core_choice() -> str:
-    """``$FBTRAIN_CORE``, checked: ``auto`` (the default), ``native`` or ``python``."""
+    """``$FBTRAIN_CORE``, checked: ``auto`` (the default), ``native``, ``python`` or
+    ``fused``."""
     raw = os.environ.get(CORE_ENV, "")
     choice = raw.strip().lower() or "auto"
     if choice not in CORE_CHOICES:
@@ -34,13 +43,37 @@ def core() -> Core:
     ``native``: the C++ core, or CoreBuildError. ``python``: the PyTorch core. ``auto``:
     the C++ core where it builds, else the PyTorch core, after one notice line on stderr
     (once per process) saying why, how much slower it is, and how to get the fast one.
+    ``fused``: the Triton core where it can run (:func:`fused_unavailable`), else what
+    ``auto`` gives, after one notice line saying why.
     """
     return _resolve(core_choice())
+
+
+def fused_unavailable() -> str | None:
+    """Why the fused core cannot run in this process, or None: it needs Triton, and a CUDA
+    device or Triton's interpreter (``TRITON_INTERPRET=1``)."""
+    if importlib.util.find_spec("triton") is None:
+        return "Triton is not installed (pip install triton; Linux x86_64)"
+    interpret = os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "yes")
+    if not (torch.cuda.is_available() or interpret):
+        return "there is no CUDA device (TRITON_INTERPRET=1 runs its kernels on the CPU, slowly)"
+    return None
 
 
 @functools.cache
 def _resolve(choice: str) -> Core:
     """The core ``choice`` (checked) stands for; the C++ core is built here, once."""
+    if choice == "fused":
+        fallback = _resolve("auto")
+        why = fused_unavailable()
+        if why is None:
+            from fbtrain.models.core.fused import FusedCore  # imports Triton: only here
+
+            return FusedCore(fallback)
+        print(f"fbtrain: {CORE_ENV}=fused, but {why}; running on the "
+              f"{'C++' if fallback is native.NativeCore else 'PyTorch'} core instead",
+              file=sys.stderr, flush=True)
+        return fallback
     if choice != "python":
         try:
             native.native_ops()

@@ -1,6 +1,12 @@
 """The feedback core's contract: its static facts (:class:`CoreSpec`), its tensors in the one
 order every part of the core uses (:class:`CoreInputs`, :class:`CoreOutputs`,
-:class:`LayerTensors`) and the calls both cores answer (:class:`Core`).
+:class:`BackwardInputs`, :class:`LayerTensors`), their one flat form (:func:`flatten`,
+:func:`unflatten`) and the calls every core answers (:class:`Core`).
+
+Adding a core input: a field of :class:`CoreInputs` (or :class:`LayerTensors`), the C++
+ops' schema and loops, the PyTorch core's sweeps, the fused core's, and the model that
+builds the inputs (``FeedbackTransformer.core_params``); everything that only moves the
+tensors around (autograd, graphs, the gradients' order) follows from the fields here.
 
 Why a core with a hand-written backward: a feedback model must run one token at a time, so
 a training step is ``seq_len * n_layers`` tiny steps. Under plain autograd every tiny op
@@ -22,14 +28,15 @@ F feed-forward width, S = n0 + T memory slots (n0 carried over from an earlier c
 n_kv key/value sets (1 for ``feedback_kv``, L for ``feedback``). Memory keys and values
 live in preallocated buffers ``[n_kv, B*H, S, d_k]``; nothing is re-stacked per step.
 
-This module imports nothing from fbtrain: every other part of the core builds on it.
+This module imports nothing from fbtrain but its error base: every other part of the core
+builds on it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 from torch import Tensor
 
@@ -82,6 +89,63 @@ class LayerTensors(NamedTuple):
 
 
 LAYER_PARAMS: tuple[str, ...] = LayerTensors._fields  # the names, in the core's order
+# The attention block's parameters: they get a zero gradient when no step of a call attends
+# (one step from empty memory). The C++ core's zero list is held to this one by a test.
+ATT_PARAMS: tuple[str, ...] = ("ln1_w", "ln1_b", "wq", "uq", "wo_t", "bo")
+
+# Fields that hold a list of tensors; spread out in place in the flat form.
+LIST_FIELDS = frozenset({"layers", "tape"})
+_Record = TypeVar("_Record", bound=tuple)
+
+
+def flatten(record: tuple) -> list[Any]:
+    """A NamedTuple of the contract as one flat list: its :data:`LIST_FIELDS` spread out in
+    place, nested contract records (``BackwardInputs.outputs``) flattened alike. The order
+    the C++ ops' schemas and the autograd Function's arguments use."""
+    flat: list[Any] = []
+    for name, value in zip(record._fields, record, strict=True):
+        if name in LIST_FIELDS:
+            flat.extend(value)
+        elif name in _NESTED:
+            flat.extend(flatten(value))
+        else:
+            flat.append(value)
+    return flat
+
+
+def unflatten(cls: type[_Record], flat: Sequence[Any], lengths: Sequence[int] = ()
+              ) -> _Record:
+    """The inverse of :func:`flatten` for ``cls``: ``lengths`` gives the length of each list
+    field but the last, in field order (the last takes what is left)."""
+    leaves = _leaf_fields(cls)
+    n_lists = sum(name in LIST_FIELDS for name in leaves)
+    assert len(lengths) == n_lists - 1, f"{cls.__name__} needs {n_lists - 1} list lengths"
+    sizes = [*lengths, len(flat) - (len(leaves) - n_lists) - sum(lengths)]
+    assert min(sizes) >= 0, f"{len(flat)} tensors are too few for {cls.__name__}"
+    items = iter(flat)
+
+    def build(kind: type) -> tuple:
+        values = []
+        for name in kind._fields:
+            nested = _NESTED.get(name)
+            if nested is not None:
+                values.append(build(nested))
+            elif name in LIST_FIELDS:
+                values.append(tuple(next(items) for _ in range(sizes.pop(0))))
+            else:
+                values.append(next(items))
+        return kind(*values)
+
+    return build(cls)
+
+
+def _leaf_fields(kind: type) -> list[str]:
+    """The fields of ``kind`` in flat order, nested records spread (their fields in place)."""
+    out = []
+    for name in kind._fields:
+        nested = _NESTED.get(name)
+        out += _leaf_fields(nested) if nested is not None else [name]
+    return out
 
 
 class CoreInputs(NamedTuple):
@@ -100,13 +164,12 @@ class CoreInputs(NamedTuple):
 
     def flat(self) -> tuple[Tensor | None, ...]:
         """The fields with ``layers`` spread out, last: the autograd Function's arguments."""
-        return (*self[:-1], *self.layers)
+        return tuple(flatten(self))
 
     @classmethod
     def from_flat(cls, flat: Sequence[Tensor | None]) -> CoreInputs:
         """The inverse of :meth:`flat`."""
-        n = len(cls._fields) - 1
-        return cls(*flat[:n], tuple(flat[n:]))
+        return unflatten(cls, flat)
 
 
 class CoreOutputs(NamedTuple):
@@ -118,6 +181,31 @@ class CoreOutputs(NamedTuple):
     keys: Tensor  # [n_kv, B*H, S, d_k] the key buffers, carried slots first
     values: Tensor  # [n_kv, B*H, S, d_k] the value buffers
     tape: Any  # what the backward needs, its own kind per core (empty unless keep_tape)
+
+
+class BackwardInputs(NamedTuple):
+    """The arguments of :meth:`Core.core_backward` after the spec, in its order (so
+    ``core.core_backward(spec, *inputs)``); flat (:meth:`flat`), the C++ backward op's
+    schema, which a test holds to these fields. The forward must have kept its tape."""
+
+    d_top: Tensor  # [B, T, D] gradient of the last layer's output
+    outputs: CoreOutputs  # what the same core's core_forward returned
+    mix: Tensor  # [L+1] the inputs the backward reads, as in CoreInputs
+    wkv: Tensor  # [D, 2*n_kv*D]
+    layers: Sequence[Tensor]  # L * len(LAYER_PARAMS)
+
+    def flat(self) -> tuple[Any, ...]:
+        """Every tensor, ``outputs`` and its tape spread out in place, ``layers`` last."""
+        return tuple(flatten(self))
+
+    @classmethod
+    def from_flat(cls, flat: Sequence[Any], n_tape: int) -> BackwardInputs:
+        """The inverse of :meth:`flat`, given the tape's length."""
+        return unflatten(cls, flat, [n_tape])
+
+
+# Contract records nested in others, by field name.
+_NESTED: dict[str, type] = {"outputs": CoreOutputs}
 
 
 class Core(Protocol):
@@ -138,10 +226,11 @@ class Core(Protocol):
 
     def core_backward(self, spec: CoreSpec, d_top: Tensor, outputs: CoreOutputs,
                       mix: Tensor, wkv: Tensor, layers: Sequence[Tensor]) -> CoreInputs:
-        """Gradients given ``d_top`` [B, T, D], the gradient of the last layer's output,
-        what the same core's :meth:`core_forward` returned (with its tape), and the inputs
-        the backward reads (in :class:`CoreInputs` order). The carried slot count n0 is
-        ``S - T``.
+        """Gradients given the :class:`BackwardInputs` (``d_top`` [B, T, D], the gradient
+        of the last layer's output, what the same core's :meth:`core_forward` returned with
+        its tape, and the inputs the backward reads). The carried slot count n0 is
+        ``S - T``. First-order only: the result is not differentiable again (the autograd
+        Function is ``once_differentiable``; a double backward raises).
 
         Returns every input's gradient in its field of a :class:`CoreInputs`: d_mem_k and
         d_mem_v are the carried keys' and values' (for callers that projected them

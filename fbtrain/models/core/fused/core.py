@@ -1,0 +1,407 @@
+""":class:`FusedCore`: the core's two sweeps as Triton kernels (``kernels``), one launch
+per layer and step each way plus one per step for the memory, and the weight gradients as a
+few batched matmuls after the sweep (see the package docstring for the design).
+
+Host code here only allocates buffers, slices them and launches: no host syncs and no
+data-dependent control flow (every launch and its arguments follow from the input shapes),
+so a whole call can be captured in one CUDA graph per shape.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import torch
+import triton
+from torch import Tensor
+from triton.runtime.interpreter import InterpretedFunction
+from triton.runtime.jit import JITFunction
+
+from fbtrain.models.core import python
+from fbtrain.models.core.fused import kernels
+from fbtrain.models.core.spec import (
+    LAYER_PARAMS,
+    Core,
+    CoreError,
+    CoreInputs,
+    CoreOutputs,
+    CoreSpec,
+)
+
+# Tiles, sized for sm_80/sm_90 registers at D=128, F=512 (docs/design.md: no spills).
+BLOCK_B = 16  # batch rows per program (tl.dot needs 16 or more in each dimension)
+BW = 8  # window slots per chunk: a [BLOCK_B, BW, d_k] key tile is the largest live value
+BF = 32  # feed-forward columns per chunk (F=512 in 16)
+BC = 64  # key/value projection columns per chunk
+NUM_WARPS = 8  # per program: 256 threads share the tiles' registers
+
+KERNELS = {name: getattr(kernels, name)
+           for name in ("layer_forward", "memory_forward", "memory_backward", "layer_backward")}
+
+def _runtime_ints(fn: Any) -> list[str]:
+    """The kernel's integer arguments that change from launch to launch (not the pointers,
+    not the constants): Triton would otherwise compile a variant for each value that is 1 or
+    a multiple of 16, so new compiles would come at random steps (and inside a capture)."""
+    names = fn.__code__.co_varnames[:fn.__code__.co_argcount]
+    ints = {"B", "S", "lo", "ell", "n_pos", "slot", "li", "is_top", "n_layers", "dx_stride",
+            "dout_stride"}
+    return [n for n in names if n in ints]
+
+
+_JIT = {name: JITFunction(fn, do_not_specialize=_runtime_ints(fn))
+        for name, fn in KERNELS.items()}
+_INTERPRETED = {name: InterpretedFunction(fn) for name, fn in KERNELS.items()}
+
+
+def interpreting() -> bool:
+    """Whether ``$TRITON_INTERPRET`` asks for the interpreter (Triton's own switch; read at
+    every call, so it need not be set before triton is imported)."""
+    return os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+class Launch(NamedTuple):
+    """One kernel launch as the core makes it: which kernel, its grid, its arguments (in
+    the kernel's order, tensors for pointers) and its compile-time constants."""
+
+    name: str
+    grid: tuple[int, ...]
+    args: dict[str, Any]
+    constexprs: dict[str, Any]
+
+
+# Where launches go: None runs them; a list collects them instead (compile_cases, counting).
+_recording: list[Launch] | None = None
+
+
+def _launch(name: str, grid: tuple[int, ...], args: dict[str, Any],
+            constexprs: dict[str, Any]) -> None:
+    """Run kernel ``name`` (compiled on CUDA tensors, interpreted on CPU ones under
+    ``TRITON_INTERPRET``), or record it while :func:`recording`."""
+    if _recording is not None:
+        _recording.append(Launch(name, grid, args, constexprs))
+        return
+    if next(iter(args.values())).is_cuda:
+        _JIT[name][grid](**args, **constexprs, num_warps=NUM_WARPS)
+    else:
+        _INTERPRETED[name][grid](**args, **constexprs)
+
+
+class recording:
+    """Context manager: launches are collected (``with recording() as launches:``), not
+    run; with meta tensors the whole host side runs without a device."""
+
+    def __enter__(self) -> list[Launch]:
+        global _recording
+        self._outer, _recording = _recording, []
+        return _recording
+
+    def __exit__(self, *exc: object) -> None:
+        global _recording
+        _recording = self._outer
+
+
+class FusedTape(NamedTuple):
+    """What the forward keeps for the backward, all full-call buffers (a list of tensors, so
+    graphs.py can capture a call). [L, T, B, ...] per layer and step unless said; the masks
+    are empty without dropout. ``prob`` holds step t's probabilities at their position rows
+    (window slot j at row P - ell + j), zero elsewhere."""
+
+    a: Tensor  # [L, T, B, D] LN1(x)
+    mu1: Tensor  # [L, T, B]
+    rs1: Tensor  # [L, T, B]
+    qu: Tensor  # [L, T, B, D]
+    prob: Tensor  # [L, T, B, H, P]
+    o: Tensor  # [L, T, B, D]
+    y: Tensor  # [L, T, B, D]
+    mu2: Tensor  # [L, T, B]
+    rs2: Tensor  # [L, T, B]
+    c: Tensor  # [L, T, B, D]
+    h: Tensor  # [L, T, B, F] relu output, before dropout
+    m_hat: Tensor  # [T, B, D] norm(m_t) (memory norm only)
+    mu_m: Tensor  # [T, B]
+    rs_m: Tensor  # [T, B]
+    mask_att: Tensor  # as python.Masks
+    mask_prob: Tensor
+    mask_h: Tensor
+    mask_ff: Tensor
+
+
+def _blocks(D: int, H: int) -> dict[str, int]:
+    """The power-of-two tiles for width D and H heads (16 at least: tl.dot's minimum)."""
+    return {"BD": max(16, triton.next_power_of_2(D)),
+            "BDK": max(16, triton.next_power_of_2(D // H))}
+
+
+def _grid(B: int) -> tuple[int]:
+    return (triton.cdiv(B, BLOCK_B),)
+
+
+def _per_layer(layers: Sequence[Tensor]) -> list[dict[str, Tensor]]:
+    """The flat per-layer list as one dict a layer, each tensor contiguous (the kernels
+    index row-major; the model hands some weights over transposed)."""
+    n = len(LAYER_PARAMS)
+    return [dict(zip(LAYER_PARAMS, (t.contiguous() for t in layers[i:i + n]), strict=True))
+            for i in range(0, len(layers), n)]
+
+
+def _runs_here(t: Tensor) -> bool:
+    """Whether the kernels can run on ``t``: CUDA, or (interpreted) anything under
+    ``TRITON_INTERPRET``."""
+    return t.is_cuda or interpreting()
+
+
+class FusedCore:
+    """The :class:`~fbtrain.models.core.spec.Core` calls on Triton kernels. A call on
+    tensors the kernels cannot take (CPU tensors without the interpreter: a model moved to
+    the CPU for sampling) goes to ``fallback``, forward and backward alike."""
+
+    capturable = True  # no host syncs, fixed launches per shape: graphs.py may capture it
+
+    def __init__(self, fallback: Core | None = None):
+        self.fallback = fallback
+
+    def _other(self, t: Tensor) -> Core | None:
+        if _runs_here(t):
+            return None
+        if self.fallback is None:
+            raise CoreError("the fused core runs on CUDA tensors (or under TRITON_INTERPRET=1)")
+        return self.fallback
+
+    def core_forward(self, spec: CoreSpec, inputs: CoreInputs, keep_tape: bool = False
+                     ) -> CoreOutputs:
+        """``Core.core_forward``: T steps, L + 1 launches a step. The tape is a
+        :class:`FusedTape` as a list (empty unless ``keep_tape``)."""
+        if (other := self._other(inputs.x0)) is not None:
+            return other.core_forward(spec, inputs, keep_tape)
+        with torch.inference_mode():
+            return _forward(spec, inputs, keep_tape)
+
+    def core_backward(self, spec: CoreSpec, d_top: Tensor, outputs: CoreOutputs, mix: Tensor,
+                      wkv: Tensor, layers: Sequence[Tensor]) -> CoreInputs:
+        """``Core.core_backward``: L + 1 launches a step, then the weight gradients."""
+        if (other := self._other(d_top)) is not None:
+            return other.core_backward(spec, d_top, outputs, mix, wkv, layers)
+        with torch.inference_mode():
+            return _backward(spec, d_top, outputs, mix, wkv, layers)
+
+
+def _window(slot: int, window: int) -> tuple[int, int]:
+    return python._window(slot, window)
+
+
+def _forward(spec: CoreSpec, inputs: CoreInputs, keep_tape: bool) -> CoreOutputs:
+    x0, mem_k, mem_v, mix, wkv, bkv, flat_layers = inputs
+    mix, wkv = mix.contiguous(), wkv.contiguous()
+    bkv = None if bkv is None else bkv.contiguous()
+    B, T, D = x0.shape
+    L, H = spec.n_layers, spec.n_heads
+    dk = D // H
+    n_kv, n0 = mem_k.shape[0], mem_k.shape[2]
+    S = n0 + T
+    params = _per_layer(flat_layers)
+    F, n_pos = params[0]["w1_t"].shape[1], params[0]["rt"].shape[-1]
+    new = x0.new_empty
+    kv = new(2, n_kv, B * H, S, dk)
+    kv[0, :, :, :n0] = mem_k
+    kv[1, :, :, :n0] = mem_v
+    hidden = new(T, L + 1, B, D)
+    hidden[:, 0] = x0.transpose(0, 1)
+    memory = new(T, B, D)
+    masks = python._draw_masks(spec, x0, n0, F)
+    steps = T if keep_tape else 1  # records: per step for the backward, else one scratch
+    norm_steps = steps if spec.memory_norm else 1
+    tape = FusedTape(
+        new(L, steps, B, D), new(L, steps, B), new(L, steps, B), new(L, steps, B, D),
+        new(L, steps, B, H, n_pos), new(L, steps, B, D), new(L, steps, B, D),
+        new(L, steps, B), new(L, steps, B), new(L, steps, B, D), new(L, steps, B, F),
+        new(norm_steps, B, D), new(norm_steps, B), new(norm_steps, B),
+        *((masks.att, masks.prob, masks.h, masks.ff) if masks else (new(0),) * 4))
+    dummy = new(1)
+    first_att = 0 if n0 > 0 else 1
+    blocks = _blocks(D, H)
+    consts = dict(D=D, H=H, DK=dk, F=F, BLOCK_B=BLOCK_B, **blocks, BW=BW, BF=BF,
+                  DROPOUT=masks is not None)
+    mem_consts = dict(L1=L + 1, D=D, H=H, DK=dk, NKV=n_kv, HAS_BIAS=bkv is not None,
+                      NORM=spec.memory_norm, BLOCK_B=BLOCK_B, BD=blocks["BD"], BC=BC)
+    grid = _grid(B)
+    for t in range(T):
+        slot = n0 + t
+        lo, ell = _window(slot, spec.window)
+        r = t if keep_tape else 0
+        for li in range(L):
+            p = params[li]
+            kv_set = 0 if spec.shared_kv else li
+            if masks is not None:
+                m_att = masks.att[li, t - first_att] if ell else dummy
+                start = masks.prob_offset[t]
+                m_prob = masks.prob[li, start:start + B * H * ell] if ell else dummy
+                m_h, m_ff = masks.h[li, t], masks.ff[li, t]
+            else:
+                m_att = m_prob = m_h = m_ff = dummy
+            _launch("layer_forward", grid, {
+                "x_ptr": hidden[t, li], "out_ptr": hidden[t, li + 1],
+                "k_ptr": kv[0, kv_set], "v_ptr": kv[1, kv_set],
+                "ln1_w": p["ln1_w"], "ln1_b": p["ln1_b"], "wq": p["wq"], "uq": p["uq"],
+                "rt": p["rt"], "cpos": p["c"], "wo": p["wo_t"], "bo": p["bo"],
+                "ln2_w": p["ln2_w"], "ln2_b": p["ln2_b"], "w1": p["w1_t"], "b1": p["b1"],
+                "w2": p["w2_t"], "b2": p["b2"],
+                "a_rec": tape.a[li, r], "mu1_rec": tape.mu1[li, r], "rs1_rec": tape.rs1[li, r],
+                "qu_rec": tape.qu[li, r], "prob_rec": tape.prob[li, r], "o_rec": tape.o[li, r],
+                "y_rec": tape.y[li, r], "mu2_rec": tape.mu2[li, r], "rs2_rec": tape.rs2[li, r],
+                "c_rec": tape.c[li, r], "h_rec": tape.h[li, r],
+                "m_att": m_att, "m_prob": m_prob, "m_h": m_h, "m_ff": m_ff,
+                "B": B, "S": S, "lo": lo, "ell": ell, "n_pos": n_pos, "eps": spec.eps,
+            }, consts)
+        rm = r if spec.memory_norm else 0
+        _launch("memory_forward", grid, {
+            "hid_ptr": hidden[t], "mix": mix, "wkv": wkv,
+            "bkv": dummy if bkv is None else bkv, "kv_ptr": kv, "mem_ptr": memory[t],
+            "mhat_rec": tape.m_hat[rm], "mu_rec": tape.mu_m[rm], "rs_rec": tape.rs_m[rm],
+            "B": B, "S": S, "slot": slot, "eps": spec.eps,
+        }, mem_consts)
+    return CoreOutputs(hidden, memory, kv[0], kv[1], list(tape) if keep_tape else [])
+
+
+def _backward(spec: CoreSpec, d_top: Tensor, outputs: CoreOutputs, mix: Tensor, wkv: Tensor,
+              flat_layers: Sequence[Tensor]) -> CoreInputs:
+    hidden, memory, keys, values, tape_list = outputs
+    tape = FusedTape(*tape_list)
+    d_top, mix, wkv = d_top.contiguous(), mix.contiguous(), wkv.contiguous()
+    T, _, B, D = hidden.shape
+    L, H = spec.n_layers, spec.n_heads
+    dk = D // H
+    n_kv, S = keys.shape[0], keys.shape[2]
+    n0 = S - T
+    params = _per_layer(flat_layers)
+    F, n_pos = params[0]["w1_t"].shape[1], params[0]["rt"].shape[-1]
+    C = 2 * n_kv * D
+    dropout = tape.mask_h.numel() > 0
+    d_kv = hidden.new_zeros(2, n_kv, B * H, S, dk)  # every slot's key/value gradients
+    d_memory = hidden.new_zeros(T, B, D)  # zero at the last step: no later step reads it
+    dkv_rec = hidden.new_zeros(T, B, C)
+    dx = hidden.new_empty(2, B, D)  # ping-pong between layers
+    d_x0 = hidden.new_empty(B, T, D)
+    new = hidden.new_empty
+    g_dz, g_dqu, g_da = new(L, T, B, D), new(L, T, B, D), new(L, T, B, D)
+    g_df, g_dc, g_dh = new(L, T, B, D), new(L, T, B, D), new(L, T, B, F)
+    g_ds = hidden.new_zeros(L, T, B, H, n_pos)  # score gradients at their position rows
+    dummy = new(1)
+    first_att = 0 if n0 > 0 else 1
+    offsets = _prob_offsets(spec, n0, T, B, H)
+    blocks = _blocks(D, H)
+    consts = dict(D=D, H=H, DK=dk, F=F, BLOCK_B=BLOCK_B, **blocks, BW=BW, BF=BF,
+                  DROPOUT=dropout)
+    mem_consts = dict(D=D, H=H, DK=dk, NKV=n_kv, NORM=spec.memory_norm, BLOCK_B=BLOCK_B,
+                      BD=blocks["BD"], BC=BC)
+    grid = _grid(B)
+    for t in reversed(range(T)):
+        slot = n0 + t
+        lo, ell = _window(slot, spec.window)
+        if t < T - 1:
+            rm = t if spec.memory_norm else 0
+            _launch("memory_backward", grid, {
+                "dkv_ptr": d_kv, "wkv": wkv, "mem_ptr": memory[t], "mu_rec": tape.mu_m[rm],
+                "rs_rec": tape.rs_m[rm], "dm_ptr": d_memory[t], "dkv_rec": dkv_rec[t],
+                "B": B, "S": S, "slot": slot,
+            }, mem_consts)
+        src, src_stride = d_top[:, t], T * D
+        for li in reversed(range(L)):
+            p = params[li]
+            kv_set = 0 if spec.shared_kv else li
+            out, out_stride = (d_x0[:, t], T * D) if li == 0 else (dx[li % 2], D)
+            if dropout:
+                m_att = tape.mask_att[li, t - first_att] if ell else dummy
+                m_prob = tape.mask_prob[li, offsets[t]:offsets[t] + B * H * ell] if ell else dummy
+                m_h, m_ff = tape.mask_h[li, t], tape.mask_ff[li, t]
+            else:
+                m_att = m_prob = m_h = m_ff = dummy
+            _launch("layer_backward", grid, {
+                "dx_ptr": src, "dx_stride": src_stride, "dout_ptr": out,
+                "dout_stride": out_stride, "dm_ptr": d_memory[t], "mix": mix, "li": li,
+                "is_top": int(li == L - 1),
+                "x_ptr": hidden[t, li], "k_ptr": keys[kv_set], "v_ptr": values[kv_set],
+                "dk_ptr": d_kv[0, kv_set], "dv_ptr": d_kv[1, kv_set],
+                "ln1_w": p["ln1_w"], "wq": p["wq"], "rt": p["rt"], "wo": p["wo_t"],
+                "ln2_w": p["ln2_w"], "w1": p["w1_t"], "w2": p["w2_t"],
+                "a_rec": tape.a[li, t], "mu1_rec": tape.mu1[li, t], "rs1_rec": tape.rs1[li, t],
+                "qu_rec": tape.qu[li, t], "prob_rec": tape.prob[li, t],
+                "y_rec": tape.y[li, t], "mu2_rec": tape.mu2[li, t], "rs2_rec": tape.rs2[li, t],
+                "h_rec": tape.h[li, t],
+                "m_att": m_att, "m_prob": m_prob, "m_h": m_h, "m_ff": m_ff,
+                "dz_rec": g_dz[li, t], "dqu_rec": g_dqu[li, t], "da_rec": g_da[li, t],
+                "df_rec": g_df[li, t], "dh_rec": g_dh[li, t], "dc_rec": g_dc[li, t],
+                "ds_rec": g_ds[li, t],
+                "B": B, "S": S, "lo": lo, "ell": ell, "n_pos": n_pos, "n_layers": L,
+            }, consts)
+            src, src_stride = out, out_stride
+    grads = _weight_grads(spec, hidden, memory, tape, params, first_att,
+                          (g_dz, g_dqu, g_da, g_df, g_dh, g_dc, g_ds))
+    d_mix = torch.einsum("tbd,tlbd->l", d_memory, hidden)
+    kv_in = tape.m_hat if spec.memory_norm else memory
+    d_flat = dkv_rec.view(T * B, C)
+    d_wkv = torch.mm(kv_in.reshape(T * B, D).t(), d_flat)
+    return CoreInputs(d_x0, d_kv[0, :, :, :n0], d_kv[1, :, :, :n0], d_mix, d_wkv,
+                      d_flat.sum(0), grads)
+
+
+def _prob_offsets(spec: CoreSpec, n0: int, T: int, B: int, H: int) -> list[int]:
+    """Where step t's [B, H, ell] block starts in a layer's probability mask (python.Masks)."""
+    offsets, size = [], 0
+    for t in range(T):
+        offsets.append(size)
+        size += B * H * _window(n0 + t, spec.window)[1]
+    return offsets
+
+
+def _weight_grads(spec: CoreSpec, hidden: Tensor, memory: Tensor, tape: FusedTape,
+                  params: list[dict[str, Tensor]], first_att: int, g: tuple[Tensor, ...]
+                  ) -> list[Tensor]:
+    """Every layer weight's gradient, batched over layers: one bmm per weight over all steps
+    and rows (steps from ``first_att`` on for the attention block, which earlier steps skip)."""
+    g_dz, g_dqu, g_da, g_df, g_dh, g_dc, g_ds = g
+    L, T, B, D = g_df.shape
+    H = g_ds.shape[3]
+
+    def rows(x: Tensor, start: int = 0) -> Tensor:  # [L, T', B, n] -> [L, T'*B, n]
+        x = x[:, start:]
+        return x.reshape(L, -1, x.shape[-1])
+
+    def bmm_t(x: Tensor, y: Tensor) -> Tensor:  # sum over rows of x^T y: [L, n, m]
+        return torch.bmm(x.transpose(1, 2), y)
+
+    def ln_affine(d: Tensor, x: Tensor, mu: Tensor, rs: Tensor) -> tuple[Tensor, Tensor]:
+        return (d * (x - mu.unsqueeze(-1)) * rs.unsqueeze(-1)).sum((1, 2)), d.sum((1, 2))
+
+    h_used = tape.h * tape.mask_h if tape.mask_h.numel() else tape.h
+    out: dict[str, Tensor] = {
+        "w2_t": bmm_t(rows(h_used), rows(g_df)), "b2": g_df.sum((1, 2)),
+        "w1_t": bmm_t(rows(tape.c), rows(g_dh)), "b1": g_dh.sum((1, 2)),
+    }
+    out["ln2_w"], out["ln2_b"] = ln_affine(g_dc, tape.y, tape.mu2, tape.rs2)
+    a = first_att
+    out["wo_t"], out["bo"] = bmm_t(rows(tape.o, a), rows(g_dz, a)), g_dz[:, a:].sum((1, 2))
+    out["wq"], out["uq"] = bmm_t(rows(tape.a, a), rows(g_dqu, a)), g_dqu[:, a:].sum((1, 2))
+    x_att = hidden[a:, :L].transpose(0, 1)  # [L, T', B, D] each attending layer's input
+    out["ln1_w"], out["ln1_b"] = ln_affine(g_da[:, a:], x_att, tape.mu1[:, a:], tape.rs1[:, a:])
+    qu = tape.qu[:, a:].reshape(L, -1, B, H, D // H)
+    ds = g_ds[:, a:]
+    out["rt"] = torch.einsum("ltbhd,ltbhp->lhdp", qu, ds)
+    out["c"] = ds.sum((1, 2)).unsqueeze(2)  # [L, H, 1, P]
+    return [out[name][li] for li in range(L) for name in LAYER_PARAMS]
+
+
+def core_launches(spec: CoreSpec, inputs: CoreInputs, backward: bool = True
+                  ) -> tuple[list[Launch], list[Launch]]:
+    """The launches one forward (with its tape) and one backward make for ``inputs``
+    (meta tensors are fine: nothing runs)."""
+    with recording() as forward_launches:
+        outputs = _forward(spec, inputs, keep_tape=True)
+    backward_launches: list[Launch] = []
+    if backward:
+        with recording() as backward_launches:
+            _backward(spec, torch.empty_like(inputs.x0), outputs, inputs.mix, inputs.wkv,
+                      inputs.layers)
+    return forward_launches, backward_launches
+

@@ -1,0 +1,362 @@
+"""A MODEL of one training step's time on an NVIDIA H200, not a measurement: the ATen path
+eager, the ATen path under CUDA graphs and the fused core, at batch 16, 128 and 512 and at
+a config's own batch.
+
+Every figure here is arithmetic on stated numbers; none was timed on a GPU.
+
+Peaks (NVIDIA H200 Tensor Core GPU datasheet, H200 SXM column; its tensor-core figures are
+with 2:4 sparsity, halved here for dense work): bf16 tensor 989 TFLOP/s dense, tf32
+tensor 494 dense, fp32 (no tensor cores) 67 TFLOP/s; HBM3e 4.8 TB/s. The ATen path trains
+under bf16 autocast (``precision: auto``), so its matmuls are counted at the bf16 peak; the
+fused core's ``tl.dot`` is IEEE fp32 (no TF32), so at the fp32 peak, as are the weight-
+gradient matmuls after its sweep (torch's default: no TF32 for matmuls). 132 SMs and
+60 MB of L2 (what PyTorch reported on this workplace's H200s). L2 bandwidth is not on the
+datasheet: 10 TB/s is an ASSUMPTION (a lead from third-party H100 microbenchmarks), to be
+measured on the first GPU.
+
+Floors: the host queues an eager launch every 5 us (PyTorch's dispatch plus
+cudaLaunchKernel, the figure issue 32 and docs/performance.md use); a graph replay costs
+the host 10 us (assumed); every kernel, inside a graph or not, costs the device at least
+2 us (the middle of the 1.5-3 us that issue 32 states for a tiny kernel's start, run and
+drain).
+
+The model of a step: ``step = max(host, device)`` (the host queues ahead of the device, so
+the slower of the two sets the pace). ``host = host launches x 5 us + replays x 10 us``.
+Device, ATen path: ``kernels x 2 us + max(FLOPs / peak, HBM bytes / 4.8 TB/s)``, the work
+assumed spread over the whole GPU (generous to the ATen path: its kernels are tiny).
+Device, fused core: each sweep kernel (a Triton launch) runs ``ceil(B / 16)`` programs, one
+per tile of 16 batch rows, so it can use only ``a = min(1, programs / 132)`` of the GPU:
+``max(2 us, flops / (67 TFLOP/s x a), L2 bytes / (10 TB/s x a), HBM bytes / 4.8 TB/s)``,
+where every program reads its layer's weights from L2 and the sweep's FLOPs and bytes are
+split evenly over its launches; the weight-gradient matmuls and the rest of the step
+(embedding, logits, loss, optimizer) add ``kernels x 2 us + their work over the whole
+GPU``. Weights stay in L2 between steps when all of them fit (else each step of each sweep
+streams them from HBM again).
+
+Kernel and launch counts come from scripts/launch_count.py, counted on the CPU at tiny
+widths and batch 2 (counts depend on the steps and layers, not on widths or batch) at four
+(steps, layers) points and fitted exactly to ``a T L + b T + c L + d``.
+
+    python scripts/h200_model.py                       # main job and configs/gpu.yaml
+    python scripts/h200_model.py --counts counts.json  # counts from an earlier --save-counts
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+# NVIDIA H200 datasheet, SXM, dense (tensor-core figures: the sparse ones halved).
+PEAK_FLOPS = {"bf16": 989e12, "tf32": 494e12, "fp32": 67e12}
+HBM_BW = 4.8e12  # bytes/s, HBM3e
+L2_BW = 10e12  # bytes/s: ASSUMED (not on the datasheet)
+L2_BYTES = 60e6
+SMS = 132
+HOST_US = 5.0  # host cost of one eager launch
+REPLAY_US = 10.0  # host cost of one graph replay (assumed)
+DEVICE_FLOOR_US = 2.0  # device cost of any kernel at least (issue 32: 1.5-3 us)
+BLOCK_B = 16  # batch rows per program of the fused core's kernels
+FP32 = 4  # bytes
+VOCAB = 65
+BATCHES = (16, 128, 512)
+PATHS = ("aten eager", "aten graphed", "fused graphed")
+# (steps, layers) where the counts are taken: enough for the fit a T L + b T + c L + d.
+FIT_POINTS = ((6, 2), (8, 2), (6, 3), (8, 3))
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """One training step's shapes (``window``: memory slots a step may attend to)."""
+
+    d_model: int
+    n_heads: int
+    d_ff: int
+    n_layers: int
+    batch: int
+    seq_len: int
+    window: int
+    kind: str = "feedback_kv"
+    dropout: float = 0.0
+    vocab: int = VOCAB
+
+    @property
+    def n_kv(self) -> int:
+        """Key/value sets: one shared (feedback_kv) or one per layer (feedback)."""
+        return 1 if self.kind == "feedback_kv" else self.n_layers
+
+    def attended(self) -> int:
+        """Memory slots attended over a call, summed over its steps (step t sees the
+        min(t, window) slots before it; no carried memory)."""
+        return sum(min(t, self.window) for t in range(self.seq_len))
+
+    def layer_params(self) -> int:
+        """Weights one layer's kernel reads: Wq, Wo, W1, W2 (the rest is small)."""
+        return 2 * self.d_model ** 2 + 2 * self.d_model * self.d_ff
+
+    def params(self) -> int:
+        """The model's weights (matrices; biases, norms and position tables left out)."""
+        return (self.n_layers * self.layer_params() + 2 * self.n_kv * self.d_model ** 2
+                + 2 * self.vocab * self.d_model)
+
+
+def step_flops(s: Sizes) -> dict[str, float]:
+    """FLOPs of one training step (multiply-adds count two): the core's ``sweep``
+    (forward and backward activation work), its ``weight_grads`` (the matmuls after the
+    sweep) and the ``rest`` (logits forward, backward and their weight gradient)."""
+    D, F, L, B, T = s.d_model, s.d_ff, s.n_layers, s.batch, s.seq_len
+    attending = sum(1 for t in range(T) if min(t, s.window) > 0)  # steps with memory
+    # Per row, forward: q and output projections where there is memory to attend to,
+    # scores (content and position terms) and the weighted sum over the attended slots,
+    # the feed-forward always, and each step's key/value projection.
+    matmul_fwd = B * (L * (attending * 4 * D * D + T * 4 * D * F) + T * 4 * s.n_kv * D * D)
+    window_fwd = B * L * s.attended() * 6 * D
+    # Backward: activation gradients cost as much as the forward's matmuls (and twice its
+    # window work: scores' and values' gradients); weight gradients the forward's matmuls.
+    sweep = matmul_fwd + window_fwd + matmul_fwd + 2 * window_fwd
+    rest = 3 * B * T * 2 * D * s.vocab
+    return {"sweep": float(sweep), "weight_grads": float(matmul_fwd), "rest": float(rest)}
+
+
+def step_hbm_bytes(s: Sizes) -> dict[str, float]:
+    """HBM bytes of one step: ``records`` (what the forward writes for the backward and the
+    backward reads, and the backward's own gradient records), ``weights`` (read once a
+    step where all fit in L2, else once per step of each sweep and once more for the
+    weight gradients: 2T + 1 times) and ``optimizer`` (AdamW in fp32: parameter, gradient
+    and two moments read, three written)."""
+    D, F, H, B, T, L = s.d_model, s.d_ff, s.n_heads, s.batch, s.seq_len, s.n_layers
+    per_token_layer = 8 * D + 2 * F  # LayerNorm outputs, query, attention out, residuals...
+    records = 3 * B * (T * L * per_token_layer + L * s.attended() * H) * FP32
+    weights = s.params() * FP32
+    if weights > L2_BYTES:  # cannot stay resident: every step streams them again
+        weights *= 2 * T + 1
+    return {"records": float(records), "weights": float(weights),
+            "optimizer": float(7 * s.params() * FP32)}
+
+
+@dataclass(frozen=True)
+class Counts:
+    """Per step: ``kernels`` the device runs, ``host`` launches the host queues, graph
+    ``replays`` among them, and ``triton`` (the fused core's sweep kernels) among the
+    kernels."""
+
+    kernels: float
+    host: float
+    replays: float = 0.0
+    triton: float = 0.0
+
+
+@dataclass(frozen=True)
+class Row:
+    """One modelled step."""
+
+    path: str
+    batch: int
+    host_ms: float
+    device_ms: float
+    step_ms: float
+    tokens_per_s: float
+    bound: str  # "host" or "device"
+
+
+def _row(path: str, s: Sizes, host_ms: float, device_ms: float) -> Row:
+    step = max(host_ms, device_ms)
+    return Row(path, s.batch, host_ms, device_ms, step, s.batch * s.seq_len / step * 1000,
+               "host" if host_ms >= device_ms else "device")
+
+
+def host_ms(c: Counts) -> float:
+    """The host's time to queue a step: eager launches and replays."""
+    return ((c.host - c.replays) * HOST_US + c.replays * REPLAY_US) / 1000
+
+
+def aten_row(path: str, s: Sizes, c: Counts) -> Row:
+    """The ATen path (eager or graphed, by its counts): see the module docstring."""
+    f = step_flops(s)
+    flops = sum(f.values())
+    hbm = sum(step_hbm_bytes(s).values())
+    work_ms = max(flops / PEAK_FLOPS["bf16"], hbm / HBM_BW) * 1000
+    return _row(path, s, host_ms(c), c.kernels * DEVICE_FLOOR_US / 1000 + work_ms)
+
+
+def fused_row(path: str, s: Sizes, c: Counts) -> Row:
+    """The fused core (graphed, by its counts): see the module docstring."""
+    f = step_flops(s)
+    n = max(1.0, c.triton)
+    hbm = step_hbm_bytes(s)
+    programs = math.ceil(s.batch / BLOCK_B)
+    a = min(1.0, programs / SMS)
+    # Each launch: its share of the sweep's FLOPs, every program reading its layer's
+    # weights (and its rows' window of keys and values) from L2, its share of HBM traffic.
+    weights_per_launch = (s.n_layers * s.layer_params() + 2 * s.n_kv * s.d_model ** 2) / (
+        s.n_layers + 1) * FP32
+    window_bytes = 3 * 2 * s.batch * s.n_layers * s.attended() * s.d_model * FP32
+    l2_per_launch = programs * weights_per_launch + window_bytes / n
+    hbm_per_launch = (hbm["records"] + hbm["weights"]) / n
+    per_launch_s = max(DEVICE_FLOOR_US * 1e-6, f["sweep"] / n / (PEAK_FLOPS["fp32"] * a),
+                       l2_per_launch / (L2_BW * a), hbm_per_launch / HBM_BW)
+    other = c.kernels - c.triton
+    other_s = (other * DEVICE_FLOOR_US * 1e-6
+               + max((f["weight_grads"] + f["rest"]) / PEAK_FLOPS["fp32"],
+                     hbm["optimizer"] / HBM_BW))
+    return _row(path, s, host_ms(c), (n * per_launch_s + other_s) * 1000)
+
+
+def model_rows(s: Sizes, counts: dict[str, Counts]) -> list[Row]:
+    """The three paths at ``s`` from their counts (keys: PATHS; a missing one is left out)."""
+    rows = []
+    for path in PATHS:
+        if path in counts:
+            make = fused_row if path.startswith("fused") else aten_row
+            rows.append(make(path, s, counts[path]))
+    return rows
+
+
+# --- counts, from scripts/launch_count.py -------------------------------------------
+
+
+def fit(values: dict[tuple[int, int], float]) -> tuple[float, float, float, float]:
+    """(a, b, c, d) of ``a T L + b T + c L + d`` through the four FIT_POINTS."""
+    (t0, l0), (t1, _), (_, l1), _ = FIT_POINTS
+    n00, n10, n01, n11 = (values[p] for p in FIT_POINTS)
+    a = (n11 - n01 - n10 + n00) / ((t1 - t0) * (l1 - l0))
+    b = (n10 - n00) / (t1 - t0) - a * l0
+    c = (n01 - n00) / (l1 - l0) - a * t0
+    d = n00 - a * t0 * l0 - b * t0 - c * l0
+    return a, b, c, d
+
+
+def predict(coef: tuple[float, float, float, float], seq_len: int, n_layers: int) -> float:
+    a, b, c, d = coef
+    return a * seq_len * n_layers + b * seq_len + c * n_layers + d
+
+
+def measure_coefficients(kind: str, dropout: float, fused: bool) -> dict[str, dict]:
+    """Per path, the fitted coefficients of kernels, host launches, replays and Triton
+    kernels per step (launch_count at its TINY_WIDTHS, batch 2, at the FIT_POINTS)."""
+    import launch_count
+
+    runs = {"aten eager": ("aten", False), "aten graphed": ("aten", True)}
+    if fused:
+        runs["fused graphed"] = ("fused", True)
+    out = {}
+    for path, (core, graphed) in runs.items():
+        per_point: dict[str, dict] = {"kernels": {}, "host": {}, "replays": {}, "triton": {}}
+        for T, L in FIT_POINTS:
+            counts = launch_count.count_step(kind, 2, T, dropout,
+                                             {**launch_count.TINY_WIDTHS, "n_layers": L},
+                                             core=core, graphed=graphed)
+            launches = [c for c in counts["launches"].values()]
+            host = [c for c in counts["host_launches"].values()]
+            per_point["kernels"][T, L] = sum(sum(c.values()) for c in launches)
+            per_point["host"][T, L] = sum(sum(c.values()) for c in host)
+            per_point["replays"][T, L] = sum(c[launch_count.GRAPH_REPLAY] for c in host)
+            per_point["triton"][T, L] = sum(n for c in launches for op, n in c.items()
+                                            if op.startswith(launch_count.TRITON_PREFIX))
+        out[path] = {k: fit(v) for k, v in per_point.items()}
+    return out
+
+
+def counts_at(coefficients: dict[str, dict], s: Sizes) -> dict[str, Counts]:
+    """Each path's Counts at ``s``'s steps and layers."""
+    return {path: Counts(**{k: predict(v, s.seq_len, s.n_layers) for k, v in coef.items()})
+            for path, coef in coefficients.items()}
+
+
+def config_sizes(path: Path) -> Sizes:
+    """A config's model at its last curriculum stage (batch and length there, the window
+    its max_rel_pos, its dropout)."""
+    from fbtrain.config import load_config
+
+    cfg = load_config(path)
+    m = cfg.model
+    seq_len = cfg.curriculum[-1].seq_len
+    return Sizes(m.d_model, m.n_heads, m.d_ff, m.n_layers, cfg.train.batch_size, seq_len,
+                 min(m.max_rel_pos, seq_len), m.kind, m.dropout)
+
+
+def fused_available() -> str | None:
+    """Why the fused core cannot be counted here (one line), or None."""
+    try:
+        import triton  # noqa: F401
+
+        from fbtrain.models.core import fused  # noqa: F401
+    except ImportError as e:
+        return f"the fused core cannot run here ({e})"
+    return None
+
+
+def format_rows(title: str, rows: list[Row]) -> list[str]:
+    lines = [f"### {title}", "",
+             "| path | batch | host ms | device ms | step ms (MODEL) | tokens/s (MODEL) | "
+             "bound |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r.path} | {r.batch} | {r.host_ms:.2f} | {r.device_ms:.2f} | "
+                     f"{r.step_ms:.2f} | {r.tokens_per_s:,.0f} | {r.bound} |")
+    return lines
+
+
+CONFIGS = {"main job (configs/tiny_shakespeare.yaml)": ROOT / "configs" / "tiny_shakespeare.yaml",
+           "configs/gpu.yaml": ROOT / "configs" / "gpu.yaml"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--counts", type=Path,
+                        help="coefficients from --save-counts (skips counting)")
+    parser.add_argument("--save-counts", type=Path, help="write the fitted coefficients")
+    parser.add_argument("--json", type=Path, help="also write the rows here")
+    args = parser.parse_args(argv)
+    if args.counts:
+        saved = json.loads(args.counts.read_text())
+    else:
+        why = fused_available()
+        if why:
+            print(f"note: {why}: the fused core's rows are left out", flush=True)
+        saved = {}
+        for path in CONFIGS.values():
+            s = config_sizes(path)
+            key = f"{s.kind}/dropout={s.dropout:g}"
+            if key not in saved:
+                saved[key] = measure_coefficients(s.kind, s.dropout, fused=why is None)
+        if args.save_counts:
+            from fbtrain.io import atomic_write_text
+
+            atomic_write_text(args.save_counts, json.dumps(saved, indent=2))
+    print("MODEL of an H200 training step, not a measurement (scripts/h200_model.py: "
+          f"peaks bf16 {PEAK_FLOPS['bf16'] / 1e12:.0f} / fp32 {PEAK_FLOPS['fp32'] / 1e12:.0f} "
+          f"TFLOP/s dense, HBM {HBM_BW / 1e12:.1f} TB/s, L2 {L2_BW / 1e12:.0f} TB/s assumed; "
+          f"{HOST_US:g} us a host launch, {REPLAY_US:g} us a replay, {DEVICE_FLOOR_US:g} us "
+          "a kernel's device floor)")
+    report = {}
+    for title, path in CONFIGS.items():
+        s0 = config_sizes(path)
+        coefficients = saved[f"{s0.kind}/dropout={s0.dropout:g}"]
+        rows = []
+        for batch in dict.fromkeys((*BATCHES, s0.batch)):
+            s = Sizes(**{**asdict(s0), "batch": batch})
+            rows += model_rows(s, counts_at(coefficients, s))
+        c = counts_at(coefficients, s0)
+        counted = "; ".join(f"{p}: {v.kernels:,.0f} kernels, {v.host:,.0f} host launches"
+                            for p, v in c.items())
+        heading = (f"{title}: {s0.kind}, d_model {s0.d_model}, {s0.n_layers} layers, length "
+                   f"{s0.seq_len}, dropout {s0.dropout:g} (own batch {s0.batch})")
+        print("\n".join(["", *format_rows(heading, rows), "", f"per step: {counted}"]))
+        report[title] = {"sizes": asdict(s0), "rows": [asdict(r) for r in rows],
+                         "counts": {p: asdict(v) for p, v in c.items()}}
+    if args.json:
+        from fbtrain.io import atomic_write_text
+
+        atomic_write_text(args.json, json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,215 @@
+"""Triton kernels compiled for sm_90 and sm_80 without a GPU (scripts/fused_compile.py): the
+fused core's kernels at the main job's and configs/gpu.yaml's sizes must compile, not spill
+and fit the device's shared memory; the check itself is held to kernels that do spill or
+overflow. Compiled kernels are cached in this test run's own folder."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+
+import fused_compile  # noqa: E402
+
+_WHY = fused_compile.triton_missing()
+if _WHY:
+    pytest.skip(f"Triton compile checks skipped: {_WHY}", allow_module_level=True)
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+
+@pytest.fixture(scope="module", autouse=True)
+def triton_cache(tmp_path_factory):
+    """Triton's cache in this run's own folder (read by Triton on every compile)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TRITON_CACHE_DIR", str(tmp_path_factory.mktemp("triton-cache")))
+        yield
+
+
+@triton.jit
+def add_layernorm(x_ptr, r_ptr, w_ptr, b_ptr, out_ptr, eps, D: tl.constexpr,
+                  BD: tl.constexpr):
+    """out = LayerNorm(x + r) for one row of D per program."""
+    row = tl.program_id(0)
+    cols = tl.arange(0, BD)
+    m = cols < D
+    x = (tl.load(x_ptr + row * D + cols, mask=m, other=0.0)
+         + tl.load(r_ptr + row * D + cols, mask=m, other=0.0))
+    mean = tl.sum(x, 0) / D
+    xc = tl.where(m, x - mean, 0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, 0) / D + eps)
+    y = xc * rstd * tl.load(w_ptr + cols, mask=m) + tl.load(b_ptr + cols, mask=m)
+    tl.store(out_ptr + row * D + cols, y, mask=m)
+
+
+ADD_LN_SIG = {"x_ptr": "*fp32", "r_ptr": "*fp32", "w_ptr": "*fp32", "b_ptr": "*fp32",
+              "out_ptr": "*fp32", "eps": "fp32", "D": "constexpr", "BD": "constexpr"}
+
+
+@triton.jit
+def softmax_row(x_ptr, o_ptr, N: tl.constexpr):
+    """One row of N softmaxed by one program: all N values live across the reduction."""
+    i = tl.arange(0, N)
+    x = tl.load(x_ptr + i)
+    e = tl.exp(x)
+    tl.store(o_ptr + i, e / tl.sum(e, 0))
+
+
+@triton.jit
+def matmul_tile(a_ptr, b_ptr, o_ptr, K, BM: tl.constexpr, BN: tl.constexpr,
+                BK: tl.constexpr):
+    """One BM x BN tile of a @ b, K in pipelined chunks of BK (num_stages deep)."""
+    rm, rn, rk = tl.arange(0, BM), tl.arange(0, BN), tl.arange(0, BK)
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for k in range(0, K, BK):
+        a = tl.load(a_ptr + rm[:, None] * K + (k + rk)[None, :])
+        b = tl.load(b_ptr + (k + rk)[:, None] * BN + rn[None, :])
+        acc += tl.dot(a, b)
+    tl.store(o_ptr + rm[:, None] * BN + rn[None, :], acc)
+
+
+def test_resource_usage_is_read_per_function():
+    text = """
+Resource usage:
+ Common:
+  GLOBAL:28 CONSTANT[4]:16
+ Function layer_forward:
+  REG:96 STACK:8 SHARED:1024 LOCAL:16 CONSTANT[0]:592 TEXTURE:0 SURFACE:0 SAMPLER:0
+ Function add_ln:
+  REG:19 STACK:0 SHARED:0 LOCAL:0 CONSTANT[0]:416 TEXTURE:0 SURFACE:0 SAMPLER:0
+"""
+    got = fused_compile.parse_resource_usage(text)
+    assert set(got) == {"layer_forward", "add_ln"}
+    assert got["layer_forward"]["REG"] == 96 and got["layer_forward"]["STACK"] == 8
+    assert got["layer_forward"]["LOCAL"] == 16 and got["layer_forward"]["SHARED"] == 1024
+    assert got["add_ln"]["CONSTANT[0]"] == 416 and got["add_ln"]["REG"] == 19
+
+
+@pytest.mark.parametrize("arch", fused_compile.ARCHS)
+def test_add_layernorm_compiles_without_a_gpu_and_fits(arch):
+    u = fused_compile.usage("add_layernorm", add_layernorm, ADD_LN_SIG,
+                            {"D": 128, "BD": 128}, arch, grid=(16,))
+    assert u.arch == arch and u.kernel == "add_layernorm" and u.programs == 16
+    assert 0 < u.registers <= fused_compile.MAX_REGS_PER_THREAD
+    assert u.num_warps == 4  # Triton's default
+    assert u.problems() == []
+
+
+def test_a_compile_in_a_child_process_reads_the_same(monkeypatch, tmp_path):
+    """Where this process's Triton is the interpreter's (which cannot compile), the compile
+    runs in a child process that imports the kernel from its file: same figures."""
+    args = ("add_layernorm", add_layernorm, ADD_LN_SIG, {"D": 128, "BD": 128}, 90, (16,))
+    here = fused_compile.usage(*args)
+    monkeypatch.setattr(fused_compile, "triton_interpreting", lambda: True)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the child must not inherit it
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))  # and must compile, not reuse
+
+    def not_here(*a, **k):
+        raise AssertionError("compiled in the interpreting process")
+
+    monkeypatch.setattr(fused_compile, "compile_kernel", not_here)
+    assert fused_compile.usage(*args) == here
+
+
+def test_a_kernel_that_spills_fails_the_check():
+    """Capped at 32 registers a thread, one warp cannot hold 2,048 values: it spills."""
+    u = fused_compile.usage("softmax_row", softmax_row,
+                            {"x_ptr": "*fp32", "o_ptr": "*fp32", "N": "constexpr"},
+                            {"N": 2048, "num_warps": 1, "maxnreg": 32}, 90)
+    assert u.registers <= 32 and u.stack > 0
+    assert any(p.startswith("spills: ") for p in u.problems())
+
+
+def test_a_kernel_over_the_shared_memory_limit_fails_the_check():
+    """Four stages of 128 x 64 and 64 x 128 fp32 tiles: 256 KiB, past sm_90's 227."""
+    sig = {"a_ptr": "*fp32", "b_ptr": "*fp32", "o_ptr": "*fp32", "K": "i32",
+           "BM": "constexpr", "BN": "constexpr", "BK": "constexpr"}
+    u = fused_compile.usage("matmul_tile", matmul_tile, sig,
+                            {"BM": 128, "BN": 128, "BK": 64, "num_stages": 4, "num_warps": 8},
+                            90)
+    assert u.dynamic_shared == 4 * (128 * 64 + 64 * 128) * 4 and u.stack == 0
+    assert u.problems() == [f"{u.shared} bytes of shared memory, over sm_90's 232448"]
+
+
+@pytest.mark.parametrize("arch,limit", [(90, 232_448), (80, 166_912)])
+def test_limits_are_the_devices_opt_in_maxima(arch, limit):
+    def at(shared: int, registers: int = 64, warps: int = 4) -> list[str]:
+        return fused_compile.Usage("k", arch, registers, 0, 0, 1024, shared - 1024,
+                                   warps).problems()
+
+    assert at(limit) == [] and len(at(limit + 1)) == 1
+    assert at(0, registers=255) == [] and len(at(0, registers=256)) == 1
+    # 128 registers x 16 warps = 65,536: the whole register file; 8 more registers, over.
+    assert at(0, registers=128, warps=16) == [] and len(at(0, registers=136, warps=16)) == 1
+
+
+def test_compile_table_prints_a_row_per_kernel_arch_and_size(monkeypatch, capsys):
+    """The script's table and exit code, here on the test's own kernel as the 'fused core'
+    (a kernel shared by two sizes' cases is compiled once per arch)."""
+    compiled = []
+    real_usage = fused_compile.usage
+
+    def counting_usage(*args, **kwargs):
+        compiled.append(args[0])
+        return real_usage(*args, **kwargs)
+
+    def cases(sizes, shared_kv):
+        d = sizes["d_model"]
+        return [("add_layernorm", add_layernorm, ADD_LN_SIG, {"D": d, "BD": d},
+                 (sizes["batch"],))]
+
+    monkeypatch.setattr(fused_compile, "usage", counting_usage)
+    monkeypatch.setattr(fused_compile, "fused_cases", cases)
+    monkeypatch.setattr(fused_compile, "_fused_interface", lambda: None)
+    assert fused_compile.main(["--arch", "90"]) == 0
+    out = capsys.readouterr().out
+    rows = [ln for ln in out.splitlines() if "add_layernorm" in ln]
+    assert len(rows) == 4 and all(ln.rstrip().endswith("ok") for ln in rows)
+    assert compiled == ["add_layernorm"] * 2  # d_model 128 and 512, each once
+    assert "main feedback_kv" in rows[0] and rows[0].split()[-2] == "16"  # programs
+    assert "4 rows, 0 failing" in out
+
+
+def _fused_cases_or_skip(sizes: dict, shared_kv: bool) -> list:
+    why = fused_compile._fused_interface()
+    if why:
+        pytest.skip(why)
+    return fused_compile.fused_cases(sizes, shared_kv)
+
+
+# Compiling the fused core's kernels takes about 10-40 s each on a 2-core machine: by
+# default the test compiles the main job's for sm_90 (the H100/H200); the rest of the table
+# (sm_80, configs/gpu.yaml's sizes) is scripts/fused_compile.py's, or here with
+# FBTRAIN_COMPILE_ALL=1.
+FULL_TABLE_ENV = "FBTRAIN_COMPILE_ALL"
+KERNELS = ("layer_forward", "memory_forward", "memory_backward", "layer_backward")
+# Known to spill (Triton 3.9, 4 warps, the fused core's tiles at fbtrain's merge of its
+# first commit): at the main job's sizes on sm_90 the layer kernels hold 255 registers and
+# spill 400 (forward) and 472 (backward) bytes of stack a thread. Strict: once they stop
+# spilling this fails, and the mark must go (the check then guards them like the others).
+SPILLING = {("main", 90, "layer_forward"), ("main", 90, "layer_backward")}
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("arch", fused_compile.ARCHS)
+@pytest.mark.parametrize("config", list(fused_compile.CONFIGS))
+def test_fused_core_kernels_compile_without_spills_within_shared_memory(config, arch,
+                                                                        kernel, request):
+    """Each kernel the fused core launches (feedback_kv; feedback's differ only in the
+    number of key/value sets), at the config's last stage, dropout and memory_norm on."""
+    if (config, arch) != ("main", 90) and not os.environ.get(FULL_TABLE_ENV):
+        pytest.skip(f"{config} sm_{arch}: minutes of compiling; set {FULL_TABLE_ENV}=1 "
+                    "or run scripts/fused_compile.py")
+    if (config, arch, kernel) in SPILLING:
+        request.applymarker(pytest.mark.xfail(strict=True, reason="spills (see SPILLING)"))
+    sizes = fused_compile.run_sizes(fused_compile.CONFIGS[config])
+    cases = [c for c in _fused_cases_or_skip(sizes, shared_kv=True) if c[0] == kernel]
+    assert cases, f"the fused core launches no {kernel}"
+    for name, fn, signature, constexprs, grid in cases:
+        u = fused_compile.usage(name, fn, signature, constexprs, arch, grid)
+        assert u.problems() == [], f"{config} sm_{arch}: {u}"

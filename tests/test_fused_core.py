@@ -1,0 +1,267 @@
+"""The fused core (``FBTRAIN_CORE=fused``, Triton kernels) checked without a GPU: its kernels
+run in Triton's interpreter on CPU tensors (``TRITON_INTERPRET=1``, read at each call, so it
+need not be set before Triton is imported), through ``build_model``
+like every core, against tests/reference.py in float64 (logits, loss and every gradient to
+1e-9, the bound every core is held to: the sums run in another order, so results differ by
+float64 rounding: measured at most 5e-14), and against the PyTorch core where the reference
+has nothing to say (dropout with the masks both draw, carried memory). Plus the selection
+and its notices, the launch counts, and the interface tools compile the kernels through.
+
+The interpreter is slow (numpy under every tl op): the sizes are tiny.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("triton", reason="the fused core needs Triton (pip install triton: "
+                                     "Linux x86_64; in the dev extra there)")
+
+import inspect  # noqa: E402
+
+import torch  # noqa: E402
+from reference import reference_forward  # noqa: E402
+from test_models import grads, loss_of, randomized, small  # noqa: E402
+
+from fbtrain.config import ModelConfig  # noqa: E402
+from fbtrain.models import build_model  # noqa: E402
+from fbtrain.models.core import fused, native, python, select  # noqa: E402
+from fbtrain.models.core.fused import core as fused_core  # noqa: E402
+from fbtrain.models.core.spec import CoreSpec  # noqa: E402
+
+TOL = 1e-9  # float64, as for every core (test_models.py)
+
+
+@pytest.fixture
+def use_core(monkeypatch):
+    """``use_core(name)``: FBTRAIN_CORE=name from now on, the interpreter on, and the core
+    resolved afresh (select caches it per process)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.delenv("FBTRAIN_CORE_ATEN", raising=False)
+
+    def use(name: str) -> None:
+        monkeypatch.setenv("FBTRAIN_CORE", name)
+        select._resolve.cache_clear()
+
+    yield use
+    select._resolve.cache_clear()
+
+
+def _step(model: torch.nn.Module, tokens: torch.Tensor, state=None):
+    """Logits and every parameter's gradient of one call (a fixed random loss)."""
+    model.zero_grad(set_to_none=True)
+    logits, state = model(tokens, state)
+    loss = loss_of(logits)
+    loss.backward()
+    return logits, loss, state, grads(model)
+
+
+def _assert_close(got: dict, want: dict, tol: float) -> None:
+    assert got.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=0, atol=tol,
+                                   msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.parametrize(("kind", "memory_norm", "mem_len"), [
+    ("feedback_kv", "none", None), ("feedback_kv", "layernorm", 3),
+    ("feedback", "none", 3), ("feedback", "layernorm", None)])
+def test_fused_matches_reference_float64(kind, memory_norm, mem_len, use_core):
+    """Both kinds, memory norm on and off, a window shorter than the steps (3 of 7) and one
+    as long; a batch of 3 (the tile is 16 rows)."""
+    use_core("fused")
+    assert isinstance(select.core(), fused.FusedCore)
+    model = randomized(small(kind, n_layers=2, memory_norm=memory_norm, mem_len=mem_len))
+    tokens = torch.randint(0, 11, (3, 7))
+    ref_logits = reference_forward(model, tokens)
+    ref_loss = loss_of(ref_logits)
+    ref_loss.backward()
+    ref_grads = grads(model)
+    logits, loss, _, got = _step(model, tokens)
+    torch.testing.assert_close(logits, ref_logits, rtol=0, atol=TOL)
+    assert abs(loss.item() - ref_loss.item()) < TOL
+    _assert_close(got, ref_grads, TOL)
+    assert got["mem_weights"].abs().sum() > 0
+
+
+@pytest.mark.parametrize(("d_model", "n_heads", "d_ff", "batch", "steps"), [
+    (24, 3, 40, 17, 11), (32, 4, 70, 2, 5)])
+def test_fused_widths_and_heads_match_reference(d_model, n_heads, d_ff, batch, steps,
+                                                use_core):
+    """Widths and head sizes that are not powers of two (24/3 = 8, d_ff 40, 70: the tiles
+    are padded and masked), 17 rows (two tiles, the second nearly empty), and windows of
+    up to 10 slots (the kernels take a window in chunks of 8)."""
+    use_core("fused")
+    model = randomized(small("feedback_kv", d_model=d_model, n_heads=n_heads, d_ff=d_ff,
+                             n_layers=1, mem_len=10))
+    tokens = torch.randint(0, 11, (batch, steps))
+    ref_logits = reference_forward(model, tokens)
+    loss_of(ref_logits).backward()
+    ref_grads = grads(model)
+    logits, _, _, got = _step(model, tokens)
+    torch.testing.assert_close(logits, ref_logits, rtol=0, atol=TOL)
+    _assert_close(got, ref_grads, TOL)
+
+
+@pytest.mark.parametrize("kind", ["feedback_kv", "feedback"])
+def test_fused_agrees_with_python_core_on_dropout_and_carried_memory(kind, use_core):
+    """Dropout (the masks drawn before the sweep, as the PyTorch core draws them, then read
+    by the kernels) and memory carried over from a first call, re-projected with the
+    current weights (memory norm on): two calls, the same logits, carried keys and values
+    and every gradient as the PyTorch core from one seed."""
+    model = randomized(small(kind, dropout=0.3, n_layers=2, mem_len=4,
+                             memory_norm="layernorm")).train()
+    tokens = torch.randint(0, 11, (3, 5))
+    runs = []
+    for name in ("python", "fused"):
+        use_core(name)
+        torch.manual_seed(5)
+        model.zero_grad(set_to_none=True)
+        logits, state = model(tokens)
+        logits2, state2 = model(tokens[:, :3], state.detached())
+        loss_of(torch.cat([logits, logits2], 1)).backward()
+        runs.append((logits, logits2, state2.keys, state2.values, grads(model)))
+    (*want, want_grads), (*got, got_grads) = runs
+    for a, b in zip(got, want, strict=True):  # other masks would differ by O(1)
+        torch.testing.assert_close(a, b, rtol=0, atol=TOL)
+    _assert_close(got_grads, want_grads, TOL)
+
+
+def test_fused_tape_holds_the_masks_the_python_core_draws(use_core):
+    """The test mode for dropout: the tape of a forward holds the masks its kernels read,
+    and they are the PyTorch core's (same generator, shapes and order)."""
+    use_core("fused")
+    model = randomized(small("feedback", dropout=0.5, n_layers=2))
+    spec = CoreSpec(n_layers=2, n_heads=2, shared_kv=False, window=32, dropout=0.5)
+    layers, wkv, bkv = model.core_params(4)
+    from fbtrain.models.core.autograd import flatten_layers
+    from fbtrain.models.core.spec import CoreInputs
+
+    x0 = torch.randn(3, 4, 16, dtype=torch.float64)
+    empty = torch.zeros(2, 6, 0, 8, dtype=torch.float64)
+    inputs = CoreInputs(x0, empty, empty, model.memory_weights().detach(), wkv.detach(),
+                        None if bkv is None else bkv.detach(),
+                        [t.detach() for t in flatten_layers(layers)])
+    torch.manual_seed(9)
+    tape = fused_core.FusedTape(*select.core().core_forward(spec, inputs, keep_tape=True).tape)
+    torch.manual_seed(9)
+    masks = python._draw_masks(spec, x0, 0, 24)
+    for name in ("att", "prob", "h", "ff"):
+        assert torch.equal(getattr(tape, f"mask_{name}"), getattr(masks, name)), name
+    assert 0 < (tape.mask_h == 0).double().mean() < 1
+
+
+def test_fused_float32_step_matches_the_cpp_core(use_core):
+    """One float32 training step at the main job's width (d_model 128, 4 heads, d_ff 512)
+    with 2 layers, batch 16, 8 steps, dropout 0.1, against the C++ core (the interpreter
+    takes ~10 s of CPU for it; the main job's 4 layers and 64 steps would take minutes).
+    Both sum in float32 in other orders (the kernels' tl.dot in IEEE float32, no TF32), so
+    they agree to float32 rounding: logits within 1e-4 (they are O(1); measured 3.3e-7) and
+    each gradient within 1e-4 of its largest entry (measured 1.0e-6), the bound
+    test_models.py holds float32 to against float64."""
+    cfg = ModelConfig(kind="feedback_kv", d_model=128, n_heads=4, d_ff=512, n_layers=2,
+                      dropout=0.1, max_rel_pos=64)
+    torch.manual_seed(0)
+    model = build_model(cfg, 11).train()
+    tokens = torch.randint(0, 11, (16, 8))
+    runs = []
+    for name in ("native", "fused"):
+        use_core(name)
+        torch.manual_seed(3)
+        runs.append(_step(model, tokens))
+    (want_logits, _, _, want), (got_logits, _, _, got) = runs
+    torch.testing.assert_close(got_logits, want_logits, rtol=0, atol=1e-4)
+    for name in want:
+        scale = want[name].abs().max().item()
+        torch.testing.assert_close(got[name], want[name], rtol=0, atol=1e-4 * scale,
+                                   msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_fused_choice_without_cuda_or_interpreter_falls_back_with_one_line(monkeypatch,
+                                                                           capsys):
+    """No CUDA device and no TRITON_INTERPRET: one line says why, and today's core runs
+    (never other numbers silently)."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setenv("FBTRAIN_CORE", "fused")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    select._resolve.cache_clear()
+    try:
+        assert select.core() is native.NativeCore
+        assert select.core() is native.NativeCore
+    finally:
+        select._resolve.cache_clear()
+    assert capsys.readouterr().err.splitlines() == [
+        "fbtrain: FBTRAIN_CORE=fused, but there is no CUDA device (TRITON_INTERPRET=1 runs "
+        "its kernels on the CPU, slowly); running on the C++ core instead"]
+
+
+def test_fused_choice_without_triton_falls_back_with_one_line(monkeypatch, capsys):
+    real = select.importlib.util.find_spec
+    monkeypatch.setattr(select.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "triton" else real(name, *a))
+    monkeypatch.setenv("FBTRAIN_CORE", "fused")
+    select._resolve.cache_clear()
+    try:
+        assert select.core() is native.NativeCore
+    finally:
+        select._resolve.cache_clear()
+    assert capsys.readouterr().err.splitlines() == [
+        "fbtrain: FBTRAIN_CORE=fused, but Triton is not installed (pip install triton; "
+        "Linux x86_64); running on the C++ core instead"]
+
+
+def test_fused_core_hands_cpu_calls_to_its_fallback_without_the_interpreter(monkeypatch):
+    """A fused core (chosen on a CUDA machine) given CPU tensors without the interpreter
+    (a model moved to the CPU to sample) runs them on today's core."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    calls = []
+
+    class Spy:
+        @staticmethod
+        def core_forward(spec, inputs, keep_tape=False):
+            calls.append("forward")
+            return python.core_forward(spec, inputs, keep_tape)
+
+    core = fused.FusedCore(Spy)
+    model = build_model(small("feedback_kv", n_layers=1), 11)
+    layers, wkv, bkv = model.core_params(2)
+    from fbtrain.models.core.autograd import flatten_layers
+    from fbtrain.models.core.spec import CoreInputs
+
+    inputs = CoreInputs(torch.randn(1, 2, 16), torch.zeros(1, 2, 0, 8), torch.zeros(1, 2, 0, 8),
+                        model.memory_weights().detach(), wkv.detach(), bkv,
+                        [t.detach() for t in flatten_layers(layers)])
+    spec = CoreSpec(n_layers=1, n_heads=2, shared_kv=True, window=32, dropout=0.0)
+    core.core_forward(spec, inputs)
+    assert calls == ["forward"]
+
+
+@pytest.mark.parametrize(("n_layers", "shared_kv"), [(4, True), (4, False), (6, True)])
+def test_launches_per_token_layer(n_layers, shared_kv):
+    """By count, from the launches themselves (no device): per step, one kernel a layer
+    and one for the memory each way (the last step's memory has no gradient): 2 + 2/L per
+    token-layer for forward and backward together, under the issue's 8."""
+    spec = CoreSpec(n_layers=n_layers, n_heads=4, shared_kv=shared_kv, window=64,
+                    dropout=0.1, memory_norm=True)
+    T = 64
+    counts = fused.kernels_per_step(spec, batch=16, steps=T, d_model=128, d_ff=512)
+    assert counts == {"forward": T * (n_layers + 1), "backward": T * n_layers + T - 1}
+    assert (counts["forward"] + counts["backward"]) / (T * n_layers) < 2 + 2 / n_layers + 1e-9
+
+
+def test_compile_cases_name_every_kernel_with_its_whole_signature():
+    """What tools compile (``triton.compile(ASTSource(fn, signature, constexprs))``): the
+    four kernels, each signature naming every parameter of its kernel in order, pointers
+    typed by the training dtype, the constants as launched."""
+    cases = fused.compile_cases(128, 4, 512, 4, 16, 64, False, True, 0.1)
+    assert [c[0] for c in cases] == ["layer_forward", "memory_forward", "layer_backward",
+                                     "memory_backward"]
+    for name, fn, signature, constexprs, grid in cases:
+        assert fn is fused_core._JIT[name]
+        params = list(inspect.signature(fused_core.KERNELS[name]).parameters)
+        assert list(signature) == params, name
+        assert {k for k, v in signature.items() if v == "constexpr"} == set(constexprs)
+        assert signature.get("x_ptr", signature.get("hid_ptr", "*fp32")) == "*fp32"
+        assert grid == (1,)
+    assert cases[0][3]["DROPOUT"] and cases[1][3]["NORM"] and cases[1][3]["NKV"] == 4
+    assert fused.compile_cases(128, 4, 512, 4, 40, 64, True, False, 0.0)[0][4] == (3,)
