@@ -88,5 +88,5 @@ def test_resume_from_a_damaged_cuda_rng_state_is_one_line_exit_2(
                                       "--resume", "auto", "-q"])
     assert result.exit_code == EXIT_USAGE, result.exception
     assert result.stderr.splitlines() == [
-        f"error: {last}: malformed RNG state: rng.cuda: Expected a CUDA generator state of "
-        "16 bytes, got 7"]
+        f"error: {last}: cannot restore training state: rng: malformed RNG state: rng.cuda: "
+        "Expected a CUDA generator state of 16 bytes, got 7"]
