@@ -288,12 +288,12 @@ def _newest_loadable(run_dir: Path, entries: list[Path]) -> ResumeChoice:
     if chosen is None and best is not None and best_payload is not None:
         chosen = (best, best_payload)
     if chosen is None:
+        afresh = "to start afresh, train under another run.name (--set run.name=NEW) or delete"
         if len(entries) == 1:
-            raise CheckpointError(problems[-1])
+            raise CheckpointError(f"{problems[-1]}; {afresh} {run_dir}")
         raise CheckpointError(
             f"run directory {run_dir} holds checkpoints, but none can be resumed from "
-            f"({'; '.join(problems)}); to start afresh, train under another run.name "
-            "(--set run.name=NEW) or delete that folder")
+            f"({'; '.join(problems)}); {afresh} that folder")
     path, payload = chosen
     return ResumeChoice(path, payload, note=(
         f"resuming from {path.name} (step {payload['step']}), the newest checkpoint that "
