@@ -67,7 +67,7 @@ class TrainData:
     train_ids: Any  # the training split's stream (inputs, targets)
     val_x: Tensor
     val_y: Tensor
-    n_chars: tuple[int, int]  # tokens in the train and val splits
+    n_tokens: tuple[int, int]  # tokens (characters, bytes or words) in the train and val splits
 
 
 @dataclass(frozen=True)
@@ -205,7 +205,7 @@ def load_data(cfg: Config, ctx: DistContext, vocab: list[str] | None,
     val_x, val_y = fixed_windows(val_ids, scored, cfg.train.eval_windows, context=context)
     return TrainData(tokenizer=corpus.tokenizer, labelled=corpus.labelled, train_ids=train_ids,
                      val_x=val_x.to(ctx.device), val_y=val_y.to(ctx.device),
-                     n_chars=(len(train_ids.inputs), len(val_ids.inputs)))
+                     n_tokens=(len(train_ids.inputs), len(val_ids.inputs)))
 
 
 def _main_rank_first(cfg: Config, ctx: DistContext, load: Callable[[], Corpus]) -> Corpus:
