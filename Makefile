@@ -1,10 +1,11 @@
-# fbtrain: make install | train | dev | test | lint | bench | bench-sample | gpu-check | clean
+# fbtrain: make install | train | quick | dev | test | lint | bench | bench-sample | gpu-check | clean
 # Needs Python (3.10 or newer), make, and for the fast C++ core a C++ compiler (g++); the
 # rest, ninja included, goes into $(VENV). Without a compiler fbtrain runs on its slower
 # PyTorch core.
 #
 #   make train                                   # configs/tiny_shakespeare.yaml
 #   make train CONFIG=configs/tiny.yaml DATA=input.txt
+#   make quick                                   # the main job's model, 600 steps (~2 min)
 #   make test
 
 PY ?= python3
@@ -17,10 +18,12 @@ TORCH ?= torch==2.13.0
 TORCH_INDEX ?=
 
 BIN := $(VENV)/bin
+# Quiet: errors still print, the ~100 lines of progress and "already satisfied" do not.
+PIP := $(BIN)/python -m pip install -q --disable-pip-version-check
 STAMP := $(VENV)/.installed
 DEV_STAMP := $(VENV)/.installed-dev
 
-.PHONY: install dev train test lint bench bench-sample gpu-check clean distclean
+.PHONY: install dev train quick test lint bench bench-sample gpu-check clean distclean
 
 # What training needs and nothing more; `make test` and `make lint` add the dev extra.
 install: $(STAMP)
@@ -28,8 +31,8 @@ install: $(STAMP)
 # Re-runs only when pyproject.toml changes (or the venv is gone): a second `make` is instant.
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/python -m pip install $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) '$(TORCH)'
-	$(BIN)/python -m pip install -e .
+	$(PIP) $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) '$(TORCH)'
+	$(PIP) -e .
 	@# Compile the C++ core now (once); without a compiler say so and go on (FBTRAIN_CORE).
 	$(BIN)/python -c 'from fbtrain.models.core.select import core; core()'
 	touch $@
@@ -38,14 +41,35 @@ $(STAMP): pyproject.toml
 dev: $(DEV_STAMP)
 
 $(DEV_STAMP): $(STAMP)
-	$(BIN)/python -m pip install -e '.[dev]'
+	$(PIP) -e '.[dev]'
 	touch $@
 
 train: install
 	$(BIN)/fbtrain train --config $(CONFIG) --resume auto $(if $(DATA),--set data.path=$(DATA))
 
+# The tests whose assertions depend on floating-point results (model, cores, training,
+# evaluation, sampling, checkpoints): `make test` runs them a second time with torch's
+# kernels held to AVX2, as an AVX2-only CPU computes them (on an AVX-512 machine the
+# softmax, for one, then differs in its low bits). MKL_ENABLE_INSTRUCTIONS does the same for
+# MKL's matmuls on an Intel CPU (MKL ignores it on an AMD one); the C++ core is compiled
+# -mavx2 -mfma on every x86 machine, so it does not change.
+NUMERIC_TESTS := tests/test_models.py tests/test_cores.py tests/test_core_spec.py \
+	tests/test_batches.py tests/test_train.py tests/test_evaluate.py tests/test_sample.py \
+	tests/test_checkpoint.py tests/test_legacy_checkpoints.py tests/test_soundness.py \
+	tests/test_export.py tests/test_launches.py tests/test_algorithmic.py
+AVX2 := ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2
+
+# See it work: the main job's model and data for 600 of its 1,500 steps (614,400 tokens),
+# into runs/quick; it ends with a sample.
+quick: install
+	$(BIN)/fbtrain train --config configs/tiny_shakespeare.yaml --set train.max_steps=600 \
+	    --set run.name=quick --resume auto $(if $(DATA),--set data.path=$(DATA))
+
 test: dev
 	$(BIN)/python -m pytest
+	@# Torch ignoring the setting would make the second pass a plain repeat: refuse that.
+	@$(AVX2) $(BIN)/python -c 'import sys, torch; c = torch.backends.cpu.get_cpu_capability(); print("again, dispatch held to", c); sys.exit(c == "AVX512")'
+	$(AVX2) $(BIN)/python -m pytest $(NUMERIC_TESTS)
 
 lint: dev
 	$(BIN)/ruff check .

@@ -35,7 +35,8 @@ app = typer.Typer(
     name="fbtrain",
     cls=OneLineErrors,
     epilog=_examples(
-        "fbtrain train --config configs/tiny_shakespeare.yaml   # 3-5 min on 2 cores",
+        "# the main job: 1.5M tokens, ~5 min idle on 2 cores, more when busy",
+        "fbtrain train --config configs/tiny_shakespeare.yaml   # download, train",
         "fbtrain sample --checkpoint runs/tiny_shakespeare      # generate text",
         "fbtrain eval --checkpoint runs/tiny_shakespeare        # bits per character",
         "fbtrain export -c runs/tiny_shakespeare -o exports/ts  # weights to share",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from typing import Any
 
 
@@ -23,5 +24,5 @@ def is_int(value: Any) -> bool:
 
 
 def is_number(value: Any) -> bool:
-    """An int or float that is not a bool."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    """A real number (an int, a float, a numpy scalar) that is not a bool (True is an int)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 from fbtrain.checkpoint import (
@@ -39,7 +38,7 @@ _LISTED = 3  # checkpoints named in a refusal; more are counted
 
 
 class RunDirLock:
-    """``with RunDirLock(run_dir):`` owns ``run_dir`` for the block, if it exists yet.
+    """Owns ``run_dir`` from :meth:`acquire` (or :meth:`create_and_acquire`) to :meth:`release`.
 
     :meth:`acquire` (idempotent) takes the lock once the directory exists (call it after
     creating the directory); a second process is refused with a :class:`ConfigError` naming
@@ -126,15 +125,6 @@ class RunDirLock:
     def release(self) -> None:
         """Let go. The file stays (see :mod:`fbtrain.filelock`)."""
         self._lock.release()
-
-    def __enter__(self) -> RunDirLock:
-        if self.run_dir.is_dir():
-            self.acquire()
-        return self
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        self.release()
 
 
 def _file_error(path: Path, error: OSError) -> FileWriteError:

@@ -11,7 +11,6 @@ past ``max_rel_pos`` (the state keeps a sliding window of memory).
 from __future__ import annotations
 
 import math
-import os
 import sys
 from collections.abc import Callable
 from typing import Any, TextIO
@@ -20,6 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from fbtrain.config import INT64_MAX
+from fbtrain.config.budget import physical_memory
 from fbtrain.config.fields import int_bound
 from fbtrain.config.kinds import model_kind
 from fbtrain.data.errors import DataError
@@ -176,10 +176,7 @@ def memory_bytes(device: torch.device | str = "cpu") -> int | None:
     device = torch.device(device)
     if device.type == "cuda":
         return int(torch.cuda.get_device_properties(device).total_memory)
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (AttributeError, ValueError, OSError):  # no sysconf, or no such name here
-        return None
+    return physical_memory()
 
 
 def check_memory(model: nn.Module, tokenizer: Tokenizer, prompt_tokens: int,

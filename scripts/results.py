@@ -9,13 +9,18 @@ Each config trains into ``<out>/<config stem>`` (an existing run is evaluated, n
 retrained, unless --retrain). Prints a markdown table (and writes it with --markdown):
 validation loss and bits per character with windows of 64 characters from empty memory
 (``--context reset``), the same with memory carried across windows for the feedback
-models (``--context carry``), parameters, training tokens, wall time, training tokens/s.
+models (``--context carry``), parameters, training tokens, wall time, training tokens/s;
+then the machine the figures are from (commit, CPU, torch's kernel dispatch, threads),
+since training is bitwise reproducible on one machine only (docs/results.md, "Across CPU
+kinds").
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -75,6 +80,28 @@ def summarize(config: str, data: str, out: Path, wall: float | None) -> dict:
     return row
 
 
+def machine() -> dict:
+    """Where the figures come from: commit, CPU model, torch's dispatch (AVX512, AVX2, ...,
+    as ATEN_CPU_CAPABILITY may hold it) and thread count, as the training runs see them."""
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    if os.path.exists("/proc/cpuinfo"):
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f
+                        if line.startswith("model name")), cpu)
+    git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                         text=True, cwd=Path(__file__).resolve().parent)
+    return {"commit": git.stdout.strip() or "unknown", "cpu": cpu,
+            "dispatch": torch.backends.cpu.get_cpu_capability(),
+            "threads": torch.get_num_threads()}
+
+
+def describe(m: dict) -> str:
+    return (f"Measured at commit {m['commit']} on {m['cpu']} (torch dispatch {m['dispatch']}, "
+            f"{m['threads']} threads).")
+
+
 def table(rows: list[dict]) -> str:
     lines = [
         "| config | kind | val loss (nats) | val bpc | carried-memory bpc | params | "
@@ -107,12 +134,13 @@ def main() -> int:
         wall = train(config, args.data, args.out, args.retrain)
         rows.append(summarize(config, args.data, args.out, wall))
         print(table(rows[-1:]), flush=True)
-    text = table(rows)
+    where = machine()
+    text = table(rows) + "\n\n" + describe(where)
     print("\n" + text)
     if args.markdown:
         args.markdown.write_text(text + "\n")
     if args.json:
-        args.json.write_text(json.dumps(rows, indent=2))
+        args.json.write_text(json.dumps({"machine": where, "rows": rows}, indent=2))
     return 0
 
 

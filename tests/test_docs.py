@@ -290,3 +290,62 @@ def test_list_keys_prints_every_key_with_default_and_help():
     for key in config_keys():
         assert f"{key.name} = {key.default}\n" in result.output
     assert "train.lr = 0.002\n    Peak learning rate (AdamW)." in result.output
+
+
+# ----------------------------------------------------------------------------- headline figures
+
+
+RESULTS = DOCS / "results.md"
+FIGURE = re.compile(r"(?<![\d.])\d\.\d{4}(?![\d.])")  # a loss or bpc to four decimals
+CPU_KIND = re.compile(r"AVX-?512|AVX2")
+
+
+def section(text: str, heading: str) -> str:
+    """The body under ``heading`` (any level) up to the next heading of that level or above."""
+    m = re.search(rf"^(#+) {re.escape(heading)}\n", text, flags=re.M)
+    assert m, f"no heading {heading!r}"
+    level = len(m.group(1))
+    rest = text[m.end():]
+    end = re.search(rf"^#{{1,{level}}} ", rest, flags=re.M)
+    return rest[:end.start()] if end else rest
+
+
+def machines_table() -> tuple[list[str], list[list[str]]]:
+    """results.md's "Across CPU kinds" table: its header cells and its rows' cells."""
+    rows = [[c.strip() for c in line.strip().strip("|").split("|")]
+            for line in section(RESULTS.read_text(encoding="utf-8"), "Across CPU kinds")
+            .splitlines() if line.startswith("|") and not line.startswith("|---")]
+    return rows[0], rows[1:]
+
+
+def test_the_machines_table_names_each_machine_and_the_spread():
+    """Both CPU kinds at least, each column with its CPU and commit, and the spread."""
+    header, rows = machines_table()
+    machines = [h for h in header[1:] if CPU_KIND.search(h)]
+    assert len(machines) >= 2 and {CPU_KIND.search(m).group() for m in machines} >= {
+        "AVX-512", "AVX2"}, header
+    assert all(re.search(r"commit [0-9a-f]{7}", m) for m in machines), header
+    assert header[-1] == "spread" and rows
+
+
+@pytest.mark.parametrize(("page", "heading"), [
+    (ROOT / "README.md", "Quickstart"),
+    (ROOT / "README.md", "Results at a glance"),
+    (RESULTS, "Tiny Shakespeare"),
+], ids=["README-quickstart", "README-results", "results-tiny-shakespeare"])
+def test_a_headline_figure_is_stated_with_its_machine_and_tolerance(page: Path, heading: str):
+    """Training is deterministic per machine, not across CPU kinds: every four-decimal
+    figure of a headline section is in results.md's machines table (the machine it came
+    from, the spread), and the section names the CPU kind and a ± tolerance."""
+    body = section(page.read_text(encoding="utf-8"), heading)
+    if page == RESULTS:  # its own machines table is part of the section; the rest is not
+        body = body.split("### Across CPU kinds", 1)[0]
+        body = body.split("### Earlier measurements", 1)[0]
+    figures = set(FIGURE.findall(body))
+    assert figures, f"{page.name} {heading}: no figures (update this test's sections)"
+    in_table = {f for row in machines_table()[1] for f in FIGURE.findall(" ".join(row))}
+    assert figures <= in_table, (
+        f"{page.name} {heading}: figures without a machine in results.md's 'Across CPU kinds' "
+        f"table: {sorted(figures - in_table)}")
+    assert CPU_KIND.search(body), f"{page.name} {heading}: no CPU kind named"
+    assert re.search(r"± ?0\.\d+", body), f"{page.name} {heading}: no ± tolerance"

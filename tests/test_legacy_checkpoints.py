@@ -1,5 +1,10 @@
 """Checkpoints written before the redesign (format v1, code at bc18203, made by
-tests/fixtures/make_legacy_checkpoints.py) still load, sample, and resume bitwise."""
+tests/fixtures/make_legacy_checkpoints.py) still load, sample, and resume correctly.
+
+The fixtures' two steps were computed on another machine (an AVX-512 CPU), so their low
+bits are that machine's: the resume is checked against straight steps computed here to
+:data:`RESUME_ATOL`, not bitwise. Bitwise resumption is a per-machine claim, and
+test_train.py::test_resume_is_bitwise_exact makes it with both sides computed here."""
 
 from __future__ import annotations
 
@@ -22,6 +27,15 @@ WORDS = ["the", "king", "queen", "and", "to", "of", "my", "lord", "thou", "art",
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+
+# How far a correctly resumed run may land from straight steps (the largest absolute
+# difference in any weight after 4 steps). Another CPU's kernels change the fixtures' low
+# bits: with torch held to AVX2 here (ATEN_CPU_CAPABILITY=avx2) the two runs differ by at
+# most 1.2e-7. A restore that loses any state changes whole AdamW updates, each about the lr
+# (3e-3): measured, a zeroed first moment moves some weight by 3.9e-3, fresh optimizer state
+# by 7.8e-3, a re-seeded dropout stream by 6.2e-3, and each moves every one of the 36 tensors
+# by at least 6.6e-5. 1e-5 sits 80x above the first and 6x below the least of the others.
+RESUME_ATOL = 1e-5
 
 
 def legacy_config(tmp_path: Path, context: str, max_steps: int) -> Any:
@@ -55,8 +69,9 @@ def test_a_legacy_checkpoint_loads_and_samples(context: str) -> None:
 
 
 @pytest.mark.parametrize("context", ["reset", "carry"])
-def test_a_legacy_checkpoint_resumes_bitwise(tmp_path: Path, context: str) -> None:
-    """2 steps by the old code + 2 by this one == 4 straight steps by this one."""
+def test_a_legacy_checkpoint_resumes(tmp_path: Path, context: str) -> None:
+    """2 steps by the old code + 2 by this one == 4 straight steps by this one, to
+    RESUME_ATOL in every weight."""
     straight = run(legacy_config(tmp_path / "a", context, 4), quiet=True)
     cfg = legacy_config(tmp_path / "b", context, 4)
     last = Path(cfg.run.out_dir) / context / "checkpoints" / "last.pt"
@@ -66,5 +81,7 @@ def test_a_legacy_checkpoint_resumes_bitwise(tmp_path: Path, context: str) -> No
     a = load_checkpoint(straight / "checkpoints" / "last.pt")
     b = load_checkpoint(resumed / "checkpoints" / "last.pt")
     assert a["step"] == b["step"] == 4
+    assert a["model"].keys() == b["model"].keys()
     for name in a["model"]:
-        assert torch.equal(a["model"][name], b["model"][name]), name
+        torch.testing.assert_close(b["model"][name], a["model"][name], rtol=0,
+                                   atol=RESUME_ATOL, msg=lambda m, n=name: f"{n}: {m}")

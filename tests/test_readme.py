@@ -95,9 +95,35 @@ def make_dry_run(target: str) -> str:
 @pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
 def test_make_install_installs_no_dev_tools_and_make_test_does():
     install = make_dry_run("install")
-    assert "pip install -e ." in install
+    assert re.search(r"pip install -q .*-e \.$", install, flags=re.M)
     assert "[dev]" not in install and "pytest" not in install
     train = make_dry_run("train")
     assert "[dev]" not in train
     for target in ("test", "lint"):
-        assert "pip install -e '.[dev]'" in make_dry_run(target)
+        assert re.search(r"pip install -q .*-e '\.\[dev\]'", make_dry_run(target))
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+def test_make_test_runs_the_numeric_tests_again_held_to_avx2():
+    """An AVX-512 machine sees what an AVX2-only one computes: the second pass holds torch
+    (and MKL) to AVX2 and refuses to run if torch still dispatches to AVX-512."""
+    commands = make_dry_run("test").splitlines()
+    passes = [c for c in commands if " -m pytest" in c]
+    assert len(passes) == 2 and passes[0].endswith(" -m pytest")
+    held = passes[1]
+    assert held.startswith("ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ")
+    files = held.split(" -m pytest ", 1)[1].split()
+    assert "tests/test_legacy_checkpoints.py" in files and "tests/test_train.py" in files
+    assert all((ROOT / f).is_file() for f in files), files
+    check = next(c for c in commands if "get_cpu_capability" in c)
+    assert check.startswith("ATEN_CPU_CAPABILITY=avx2 ") and 'sys.exit(c == "AVX512")' in check
+    assert commands.index(check) < commands.index(held)
+
+
+def test_ci_runs_the_readmes_test_command():
+    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+    block = readme().split("```sh", 1)[1].split("```", 1)[0]
+    test_command = next(line.split("#")[0].strip() for line in block.splitlines()
+                        if "test" in line.split("#")[0])
+    assert test_command == "make test"
+    assert re.search(rf"^{re.escape(test_command)}$", ci, flags=re.M)

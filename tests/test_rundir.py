@@ -40,14 +40,17 @@ DISK_FULL = "cannot write: the disk is full (no space left on device)"
 
 
 def test_second_lock_is_refused_naming_the_holder(tmp_path: Path) -> None:
-    with RunDirLock(tmp_path) as first:
-        assert first.held
-        with pytest.raises(ConfigError, match=rf"^run directory {tmp_path} is in use by "
-                           rf"another fbtrain process \(pid {os.getpid()}\); wait"):
-            RunDirLock(tmp_path).acquire()
-    with RunDirLock(tmp_path) as again:  # released on exit
-        assert again.held
-    assert not RunDirLock(tmp_path / "missing").__enter__().held  # nothing made
+    first = RunDirLock(tmp_path)
+    first.acquire()
+    assert first.held
+    with pytest.raises(ConfigError, match=rf"^run directory {tmp_path} is in use by "
+                       rf"another fbtrain process \(pid {os.getpid()}\); wait"):
+        RunDirLock(tmp_path).acquire()
+    first.release()
+    again = RunDirLock(tmp_path)
+    again.acquire()  # free again once released
+    assert again.held
+    again.release()
 
 
 def test_acquire_removes_stale_temps_only(tmp_path: Path) -> None:
@@ -58,8 +61,10 @@ def test_acquire_removes_stale_temps_only(tmp_path: Path) -> None:
     kept = [ckpts / "last.pt", ckpts / "notes.tmp", tmp_path / ".hidden", ckpts / "x.pt.tmp"]
     for p in stale + kept:
         p.write_bytes(b"PK\x03\x04")
-    with RunDirLock(tmp_path) as lock:
-        assert sorted(lock.removed) == sorted(stale)
+    lock = RunDirLock(tmp_path)
+    lock.acquire()
+    assert sorted(lock.removed) == sorted(stale)
+    lock.release()
     assert all(p.exists() for p in kept) and not any(p.exists() for p in stale)
     assert remove_stale_temps(tmp_path / "nowhere") == []
 

@@ -27,6 +27,7 @@ import torch
 
 from fbtrain.errors import UserError
 from fbtrain.io import atomic_write
+from fbtrain.messages import first_line
 
 FORMAT = "fbtrain-checkpoint-v2"
 # Formats still read: checkpoint.state.upgrade turns their layout into today's.
@@ -125,9 +126,8 @@ def _why_unreadable(path: Path, head: bytes, error: Exception) -> str:
     if head.startswith(b"PK\x03\x04"):
         if not zipfile.is_zipfile(path):
             return "checkpoint file is truncated or corrupt (incomplete zip archive)"
-        text = str(error).strip()
         # torch's reader appends paragraphs of advice; its first sentence is the diagnosis.
-        first = text.splitlines()[0].split(". ")[0] if text else type(error).__name__
+        first = first_line(error).split(". ")[0]
         return f"checkpoint file is truncated or corrupt ({first[:100]})"
     return "not a PyTorch checkpoint file (unrecognized format, truncated or corrupt)"
 

@@ -23,6 +23,7 @@ from fbtrain.config.fields import allowed_types, yaml_copy
 from fbtrain.config.tree import SECTIONS, Config
 from fbtrain.config.validate import config_from_dict
 from fbtrain.io import NotRegularFileError, atomic_write_text, open_regular
+from fbtrain.messages import first_line
 
 # A YAML document may stand for far more values than it holds: nine levels of nine aliases
 # of nine strings are 400 bytes and 387 million strings. No config comes near this.
@@ -42,7 +43,7 @@ def read_yaml(path: str | Path) -> Any:
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         line = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        problem = getattr(e, "problem", None) or first_line(e)
         raise ConfigError([f"{path}:{line}: malformed YAML: {problem}"]) from None
     except _YAMLTooBig:
         raise ConfigError([f"{path}: {_YAMLTooBig.message('the YAML')}"]) from None
@@ -98,8 +99,7 @@ def _yaml_failure(e: ValueError | RecursionError) -> str:
     if isinstance(e, RecursionError):
         return ("malformed YAML: lists or mappings nested too deeply (thousands of levels); "
                 "a config needs three at most")
-    first = str(e).splitlines()[0] if str(e) else repr(e)
-    return f"malformed YAML: a value cannot be read: {cut(first)}"
+    return f"malformed YAML: a value cannot be read: {cut(first_line(e))}"
 
 
 def _expanded_size(root: yaml.Node, limit: int) -> int:
@@ -230,19 +230,19 @@ class _UniqueKeyLoader(_BoundedLoader):
         super().flatten_mapping(node)
 
     def _note_duplicates(self, node: yaml.MappingNode) -> None:
-        first_line: dict[Any, int] = {}
+        first_given: dict[Any, int] = {}
         for key_node, _ in node.value:
             if key_node.tag == _MERGE_TAG:
                 continue
             key = self.construct_object(key_node, deep=True)
             line = key_node.start_mark.line + 1
             try:
-                if key in first_line:
+                if key in first_given:
                     self.duplicates.append((line, f"duplicate key {show(key)} at line {line} "
-                                            f"(first given at line {first_line[key]}); "
+                                            f"(first given at line {first_given[key]}); "
                                             "give each key once"))
                 else:
-                    first_line[key] = line
+                    first_given[key] = line
             except TypeError:  # an unhashable key: construct_mapping reports it
                 pass
 

@@ -167,12 +167,6 @@ class MetricsLogger:
 
     # ------------------------------------------------------------------ lifecycle
 
-    def flush(self) -> None:
-        if self._jsonl is not None:
-            self._jsonl.flush()
-        if self._tb is not None:
-            self._tb.flush()
-
     def close(self) -> None:
         """Flush and close the JSONL file, the TensorBoard writer and the bar (idempotent)."""
         if self._closed:

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
-import numbers
 from typing import Any
+
+from fbtrain.messages import is_number
+
+__all__ = ["is_number", "plain"]  # is_number: the one in messages, here for the backends
 
 
 def plain(value: Any) -> Any:
@@ -11,8 +14,3 @@ def plain(value: Any) -> Any:
     if hasattr(value, "item") and callable(value.item) and getattr(value, "ndim", 0) == 0:
         return value.item()
     return value
-
-
-def is_number(value: Any) -> bool:
-    """A real number, and not a bool (True is an int too)."""
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)

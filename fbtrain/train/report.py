@@ -101,7 +101,7 @@ def announcement(run: Run, progress: Progress, resume_path: Path | None,
     ranks = f" x {run.ctx.world_size} ranks (DDP)" if run.ctx.enabled else ""
     lines.append(f"device: {device_text(run)}{ranks}")
     labelled = " (targets only where labelled; accuracy reported)" if data.labelled else ""
-    lines.append(f"data: {data.n_chars[0]:,} train / {data.n_chars[1]:,} val "
+    lines.append(f"data: {data.n_tokens[0]:,} train / {data.n_tokens[1]:,} val "
                  f"{data.tokenizer.unit}s{labelled}, vocabulary {data.tokenizer.vocab_size}")
     # Why fbtrain eval reports another figure: it scores every window of the split.
     lines.append(f"val loss below: {len(data.val_x)} fixed windows (fbtrain eval scores the "

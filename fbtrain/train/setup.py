@@ -88,7 +88,7 @@ class TrainData:
     train_ids: Any  # the training split's stream (inputs, targets)
     val_x: Tensor
     val_y: Tensor
-    n_chars: tuple[int, int]  # tokens in the train and val splits
+    n_tokens: tuple[int, int]  # tokens (characters, bytes or words) in the train and val splits
     identity: DataIdentity  # what the splits are (a resume on other data is refused)
 
 
@@ -207,7 +207,7 @@ def load_data(cfg: Config, ctx: DistContext, vocab: list[str] | None,
                         "more data.valid_programs or a longer data.program_len")
     return TrainData(tokenizer=corpus.tokenizer, labelled=corpus.labelled, train_ids=train_ids,
                      val_x=val_x.to(ctx.device), val_y=val_y.to(ctx.device),
-                     n_chars=(len(train_ids.inputs), len(val_ids.inputs)),
+                     n_tokens=(len(train_ids.inputs), len(val_ids.inputs)),
                      identity=DataIdentity(cfg.data, corpus.splits))
 
 
