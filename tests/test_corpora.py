@@ -492,8 +492,8 @@ def test_eval_data_path_scores_any_text_with_the_byte_tokenizer(tmp_path: Path,
     refused = runner.invoke(app, ["eval", "-c", str(tmp_path / "runs" / "r"), "--device", "cpu",
                                   "--data-path", str(empty)])
     assert refused.exit_code == 2
-    assert refused.stderr == (f"error: data.path {empty} is empty; point it at a text file with "
-                              "content\n")
+    assert refused.stderr == (f"error: --data-path {empty} is empty; point it at a text file "
+                              "with content\n")
     zero = bounded_run([sys.executable, "-m", "fbtrain", "eval", "-c", str(tmp_path / "runs" / "r"),
                         "--device", "cpu", "--data-path", "/dev/zero"])  # was a MemoryError
     assert zero.returncode == 2, zero.stderr
