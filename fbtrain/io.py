@@ -200,7 +200,7 @@ def open_regular(path: str | Path) -> IO[bytes]:
             kind = next((name for test, name in _KINDS if test(mode)), "not a regular file")
             raise NotRegularFileError(path, kind)
         os.set_blocking(fd, True)
-        return os.fdopen(fd, "rb")
+        return open(fd, "rb")  # the caller closes it (and with it fd)
     except BaseException:
         os.close(fd)
         raise
