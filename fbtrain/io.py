@@ -208,12 +208,17 @@ class NotRegularFileError(OSError):
         self.kind = kind
 
 
-def open_regular(path: str | Path) -> IO[bytes]:
+def open_regular(path: str | Path, *, pipes: bool = False) -> IO[bytes]:
     """``path`` opened for reading in binary, or :class:`NotRegularFileError` when it is not
     a regular file: ``/dev/zero`` or ``/dev/urandom`` would be read without end, a FIFO
-    waits for a writer. The check is made on the opened descriptor (opened non-blocking,
-    so a FIFO does not wait), never on a name that could change between a look and a read.
+    waits for a writer (unless ``pipes``). The check is made on the opened descriptor
+    (opened non-blocking, so a FIFO does not wait), never on a name that could change
+    between a look and a read.
     """
+    if pipes and stat.S_ISFIFO(os.stat(path).st_mode):
+        # ``pipes``: a FIFO (``<(zcat text.gz)``) is waited on and read; the caller bounds
+        # how much it reads.
+        return open(path, "rb")  # the caller closes it
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     try:
         mode = os.fstat(fd).st_mode
@@ -221,7 +226,7 @@ def open_regular(path: str | Path) -> IO[bytes]:
             kind = next((name for test, name in _KINDS if test(mode)), "not a regular file")
             raise NotRegularFileError(path, kind)
         os.set_blocking(fd, True)
-        return os.fdopen(fd, "rb")
+        return open(fd, "rb")  # the caller closes it (and with it fd)
     except BaseException:
         os.close(fd)
         raise

@@ -184,8 +184,7 @@ _LOAD_TEXT = ("import sys\nfrom fbtrain.config import DataConfig\n"
 
 
 @pytest.mark.parametrize(("where", "kind"), [("/dev/zero", "a character device"),
-                                             ("/dev/urandom", "a character device"),
-                                             ("fifo", "a pipe (FIFO)")])
+                                             ("/dev/urandom", "a character device")])
 def test_local_path_that_is_not_a_regular_file_is_refused_at_once(
     tmp_path: Path, refused_url: str, where: str, kind: str
 ) -> None:
@@ -200,6 +199,18 @@ def test_local_path_that_is_not_a_regular_file_is_refused_at_once(
     assert result.returncode == 0, result.stderr
     assert result.stdout == (f"data.path {path} is {kind}, not a text file; point it at a text "
                              "file\n")
+
+
+def test_local_path_may_be_a_pipe(tmp_path: Path, refused_url: str) -> None:
+    """``--set data.path=<(zcat text.gz)``: a FIFO is waited on and read to its end."""
+    fifo = tmp_path / "text.fifo"
+    os.mkfifo(fifo)
+    writer = threading.Thread(target=fifo.write_bytes, args=(b"piped text\n",))
+    writer.start()
+    try:
+        assert load_text(cfg(tmp_path, refused_url, path=str(fifo))) == "piped text\n"
+    finally:
+        writer.join(30)
 
 
 def test_local_text_larger_than_memory_is_refused_before_reading(tmp_path: Path,

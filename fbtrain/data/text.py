@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
 from pathlib import Path
+from typing import BinaryIO
 
 from fbtrain.config import DataConfig
 from fbtrain.config.budget import format_bytes, physical_memory
@@ -55,7 +57,9 @@ def read_local(path_str: str, memory_per_byte: int = TEXT_MEMORY_PER_BYTE) -> by
     file otherwise."""
     path = Path(path_str).expanduser()
     try:
-        with open_regular(path) as f:
+        with open_regular(path, pipes=True) as f:
+            if stat.S_ISFIFO(os.fstat(f.fileno()).st_mode):  # <(zcat text.gz): size unknown
+                return _read_pipe(f, path, memory_per_byte)
             size = os.fstat(f.fileno()).st_size
             _check_memory(path, size, memory_per_byte)
             raw = bytearray(size)
@@ -69,6 +73,18 @@ def read_local(path_str: str, memory_per_byte: int = TEXT_MEMORY_PER_BYTE) -> by
         raise DataError(
             f"data.path {path}: cannot read it ({e.strerror or one_line(str(e))})"
         ) from None
+    return raw
+
+
+def _read_pipe(f: BinaryIO, path: Path, per_byte: int) -> bytearray:
+    """All a pipe gives, up to what this machine could tokenize; DataError past that."""
+    available = physical_memory()
+    limit = available // per_byte if available is not None else None
+    raw = bytearray()
+    while chunk := f.read(1 << 20):
+        raw += chunk
+        if limit is not None and len(raw) > limit:
+            _check_memory(path, len(raw), per_byte)
     return raw
 
 
