@@ -36,8 +36,8 @@ streams them from HBM again).
 Kernel and launch counts come from scripts/launch_count.py, counted on the CPU at tiny
 widths, 16 position rows and batch 2 (counts follow the steps and layers) at four (steps,
 layers) points and fitted exactly to ``a T L + b T + c L + d``; at the main job's sizes the
-fit gave back the ATen path's counts measured there (7,426 kernels, 570 host launches
-graphed, at commit ca3970d).
+fit gives back the ATen path's counts measured there (7,426 kernels and 570 host launches
+graphed at commit ca3970d; 7,454 eager once the fused branch's core contract was merged).
 
     python scripts/h200_model.py                       # main job and configs/gpu.yaml
     python scripts/h200_model.py --counts counts.json  # counts from an earlier --save-counts
