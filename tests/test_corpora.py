@@ -497,8 +497,8 @@ def test_eval_data_path_scores_any_text_with_the_byte_tokenizer(tmp_path: Path,
     zero = bounded_run([sys.executable, "-m", "fbtrain", "eval", "-c", str(tmp_path / "runs" / "r"),
                         "--device", "cpu", "--data-path", "/dev/zero"])  # was a MemoryError
     assert zero.returncode == 2, zero.stderr
-    assert zero.stderr == ("error: data.path /dev/zero is a character device, not a text file; "
-                           "point it at a text file\n")
+    assert zero.stderr == ("error: --data-path /dev/zero is a character device, not a text "
+                           "file; point it at a text file\n")
 
 
 def test_benchmark_data_path_that_is_a_device_is_named() -> None:
