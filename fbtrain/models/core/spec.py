@@ -33,11 +33,19 @@ This module imports nothing from fbtrain: every other part of the core builds on
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol, TypeVar
 
 from torch import Tensor
+
+
+def interpreting() -> bool:
+    """Whether ``$TRITON_INTERPRET`` asks for Triton's interpreter: the fused core then runs
+    its kernels on CPU tensors. Read at every call (the fused kernels avoid what Triton fixes
+    at import, so it need not be set before Triton is imported)."""
+    return os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "yes", "on")
 
 
 class CoreError(OSError):
