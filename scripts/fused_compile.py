@@ -259,11 +259,13 @@ def _fused_interface() -> str | None:
 
 def fused_cases(sizes: dict, shared_kv: bool) -> list[Case]:
     """Every kernel the fused core launches at ``sizes``, with dropout and memory_norm on
-    (so every branch is compiled), from ``fbtrain.models.core.fused.compile_cases``."""
+    (so every branch is compiled), from ``fbtrain.models.core.fused.compile_cases``, with
+    the warps per program the core launches them with (``fused.NUM_WARPS``)."""
     from fbtrain.models.core import fused
 
-    return list(fused.compile_cases(shared_kv=shared_kv, memory_norm=True, dropout=0.1,
-                                    **sizes))
+    return [(name, fn, signature, {**constexprs, "num_warps": fused.NUM_WARPS}, grid)
+            for name, fn, signature, constexprs, grid in fused.compile_cases(
+                shared_kv=shared_kv, memory_norm=True, dropout=0.1, **sizes)]
 
 
 def table_rows(cases: dict[str, list[Case]], archs: Iterable[int],

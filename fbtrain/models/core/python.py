@@ -136,17 +136,24 @@ def _per_layer(flat: Sequence[Tensor]) -> list[LayerTensors]:
     return [LayerTensors(*flat[i:i + n]) for i in range(0, len(flat), n)]
 
 
+def prob_offsets(spec: CoreSpec, n0: int, T: int, B: int) -> list[int]:
+    """Where step t's [B, H, ell_t] block starts in a layer's probability mask
+    (:attr:`Masks.prob`), for t = 0 .. T: the last entry is the mask's length."""
+    offsets = [0]
+    for t in range(T):
+        offsets.append(offsets[-1] + B * spec.n_heads * _window(n0 + t, spec.window)[1])
+    return offsets
+
+
 def _draw_masks(spec: CoreSpec, like: Tensor, n0: int, F: int) -> Masks | None:
     """The dropout masks of one call (None without dropout), in the C++ core's order."""
     if not spec.dropout:
         return None
     B, T, D = like.shape
-    L, H, p = spec.n_layers, spec.n_heads, spec.dropout
+    L, p = spec.n_layers, spec.dropout
     n_att = max(0, T - (0 if n0 > 0 else 1))
-    offsets, size = [], 0
-    for t in range(T):
-        offsets.append(size)
-        size += B * H * _window(n0 + t, spec.window)[1]
+    offsets = prob_offsets(spec, n0, T, B)
+    size = offsets.pop()
 
     def mask(*shape: int) -> Tensor:
         return like.new_empty(shape).bernoulli_(1.0 - p).div_(1.0 - p)

@@ -16,7 +16,7 @@ import sys
 import torch
 
 from fbtrain.models.core import native, python
-from fbtrain.models.core.spec import Core, CoreError
+from fbtrain.models.core.spec import Core, CoreError, interpreting
 
 CORE_ENV = "FBTRAIN_CORE"
 CORE_CHOICES = ("auto", "native", "python", "fused")
@@ -54,8 +54,7 @@ def fused_unavailable() -> str | None:
     device or Triton's interpreter (``TRITON_INTERPRET=1``)."""
     if importlib.util.find_spec("triton") is None:
         return "Triton is not installed (pip install triton; Linux x86_64)"
-    interpret = os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "yes")
-    if not (torch.cuda.is_available() or interpret):
+    if not (torch.cuda.is_available() or interpreting()):
         return "there is no CUDA device (TRITON_INTERPRET=1 runs its kernels on the CPU, slowly)"
     return None
 

@@ -34,6 +34,7 @@ builds on it.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol, TypeVar
@@ -41,6 +42,13 @@ from typing import Any, NamedTuple, Protocol, TypeVar
 from torch import Tensor
 
 from fbtrain.errors import UserError
+
+
+def interpreting() -> bool:
+    """Whether ``$TRITON_INTERPRET`` asks for Triton's interpreter: the fused core then runs
+    its kernels on CPU tensors. Read at every call (the fused kernels avoid what Triton fixes
+    at import, so it need not be set before Triton is imported)."""
+    return os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "yes", "on")
 
 
 class CoreError(UserError):

@@ -9,7 +9,6 @@ so a whole call can be captured in one CUDA graph per shape.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -28,17 +27,20 @@ from fbtrain.models.core.spec import (
     CoreInputs,
     CoreOutputs,
     CoreSpec,
+    interpreting,
 )
 
-# Tiles, sized for sm_80/sm_90 registers at D=128, F=512 (docs/design.md: no spills).
+# Tiles, sized for sm_80/sm_90 registers at D=128, F=512 (docs/design.md: what they use).
 BLOCK_B = 16  # batch rows per program (tl.dot needs 16 or more in each dimension)
-BW = 8  # window slots per chunk: a [BLOCK_B, BW, d_k] key tile is the largest live value
+BW = 8  # window slots per chunk (a [BLOCK_B, BW, d_k] key tile)
 BF = 32  # feed-forward columns per chunk (F=512 in 16)
 BC = 64  # key/value projection columns per chunk
+BK = 32  # inner (D) chunk of the layer kernels' matmuls
 NUM_WARPS = 8  # per program: 256 threads share the tiles' registers
 
 KERNELS = {name: getattr(kernels, name)
            for name in ("layer_forward", "memory_forward", "memory_backward", "layer_backward")}
+
 
 def _runtime_ints(fn: Any) -> list[str]:
     """The kernel's integer arguments that change from launch to launch (not the pointers,
@@ -53,12 +55,6 @@ def _runtime_ints(fn: Any) -> list[str]:
 _JIT = {name: JITFunction(fn, do_not_specialize=_runtime_ints(fn))
         for name, fn in KERNELS.items()}
 _INTERPRETED = {name: InterpretedFunction(fn) for name, fn in KERNELS.items()}
-
-
-def interpreting() -> bool:
-    """Whether ``$TRITON_INTERPRET`` asks for the interpreter (Triton's own switch; read at
-    every call, so it need not be set before triton is imported)."""
-    return os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "yes", "on")
 
 
 class Launch(NamedTuple):
@@ -221,7 +217,7 @@ def _forward(spec: CoreSpec, inputs: CoreInputs, keep_tape: bool) -> CoreOutputs
     dummy = new(1)
     first_att = 0 if n0 > 0 else 1
     blocks = _blocks(D, H)
-    consts = dict(D=D, H=H, DK=dk, F=F, BLOCK_B=BLOCK_B, **blocks, BW=BW, BF=BF,
+    consts = dict(D=D, H=H, DK=dk, F=F, BLOCK_B=BLOCK_B, **blocks, BW=BW, BF=BF, BK=BK,
                   DROPOUT=masks is not None)
     mem_consts = dict(L1=L + 1, D=D, H=H, DK=dk, NKV=n_kv, HAS_BIAS=bkv is not None,
                       NORM=spec.memory_norm, BLOCK_B=BLOCK_B, BD=blocks["BD"], BC=BC)
@@ -289,9 +285,9 @@ def _backward(spec: CoreSpec, d_top: Tensor, outputs: CoreOutputs, mix: Tensor, 
     g_ds = hidden.new_zeros(L, T, B, H, n_pos)  # score gradients at their position rows
     dummy = new(1)
     first_att = 0 if n0 > 0 else 1
-    offsets = _prob_offsets(spec, n0, T, B, H)
+    offsets = python.prob_offsets(spec, n0, T, B)
     blocks = _blocks(D, H)
-    consts = dict(D=D, H=H, DK=dk, F=F, BLOCK_B=BLOCK_B, **blocks, BW=BW, BF=BF,
+    consts = dict(D=D, H=H, DK=dk, F=F, BLOCK_B=BLOCK_B, **blocks, BW=BW, BF=BF, BK=BK,
                   DROPOUT=dropout)
     mem_consts = dict(D=D, H=H, DK=dk, NKV=n_kv, NORM=spec.memory_norm, BLOCK_B=BLOCK_B,
                       BD=blocks["BD"], BC=BC)
@@ -344,15 +340,6 @@ def _backward(spec: CoreSpec, d_top: Tensor, outputs: CoreOutputs, mix: Tensor, 
     d_wkv = torch.mm(kv_in.reshape(T * B, D).t(), d_flat)
     return CoreInputs(d_x0, d_kv[0, :, :, :n0], d_kv[1, :, :, :n0], d_mix, d_wkv,
                       d_flat.sum(0), grads)
-
-
-def _prob_offsets(spec: CoreSpec, n0: int, T: int, B: int, H: int) -> list[int]:
-    """Where step t's [B, H, ell] block starts in a layer's probability mask (python.Masks)."""
-    offsets, size = [], 0
-    for t in range(T):
-        offsets.append(size)
-        size += B * H * _window(n0 + t, spec.window)[1]
-    return offsets
 
 
 def _weight_grads(spec: CoreSpec, hidden: Tensor, memory: Tensor, tape: FusedTape,

@@ -13,6 +13,11 @@
   feed-forward, LN2, attention (accumulating the window's key/value gradients, which only
   the program owning those batch rows touches), LN1, and the memory mix's share.
 
+Matmuls whose inner dimension is the width D run in chunks of ``BK``, the left operand
+re-read from its record (written just before, behind a barrier): Triton's float32 ``tl.dot``
+(FMA, no tensor cores in IEEE precision) holds a whole inner row per thread, and at D = 128
+that alone spilled registers.
+
 Every kernel runs one program per tile of ``BLOCK_B`` batch rows; rows never meet, so no
 atomics and the results do not depend on the tile. Matrices go through ``tl.dot`` tiles
 (``IEEE`` precision: float32 stays float32, no TF32). Records (what the backward and the
@@ -46,7 +51,7 @@ def layer_forward(
     B, S, lo, ell, n_pos, eps,
     D: tl.constexpr, H: tl.constexpr, DK: tl.constexpr, F: tl.constexpr,
     BLOCK_B: tl.constexpr, BD: tl.constexpr, BDK: tl.constexpr, BW: tl.constexpr,
-    BF: tl.constexpr, DROPOUT: tl.constexpr,
+    BF: tl.constexpr, BK: tl.constexpr, DROPOUT: tl.constexpr,
 ):
     """x [B, D] -> out [B, D] for one layer and step; k/v [B*H, S, DK] its key/value set.
     ``lo``/``ell``: the window's first slot and length (0: memory empty, no attention)."""
@@ -70,15 +75,22 @@ def layer_forward(
              + tl.load(ln1_b + cols, mask=dmask, other=0.0)[None, :])
         a = tl.where(rd, a, 0.0)
         tl.store(a_rec + row_d, a, mask=rd)
+        tl.debug_barrier()  # the query projection re-reads it in K chunks (module docstring)
         tl.store(mu1_rec + rows, mean, mask=rmask)
         tl.store(rs1_rec + rows, rstd, mask=rmask)
         z = tl.full([BLOCK_B, BD], 0.0, x.dtype)
-        dk_w = dmask[:, None] & kmask[None, :]
         for h in range(H):
             hcols = h * DK + dks
             rk = rmask[:, None] & kmask[None, :]
-            wq_h = tl.load(wq + cols[:, None] * D + hcols[None, :], mask=dk_w, other=0.0)
-            qu = tl.dot(a, wq_h, input_precision="ieee")
+            qu = tl.full([BLOCK_B, BDK], 0.0, x.dtype)
+            for k0 in range(0, BD, BK):
+                ks = k0 + tl.arange(0, BK)
+                kd = ks < D
+                a_k = tl.load(a_rec + rows[:, None] * D + ks[None, :],
+                              mask=rmask[:, None] & kd[None, :], other=0.0)
+                w_k = tl.load(wq + ks[:, None] * D + hcols[None, :],
+                              mask=kd[:, None] & kmask[None, :], other=0.0)
+                qu += tl.dot(a_k, w_k, input_precision="ieee")
             qu += tl.load(uq + hcols, mask=kmask, other=0.0)[None, :]
             tl.store(qu_rec + rows[:, None] * D + hcols[None, :], qu, mask=rk)
             head = (rows * H + h) * S  # [BLOCK_B] first slot of (row, head)
@@ -132,7 +144,8 @@ def layer_forward(
         z += tl.load(bo + cols, mask=dmask, other=0.0)[None, :]
         if DROPOUT:
             z = z * tl.load(m_att + row_d, mask=rd, other=0.0)
-        y = x + z
+        # x re-read rather than held through the heads' loop (registers: see the docstring)
+        y = tl.load(x_ptr + row_d, mask=rd, other=0.0) + z
     tl.store(y_rec + row_d, y, mask=rd)
     # LN2 and the feed-forward, F in chunks of BF.
     mean2 = tl.reduce(y, 1, _SUM) / D
@@ -142,6 +155,7 @@ def layer_forward(
          + tl.load(ln2_b + cols, mask=dmask, other=0.0)[None, :])
     c = tl.where(rd, c, 0.0)
     tl.store(c_rec + row_d, c, mask=rd)
+    tl.debug_barrier()  # the first feed-forward matmul re-reads it in K chunks
     tl.store(mu2_rec + rows, mean2, mask=rmask)
     tl.store(rs2_rec + rows, rstd2, mask=rmask)
     f = tl.full([BLOCK_B, BD], 0.0, x.dtype)
@@ -149,9 +163,15 @@ def layer_forward(
         fc = f0 + tl.arange(0, BF)
         fmask = fc < F
         rf = rmask[:, None] & fmask[None, :]
-        w1c = tl.load(w1 + cols[:, None] * F + fc[None, :],
-                      mask=dmask[:, None] & fmask[None, :], other=0.0)
-        hc = tl.dot(c, w1c, input_precision="ieee")
+        hc = tl.full([BLOCK_B, BF], 0.0, x.dtype)
+        for k0 in range(0, BD, BK):
+            ks = k0 + tl.arange(0, BK)
+            kd = ks < D
+            c_k = tl.load(c_rec + rows[:, None] * D + ks[None, :],
+                          mask=rmask[:, None] & kd[None, :], other=0.0)
+            w_k = tl.load(w1 + ks[:, None] * F + fc[None, :], mask=kd[:, None] & fmask[None, :],
+                          other=0.0)
+            hc += tl.dot(c_k, w_k, input_precision="ieee")
         hc = tl.maximum(hc + tl.load(b1 + fc, mask=fmask, other=0.0)[None, :], 0.0)
         tl.store(h_rec + rows[:, None] * F + fc[None, :], hc, mask=rf)
         if DROPOUT:
@@ -263,7 +283,7 @@ def layer_backward(
     B, S, lo, ell, n_pos, n_layers,
     D: tl.constexpr, H: tl.constexpr, DK: tl.constexpr, F: tl.constexpr,
     BLOCK_B: tl.constexpr, BD: tl.constexpr, BDK: tl.constexpr, BW: tl.constexpr,
-    BF: tl.constexpr, DROPOUT: tl.constexpr,
+    BF: tl.constexpr, BK: tl.constexpr, DROPOUT: tl.constexpr,
 ):
     """The gradient of one layer's output at one step (dx, rows ``dx_stride`` apart; on the
     top layer plus mix_L times the memory's dm) -> the gradient of its input (dout), the
@@ -276,23 +296,29 @@ def layer_backward(
     dmask = cols < D
     rd = rmask[:, None] & dmask[None, :]
     row_d = rows[:, None] * D + cols[None, :]
-    dm = tl.load(dm_ptr + row_d, mask=rd, other=0.0)
     dx = tl.load(dx_ptr + rows[:, None] * dx_stride + cols[None, :], mask=rd, other=0.0)
     if is_top:
-        dx += tl.load(mix + n_layers) * dm
+        dx += tl.load(mix + n_layers) * tl.load(dm_ptr + row_d, mask=rd, other=0.0)
     # Feed-forward: out = y + Drop(W2 Drop(relu(W1 LN2(y) + b1)) + b2).
     df = dx
     if DROPOUT:
         df = df * tl.load(m_ff + row_d, mask=rd, other=0.0)
     tl.store(df_rec + row_d, df, mask=rd)
+    tl.debug_barrier()  # re-read in K chunks below
     dc = tl.full([BLOCK_B, BD], 0.0, dx.dtype)
     for f0 in range(0, F, BF):
         fc = f0 + tl.arange(0, BF)
         fmask = fc < F
         rf = rmask[:, None] & fmask[None, :]
-        w2t = tl.load(w2 + fc[None, :] * D + cols[:, None], mask=dmask[:, None] & fmask[None, :],
-                      other=0.0)  # [BD, BF]: w2_t transposed
-        dh = tl.dot(df, w2t, input_precision="ieee")
+        dh = tl.full([BLOCK_B, BF], 0.0, dx.dtype)
+        for k0 in range(0, BD, BK):
+            ks = k0 + tl.arange(0, BK)
+            kd = ks < D
+            df_k = tl.load(df_rec + rows[:, None] * D + ks[None, :],
+                           mask=rmask[:, None] & kd[None, :], other=0.0)
+            w_k = tl.load(w2 + fc[None, :] * D + ks[:, None], mask=kd[:, None] & fmask[None, :],
+                          other=0.0)  # [BK, BF]: w2_t transposed
+            dh += tl.dot(df_k, w_k, input_precision="ieee")
         if DROPOUT:
             dh = dh * tl.load(m_h + rows[:, None] * F + fc[None, :], mask=rf, other=0.0)
         hv = tl.load(h_rec + rows[:, None] * F + fc[None, :], mask=rf, other=0.0)
@@ -317,15 +343,22 @@ def layer_backward(
         if DROPOUT:
             dz = dz * tl.load(m_att + row_d, mask=rd, other=0.0)
         tl.store(dz_rec + row_d, dz, mask=rd)
+        tl.debug_barrier()  # re-read in K chunks below
         dks = tl.arange(0, BDK)
         kmask = dks < DK
         rk = rmask[:, None] & kmask[None, :]
         da = tl.full([BLOCK_B, BD], 0.0, dx.dtype)
         for h in range(H):
             hcols = h * DK + dks
-            wot = tl.load(wo + hcols[None, :] * D + cols[:, None],
-                          mask=dmask[:, None] & kmask[None, :], other=0.0)  # [BD, BDK]
-            do = tl.dot(dz, wot, input_precision="ieee")
+            do = tl.full([BLOCK_B, BDK], 0.0, dx.dtype)
+            for k0 in range(0, BD, BK):
+                ks = k0 + tl.arange(0, BK)
+                kd = ks < D
+                dz_k = tl.load(dz_rec + rows[:, None] * D + ks[None, :],
+                               mask=rmask[:, None] & kd[None, :], other=0.0)
+                w_k = tl.load(wo + hcols[None, :] * D + ks[:, None],
+                              mask=kd[:, None] & kmask[None, :], other=0.0)  # wo_t transposed
+                do += tl.dot(dz_k, w_k, input_precision="ieee")
             qu = tl.load(qu_rec + rows[:, None] * D + hcols[None, :], mask=rk, other=0.0)
             head = (rows * H + h) * S
             prob_row = (rows * H + h) * n_pos
@@ -384,5 +417,6 @@ def layer_backward(
         g1 = da * tl.load(ln1_w + cols, mask=dmask, other=0.0)[None, :]
         dx_new = rstd1[:, None] * (g1 - (tl.reduce(g1, 1, _SUM) / D)[:, None]
                                    - xhat * (tl.reduce(g1 * xhat, 1, _SUM) / D)[:, None]) + dy
-    dx_new += tl.load(mix + li) * dm
+    # dm re-read rather than held through the sweep (registers: see the docstring)
+    dx_new += tl.load(mix + li) * tl.load(dm_ptr + row_d, mask=rd, other=0.0)
     tl.store(dout_ptr + rows[:, None] * dout_stride + cols[None, :], dx_new, mask=rd)
