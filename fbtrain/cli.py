@@ -224,9 +224,11 @@ def train(
             raise typer.Exit(e.exit_code) from None
         except (ConfigError, CheckpointError) as e:  # a refusal about the run directory
             if config is None:
+                from fbtrain.rundir_names import CONFIG
+
                 raise ConfigError([f"{e} (no --config was given: these are the built-in "
                                    f"defaults; the run's own settings are in "
-                                   f"{cfg.run.out_dir}/{cfg.run.name}/config.yaml)"]) from None
+                                   f"{cfg.run.out_dir}/{cfg.run.name}/{CONFIG})"]) from None
             raise
 
 
