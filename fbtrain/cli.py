@@ -23,6 +23,7 @@ import typer
 
 from fbtrain import __version__
 from fbtrain.cli_errors import OneLineErrors, user_errors
+from fbtrain.config.schema import CONTEXTS, SPLITS  # light: no torch
 from fbtrain.startup import prepare_process
 
 
@@ -49,15 +50,8 @@ app = typer.Typer(
 )
 
 
-class Split(str, Enum):
-    val = "val"
-    train = "train"
-    test = "test"  # data with a test split only (enwik8, text8, algorithmic)
-
-
-class Context(str, Enum):
-    reset = "reset"
-    carry = "carry"
+Split = Enum("Split", {name: name for name in SPLITS}, type=str)  # eval's --split
+Context = Enum("Context", {name: name for name in CONTEXTS}, type=str)  # eval's --context
 
 
 class Precision(str, Enum):  # run.precision's choices (config.schema.PRECISIONS)
