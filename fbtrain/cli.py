@@ -23,6 +23,7 @@ import typer
 
 from fbtrain import __version__
 from fbtrain.cli_errors import OneLineErrors, user_errors
+from fbtrain.config.schema import CONTEXTS, SPLITS  # light: no torch
 from fbtrain.startup import prepare_process
 
 
@@ -49,15 +50,8 @@ app = typer.Typer(
 )
 
 
-class Split(str, Enum):
-    val = "val"
-    train = "train"
-    test = "test"  # data with a test split only (enwik8, text8, algorithmic)
-
-
-class Context(str, Enum):
-    reset = "reset"
-    carry = "carry"
+Split = Enum("Split", {name: name for name in SPLITS}, type=str)  # eval's --split
+Context = Enum("Context", {name: name for name in CONTEXTS}, type=str)  # eval's --context
 
 
 class Precision(str, Enum):  # run.precision's choices (config.schema.PRECISIONS)
@@ -224,9 +218,11 @@ def train(
             raise typer.Exit(e.exit_code) from None
         except (ConfigError, CheckpointError) as e:  # a refusal about the run directory
             if config is None:
+                from fbtrain.rundir_names import CONFIG
+
                 raise ConfigError([f"{e} (no --config was given: these are the built-in "
                                    f"defaults; the run's own settings are in "
-                                   f"{cfg.run.out_dir}/{cfg.run.name}/config.yaml)"]) from None
+                                   f"{cfg.run.out_dir}/{cfg.run.name}/{CONFIG})"]) from None
             raise
 
 

@@ -10,6 +10,7 @@ from torch import Tensor, nn
 
 from fbtrain.config import INT64_MAX
 from fbtrain.config.fields import int_bound
+from fbtrain.config.schema import CONTEXTS, SPLITS
 from fbtrain.data.streams import IGNORE_INDEX, Stream, as_stream, window
 from fbtrain.inference import inference, saved_precision
 from fbtrain.progress import Progress
@@ -34,8 +35,6 @@ def mean_loss(model: nn.Module, x: Tensor, y: Tensor, batch_size: int) -> float:
     mode and restores the model's mode afterwards."""
     return window_scores(model, x, y, batch_size).loss
 
-
-CONTEXTS = ("reset", "carry")
 
 
 def evaluate_split(
@@ -198,8 +197,8 @@ def run(
     from fbtrain.data.errors import DataError, VocabularyError
     from fbtrain.device import resolve_device
 
-    if split not in ("train", "val", "test"):
-        raise ValueError(f"split = {split!r}: must be train, val or test")
+    if split not in SPLITS:
+        raise ValueError(f"split = {split!r}: must be {', '.join(SPLITS[:-1])} or {SPLITS[-1]}")
     check_window_args(seq_len, batch_size, context)
     target = resolve_device(device)
     file = resolve_model(checkpoint, prefer="best")  # a run, a checkpoint or an export

@@ -19,9 +19,6 @@ from pathlib import Path
 from typing import Any
 
 from fbtrain.checkpoint import (
-    BEST,
-    CHECKPOINT_DIR,
-    LAST,
     CheckpointError,
     CheckpointManager,
     resolve_checkpoint,
@@ -31,9 +28,8 @@ from fbtrain.config import Config, ConfigError, save_config
 from fbtrain.filelock import LockHeld, PidLock, describe_holder
 from fbtrain.io import FileWriteError, remove_stale_temps, write_error
 from fbtrain.metrics.tensorboard import event_files
+from fbtrain.rundir_names import BEST, CHECKPOINT_DIR, CONFIG, LAST, LOCK, METRICS
 
-LOCK_NAME = ".lock"
-METRICS_NAME = "metrics.jsonl"  # fbtrain.metrics.logger.JSONL_NAME (not imported: no cycle)
 _LISTED = 3  # checkpoints named in a refusal; more are counted
 
 
@@ -52,11 +48,11 @@ class RunDirLock:
         self.enabled = enabled
         self.removed: list[Path] = []
         self.created: list[Path] = []  # folders create_and_acquire made, deepest first
-        self._lock = PidLock(self.run_dir / LOCK_NAME)
+        self._lock = PidLock(self.run_dir / LOCK)
 
     @property
     def path(self) -> Path:
-        return self.run_dir / LOCK_NAME
+        return self.run_dir / LOCK
 
     @property
     def held(self) -> bool:
@@ -108,7 +104,7 @@ class RunDirLock:
         nothing else. Only while the lock is held."""
         if not self._lock.held or not self.created:
             return
-        if any(p.name != LOCK_NAME for p in self.run_dir.iterdir()):
+        if any(p.name != LOCK for p in self.run_dir.iterdir()):
             return
         self.path.unlink(missing_ok=True)
         self.release()
@@ -137,7 +133,7 @@ def write_run_files(run_dir: Path, cfg: Config, tokenizer: Any, *, fresh: bool) 
     """``config.yaml`` (resolved) and ``vocab.json``; a fresh start also drops the
     TensorBoard events a run killed before its first checkpoint left: its curves are not
     this run's. Call as the directory's owner."""
-    save_config(cfg, run_dir / "config.yaml")
+    save_config(cfg, run_dir / CONFIG)
     tokenizer.save(run_dir)
     if fresh:
         for events in event_files(run_dir):
@@ -186,7 +182,7 @@ def survey(manager: CheckpointManager) -> RunContents:
             f"run directory {manager.run_dir}: {folder} is not a folder, so no checkpoint "
             "could be saved there; move it away (or train under another run.name, "
             "--set run.name=NEW)"])
-    metrics = manager.run_dir / METRICS_NAME
+    metrics = manager.run_dir / METRICS
     has_metrics = metrics.is_file() and metrics.stat().st_size > 0
     return RunContents(checkpoints=manager.entries(), metrics=metrics if has_metrics else None,
                        events=event_files(manager.run_dir))

@@ -28,14 +28,11 @@ import torch
 from fbtrain.errors import UserError
 from fbtrain.io import atomic_write
 from fbtrain.messages import first_line
+from fbtrain.rundir_names import BEST, CHECKPOINT_DIR, LAST, numbered_step, step_name
 
 FORMAT = "fbtrain-checkpoint-v2"
 # Formats still read: checkpoint.state.upgrade turns their layout into today's.
 OLDER_FORMATS = ("fbtrain-checkpoint-v1",)
-CHECKPOINT_DIR = "checkpoints"
-LAST = "last.pt"
-BEST = "best.pt"
-_NUMBERED = re.compile(r"^step-(\d+)\.pt$")
 
 
 class CheckpointError(UserError):
@@ -188,7 +185,7 @@ class CheckpointManager:
         return self.dir / BEST
 
     def step_path(self, step: int) -> Path:
-        return self.dir / f"step-{step:08d}.pt"
+        return self.dir / step_name(step)
 
     def entries(self) -> list[Path]:
         """What ``checkpoints/`` holds under a checkpoint's name (``last.pt``, ``best.pt``,
@@ -198,8 +195,8 @@ class CheckpointManager:
         if not self.dir.is_dir():
             return []
         names = {p.name: p for p in self.dir.iterdir()}
-        steps = sorted((int(m.group(1)), p) for name, p in names.items()
-                       if (m := _NUMBERED.match(name)))
+        steps = sorted((n, p) for name, p in names.items()
+                       if (n := numbered_step(name)) is not None)
         return ([names[LAST]] if LAST in names else []) + [p for _, p in reversed(steps)] \
             + ([names[BEST]] if BEST in names else [])
 
@@ -209,9 +206,9 @@ class CheckpointManager:
             return []
         found = []
         for p in self.dir.iterdir():
-            m = _NUMBERED.match(p.name)
-            if m and p.is_file():
-                found.append((int(m.group(1)), p))
+            n = numbered_step(p.name)
+            if n is not None and p.is_file():
+                found.append((n, p))
         return [p for _, p in sorted(found)]
 
     def save(

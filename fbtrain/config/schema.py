@@ -16,6 +16,9 @@ from fbtrain.config.kinds import KINDS, find_kind, kinds_help
 
 MODEL_KINDS = tuple(KINDS)  # the registry's (config/kinds.py), in its order
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")  # run.precision; eval and sample's --precision
+CONTEXTS = ("reset", "carry")  # train.context; eval's --context
+# A corpus's splits (test: only enwik8, text8 and algorithmic have one); eval's --split.
+SPLITS = ("train", "val", "test")
 MAX_VAL_FRACTION = 0.5  # more held out than trained on is a mistake, not a choice
 VAL_FRACTION = 0.1  # data.val_fraction's default (the only value enwik8/text8 accept)
 _HEX64 = re.compile(r"[0-9a-fA-F]{64}")
@@ -211,7 +214,7 @@ class TrainConfig(Section):
         "reset",
         "reset (every sequence starts from empty memory) or carry (batch_size contiguous "
         "streams; each step trains the next segment on the memory the last one left).",
-        choices=("reset", "carry"),
+        choices=CONTEXTS,
     )
     eval_every: int = _f(75, "Evaluate on the fixed validation windows every N steps (and "
                          "at step 0 and the last step).", min=1)

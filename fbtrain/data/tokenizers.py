@@ -19,8 +19,9 @@ import torch
 
 from fbtrain.data.errors import DataError, VocabularyError, one_line
 from fbtrain.io import atomic_write_text
+from fbtrain.rundir_names import VOCAB
 
-VOCAB_FILE = "vocab.json"
+VOCAB_FILE = VOCAB  # also an export folder's
 _MAX_LISTED = 10  # unknown characters named in an error; more would not fit on one line
 
 

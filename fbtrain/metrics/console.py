@@ -21,7 +21,7 @@ from fbtrain.metrics.values import is_number, plain
 from fbtrain.progress import isatty
 
 # Keys the console line formats specially, in this order, before any others.
-_CONSOLE_ORDER = ("loss", "bpc", "seq_len", "tokens_per_sec", "tok/s")
+_CONSOLE_ORDER = ("loss", "bpc", "seq_len", "tokens_per_sec")
 
 
 class StatusBar(tqdm):
@@ -193,7 +193,7 @@ def status_line(step: int, total: int, postfix: dict[str, Any], eta: str | None,
     """
     head = f"step {step}/{total} {100 * step // total}%" if total else f"step {step}"
     known = {k: v for k, v in postfix.items() if k != "step"}
-    keep = [k for k in ("loss", "tokens_per_sec", "tok/s") if k in known]
+    keep = [k for k in ("loss", "tokens_per_sec") if k in known]
     optional = [k for k in ("accuracy", "lr", "seq_len", "bpc") if k in known]
     optional += [k for k in known if k not in keep and k not in optional]
 
@@ -226,7 +226,7 @@ def format_postfix(postfix: dict[str, Any], *, ordered: bool = True) -> list[str
     parts = []
     for key in keys:
         value = plain(postfix[key])
-        if key in ("tokens_per_sec", "tok/s") and is_number(value):
+        if key == "tokens_per_sec" and is_number(value):
             parts.append(f"{value:,.0f} tok/s")
         elif key == "lr" and is_number(value):
             parts.append(f"lr {value:.2e}")

@@ -24,8 +24,7 @@ from fbtrain.io import FileWriteError, atomic_write_text, json_safe, write_error
 from fbtrain.metrics.console import Console
 from fbtrain.metrics.tensorboard import TensorBoardWriter
 from fbtrain.metrics.values import plain
-
-JSONL_NAME = "metrics.jsonl"
+from fbtrain.rundir_names import METRICS
 
 
 class MetricsLogger:
@@ -70,7 +69,7 @@ class MetricsLogger:
 
     @property
     def jsonl_path(self) -> Path | None:
-        return self.run_dir / JSONL_NAME if self.run_dir is not None else None
+        return self.run_dir / METRICS if self.run_dir is not None else None
 
     # ------------------------------------------------------------------ logging
 
@@ -174,7 +173,7 @@ class MetricsLogger:
         self._closed = True
         self.console.close()
         failed: FileWriteError | None = None
-        for name, closer in (("tb", self._close_writer), (JSONL_NAME, self._close_jsonl)):
+        for name, closer in (("tb", self._close_writer), (METRICS, self._close_jsonl)):
             try:
                 closer()
             except Exception as e:  # a full disk: close the rest, then say so in one line

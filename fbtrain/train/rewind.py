@@ -19,13 +19,15 @@ from pathlib import Path
 
 from fbtrain.checkpoint.files import CheckpointError, CheckpointManager, load_checkpoint
 from fbtrain.io import atomic_write
+from fbtrain.rundir_names import METRICS, numbered_step
 
 
 def set_aside_abandoned(manager: CheckpointManager, resumed: Path, step: int) -> str | None:
     """Move the checkpoints of steps after ``step`` out of ``manager``'s folder (see the
     module docstring); the line that says so, or None when there were none. Call on rank 0,
     with the run directory's lock held, once the resumed checkpoint was restored."""
-    newer = {p.name: p.name for p in manager.numbered() if _number(p) > step}
+    newer = {p.name: p.name for p in manager.numbered()
+             if (numbered_step(p.name) or 0) > step}  # numbered(): each name has one
     for special in (manager.last_path, manager.best_path):
         if special.is_file() and not _same_file(special, resumed):
             saved_at = _step_of(special)
@@ -38,7 +40,7 @@ def set_aside_abandoned(manager: CheckpointManager, resumed: Path, step: int) ->
     for name in newer:
         os.replace(manager.dir / name, folder / name)
     moved = list(newer.values())
-    metrics = manager.run_dir / "metrics.jsonl"
+    metrics = manager.run_dir / METRICS
     if metrics.is_file():
         shutil.copy2(metrics, folder / metrics.name)
         moved.append(f"a copy of {metrics.name}")
@@ -47,11 +49,6 @@ def set_aside_abandoned(manager: CheckpointManager, resumed: Path, step: int) ->
         atomic_write(manager.last_path, lambda f: shutil.copyfileobj(source, f, 1 << 20))
     return (f"rewound to step {step}: the abandoned branch's {', '.join(moved)} moved to "
             f"{folder}; last.pt is now the checkpoint resumed")
-
-
-def _number(path: Path) -> int:
-    """The step in a ``step-NNNNNNNN.pt`` name."""
-    return int(path.stem.split("-")[1])
 
 
 def _step_of(path: Path) -> int:

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from fbtrain.messages import first_line
 from fbtrain.models.core.native import NativeCore
 from fbtrain.models.core.spec import BackwardInputs, Core, CoreInputs, CoreOutputs, CoreSpec
 
@@ -132,8 +133,7 @@ class GraphedCore:
                     self.graphs[key] = _Graph(fn, args)
             except (RuntimeError, UserWarning) as e:
                 _capture_failed = True
-                cause = (str(e).splitlines() or [repr(e)])[0]
-                print(f"fbtrain: CUDA graph capture of the core failed ({cause}); running "
+                print(f"fbtrain: CUDA graph capture of the core failed ({first_line(e)}); running "
                       "it eagerly from now on", file=sys.stderr, flush=True)
                 return fn(args)
         return self.graphs[key](args)

@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from fbtrain.filelock import POLL_S, PidLock
+from fbtrain.messages import first_line
 from fbtrain.models.core.spec import CoreError, CoreInputs, CoreOutputs, CoreSpec
 
 CSRC = Path(__file__).parent / "csrc" / "feedback_core.cpp"
@@ -301,11 +302,10 @@ def load_extension(base: str, source: Path, cflags: Sequence[str],
             raise CoreBuildError(f"could not build fbtrain's C++ core ({source}): {folder}",
                                  remedy="point TORCH_EXTENSIONS_DIR at a folder fbtrain can "
                                  "write for the fast core") from None
-        lines = str(e).splitlines() or [repr(e)]
-        cause = next((ln for ln in lines if "error:" in ln), None)  # the compiler's
+        cause = next((ln for ln in str(e).splitlines() if "error:" in ln), None)  # the compiler's
         if cause is not None:
             raise compile_failed(cause) from None
-        raise failed(lines[0]) from None
+        raise failed(first_line(e)) from None
     return Path(loaded)
 
 
