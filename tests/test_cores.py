@@ -327,3 +327,70 @@ def test_graphed_core_hands_each_call_its_own_inputs_and_outputs(monkeypatch):
     for a, b in zip(*runs, strict=True):
         assert torch.equal(a, b)
     assert len(captured) == 4  # forward and backward, for each of the two shapes
+
+
+class _ReplayingStandIn:
+    """A CPU stand-in for one captured call that behaves as a CUDA graph does where the
+    clones matter: the first call "captures" (its outputs become the static outputs), and
+    every replay copies its inputs into the static inputs and writes its results into those
+    same output tensors."""
+
+    def __init__(self, fn, args):
+        self.fn = fn
+        self.static = [None if a is None else a.clone() for a in args]
+        self.out = fn(self.static)
+
+    def __call__(self, args):
+        with torch.inference_mode():  # the cores' outputs are inference tensors
+            for s, a in zip(self.static, args, strict=True):
+                if s is not None:
+                    s.copy_(a)
+            fresh = _tensors(self.fn(self.static))
+            for kept, new in zip(_tensors(self.out), fresh, strict=True):
+                kept.copy_(new)
+        return self.out
+
+
+def _tensors(value):
+    if torch.is_tensor(value):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    return []
+
+
+def test_graphed_outputs_outlive_the_next_replay_of_their_shape(monkeypatch):
+    """Two forwards of one shape, then their backwards (a graph's replays write into the
+    same buffers): each call's logits and gradients are those of an eager run, so the
+    graphed core's outputs and the autograd Function's gradients are copies, never the
+    graph's buffers."""
+    from fbtrain.models.core import autograd
+
+    model = _graph_model(0.0)
+    params = [p for p in model.parameters() if p.requires_grad]
+    xs = [torch.randint(0, 11, (2, 6), generator=torch.Generator().manual_seed(s))
+          for s in (1, 2)]
+
+    def run_both() -> tuple[list[torch.Tensor], list[list[torch.Tensor]]]:
+        logits = [model(x)[0] for x in xs]  # both forwards before any backward
+        seen = [lg.detach().clone() for lg in logits]
+        grads = []
+        for lg in logits:
+            for p in params:
+                p.grad = None
+            lg.square().sum().backward()
+            grads.append([p.grad for p in params])  # kept as they are, not cloned
+        return seen, grads
+
+    eager_logits, eager_grads = run_both()
+    monkeypatch.setattr(graphs, "_Graph", _ReplayingStandIn)
+    monkeypatch.setattr(graphs, "_capture_failed", False)
+    graphed = graphs.GraphedCore(select.core())
+    monkeypatch.setattr(autograd, "maybe_graphed", lambda core, like: graphed)
+    graphed_logits, graphed_grads = run_both()
+    assert len(graphed.graphs) == 2  # one forward, one backward: each replayed once
+    for e, g in zip(eager_logits, graphed_logits, strict=True):
+        assert torch.equal(e, g)
+    for e, g in zip(eager_grads, graphed_grads, strict=True):
+        for a, b in zip(e, g, strict=True):
+            assert torch.equal(a, b)
