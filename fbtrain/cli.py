@@ -24,6 +24,7 @@ import typer
 from fbtrain import __version__
 from fbtrain.cli_errors import OneLineErrors, user_errors
 from fbtrain.config.schema import CONTEXTS, SPLITS  # light: no torch
+from fbtrain.messages import format_bytes
 from fbtrain.startup import prepare_process
 
 
@@ -371,7 +372,7 @@ def export(
 
         source, written = export_model(checkpoint, out)
     size = written[0].stat().st_size
-    weights = f"{size / 2**20:.1f} MiB" if size >= 2**20 else f"{size / 2**10:.0f} KiB"
+    weights = format_bytes(size)
     # Two lines, each within 80 columns for the usual paths (one ran to 130 and wrapped).
     typer.echo(f"exported {source}\n  to {written[0].parent}: {written[0].name} ({weights}), "
                f"{', '.join(p.name for p in written[1:])}")

@@ -26,3 +26,20 @@ def is_int(value: Any) -> bool:
 def is_number(value: Any) -> bool:
     """A real number (an int, a float, a numpy scalar) that is not a bool (True is an int)."""
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def format_bytes(n: int) -> str:
+    """``n`` bytes in binary units, one decimal: 1.5 GiB, 8.0 TiB."""
+    try:
+        value = float(n)
+    except OverflowError:  # past 10^308: only the exponent means anything
+        return f"about 10^{len(str(n)) - 1} bytes"
+    for unit in ("bytes", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB", "ZiB", "YiB"):
+        if value < 1024 or unit == "YiB":
+            break
+        value /= 1024
+    if unit == "bytes":
+        return f"{n} bytes"
+    if value >= 1024:  # beyond yobibytes: the exponent says more than the digits
+        return f"{float(n):.1e} bytes"
+    return f"{value:.1f} {unit}"

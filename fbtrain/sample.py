@@ -25,6 +25,7 @@ from fbtrain.config.kinds import model_kind
 from fbtrain.data.errors import DataError
 from fbtrain.data.tokenizers import Tokenizer
 from fbtrain.inference import inference, saved_precision
+from fbtrain.messages import format_bytes
 from fbtrain.progress import Progress, isatty, note
 from fbtrain.rng import sample_generator
 
@@ -197,19 +198,9 @@ def check_memory(model: nn.Module, tokenizer: Tokenizer, prompt_tokens: int,
         if have is not None and need > have:
             raise ValueError(
                 f"num_samples = {num_samples} x length = {length}: sampling needs about "
-                f"{_size(need)} of memory, more than the {_size(have)} of {where}; lower "
-                "num_samples or length"
+                f"{format_bytes(need)} of memory, more than the {format_bytes(have)} of {where}; "
+                "lower num_samples or length"
             )
-
-
-def _size(n: int) -> str:
-    """Bytes for people: ``1.5 GiB``; past EiB, in EiB with an exponent."""
-    value = float(n)
-    for unit in ("bytes", "KiB", "MiB", "GiB", "TiB", "PiB"):
-        if value < 1024:
-            return f"{value:.0f} {unit}" if unit == "bytes" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{value:.3g} EiB"
 
 
 def _model_device(model: nn.Module) -> torch.device:

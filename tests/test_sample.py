@@ -437,7 +437,7 @@ def test_run_refuses_what_cannot_fit_in_memory(tmp_path: Path, kwargs: dict) -> 
     args = {"num_samples": 1, "length": 500, **kwargs}
     out = io.StringIO()
     match = (rf"^num_samples = {args['num_samples']} x length = {args['length']}: sampling "
-             r"needs about [\d.e+]+ [KMGTPE]i?B of memory, more than the [\d.]+ [KMGTPE]iB of "
+             r"needs about [\d.e+]+ [KMGTPEZY]i?B of memory, more than the [\d.]+ [KMGTPE]iB of "
              r"this machine; lower num_samples or length$")
     with pytest.raises(ValueError, match=match):
         sample.run(str(ckpt), device="cpu", stream=out, **kwargs)

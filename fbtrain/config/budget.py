@@ -20,6 +20,7 @@ from fbtrain.config.curriculum import Curriculum
 from fbtrain.config.kinds import model_kind
 from fbtrain.config.schema import CurriculumStage, ModelConfig
 from fbtrain.config.tree import Config
+from fbtrain.messages import format_bytes
 
 FLOAT32 = 4  # bytes
 TOKEN_ID = 8  # int64, as the batches hold inputs and targets
@@ -112,23 +113,6 @@ def physical_memory() -> int | None:
     except (AttributeError, ValueError, OSError):
         return None
     return pages * size if pages > 0 and size > 0 else None
-
-
-def format_bytes(n: int) -> str:
-    """``n`` bytes in binary units, one decimal: 1.5 GiB, 8.0 TiB."""
-    try:
-        value = float(n)
-    except OverflowError:  # past 10^308: only the exponent means anything
-        return f"about 10^{len(str(n)) - 1} bytes"
-    for unit in ("bytes", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB", "ZiB", "YiB"):
-        if value < 1024 or unit == "YiB":
-            break
-        value /= 1024
-    if unit == "bytes":
-        return f"{n} bytes"
-    if value >= 1024:  # beyond yobibytes: the exponent says more than the digits
-        return f"{float(n):.1e} bytes"
-    return f"{value:.1f} {unit}"
 
 
 # (section, key) whose size the estimate grows with, blamed by name when it does not fit.

@@ -17,13 +17,12 @@ from typing import Any
 
 import yaml
 
-from fbtrain.config.budget import format_bytes
 from fbtrain.config.errors import ConfigError, cut, show
 from fbtrain.config.fields import allowed_types, yaml_copy
 from fbtrain.config.tree import SECTIONS, Config
 from fbtrain.config.validate import config_from_dict
 from fbtrain.io import NotRegularFileError, atomic_write_text, open_regular
-from fbtrain.messages import first_line
+from fbtrain.messages import first_line, format_bytes
 
 # A YAML document may stand for far more values than it holds: nine levels of nine aliases
 # of nine strings are 400 bytes and 387 million strings. No config comes near this.
