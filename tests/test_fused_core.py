@@ -27,6 +27,7 @@ from fbtrain.config import ModelConfig  # noqa: E402
 from fbtrain.models import build_model  # noqa: E402
 from fbtrain.models.core import fused, native, python, select  # noqa: E402
 from fbtrain.models.core.fused import core as fused_core  # noqa: E402
+from fbtrain.models.core.masks import draw_masks  # noqa: E402
 from fbtrain.models.core.spec import CoreSpec  # noqa: E402
 
 TOL = 1e-9  # float64, as for every core (test_models.py)
@@ -145,7 +146,7 @@ def test_fused_tape_holds_the_masks_the_python_core_draws(use_core):
     torch.manual_seed(9)
     tape = fused_core.FusedTape(*select.core().core_forward(spec, inputs, keep_tape=True).tape)
     torch.manual_seed(9)
-    masks = python._draw_masks(spec, x0, 0, 24)
+    masks = draw_masks(spec, x0, 0, 24)
     for name in ("att", "prob", "h", "ff"):
         assert torch.equal(getattr(tape, f"mask_{name}"), getattr(masks, name)), name
     assert 0 < (tape.mask_h == 0).double().mean() < 1

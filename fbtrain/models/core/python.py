@@ -22,6 +22,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from fbtrain.models.core.masks import draw_masks, window_of
 from fbtrain.models.core.spec import (
     ATT_PARAMS,
     LAYER_PARAMS,
@@ -36,26 +37,6 @@ _layer_norm_backward = torch.ops.aten.native_layer_norm_backward.default
 _softmax_backward = torch.ops.aten._softmax_backward_data.default
 _relu_backward = torch.ops.aten.threshold_backward.default
 
-
-
-@dataclass
-class Masks:
-    """Inverted-dropout masks (0 or 1/(1-p)), drawn in one go as the C++ core draws them.
-
-    att [L, n_att, B, D]; prob [L, sum_t B*H*ell_t] (step t's [B, H, ell_t] block starts at
-    ``prob_offset[t]``); h [L, T, B, F]; ff [L, T, B, D].
-    """
-
-    att: Tensor
-    prob: Tensor
-    h: Tensor
-    ff: Tensor
-    prob_offset: list[int]
-
-    def prob_of(self, layer: int, t: int, B: int, H: int, ell: int) -> Tensor:
-        """Layer ``layer``'s mask on step t's attention probabilities: [B, H, ell]."""
-        start = self.prob_offset[t]
-        return self.prob[layer, start:start + B * H * ell].view(B, H, ell)
 
 
 class AttRecord(NamedTuple):
@@ -124,42 +105,10 @@ class Tape:
     mem: list[MemRecord] = field(default_factory=list)
 
 
-def _window(slot: int, window: int) -> tuple[int, int]:
-    """First slot and length of the memory window seen by the step that creates ``slot``."""
-    lo = max(0, slot - window)
-    return lo, slot - lo
-
-
 def _per_layer(flat: Sequence[Tensor]) -> list[LayerTensors]:
     """The flat per-layer list (``CoreInputs.layers``) cut into one LayerTensors a layer."""
     n = len(LAYER_PARAMS)
     return [LayerTensors(*flat[i:i + n]) for i in range(0, len(flat), n)]
-
-
-def prob_offsets(spec: CoreSpec, n0: int, T: int, B: int) -> list[int]:
-    """Where step t's [B, H, ell_t] block starts in a layer's probability mask
-    (:attr:`Masks.prob`), for t = 0 .. T: the last entry is the mask's length."""
-    offsets = [0]
-    for t in range(T):
-        offsets.append(offsets[-1] + B * spec.n_heads * _window(n0 + t, spec.window)[1])
-    return offsets
-
-
-def _draw_masks(spec: CoreSpec, like: Tensor, n0: int, F: int) -> Masks | None:
-    """The dropout masks of one call (None without dropout), in the C++ core's order."""
-    if not spec.dropout:
-        return None
-    B, T, D = like.shape
-    L, p = spec.n_layers, spec.dropout
-    n_att = max(0, T - (0 if n0 > 0 else 1))
-    offsets = prob_offsets(spec, n0, T, B)
-    size = offsets.pop()
-
-    def mask(*shape: int) -> Tensor:
-        return like.new_empty(shape).bernoulli_(1.0 - p).div_(1.0 - p)
-
-    att, prob = mask(L, n_att, B, D), mask(L, size)
-    return Masks(att, prob, mask(L, T, B, F), mask(L, T, B, D), offsets)
 
 
 def core_forward(spec: CoreSpec, inputs: CoreInputs, keep_tape: bool = False
@@ -192,14 +141,14 @@ def _forward(spec: CoreSpec, x0: Tensor, mem_k: Tensor, mem_v: Tensor,
     memory = x0.new_empty(T, B, D)
     set_of = [0 if spec.shared_kv else li for li in range(L)]
     n_pos = params[0].rt.shape[-1]
-    masks = _draw_masks(spec, x0, n0, params[0].w1_t.shape[1])
+    masks = draw_masks(spec, x0, n0, params[0].w1_t.shape[1])
     eps, shape = spec.eps, (D,)
     first_att = 0 if n0 > 0 else 1
     tape = Tape([[] for _ in range(L)], [[] for _ in range(L)]) if keep_tape else None
     mask_prob = mask_att = mask_h = mask_ff = None
     for t in range(T):
         slot = n0 + t
-        lo, ell = _window(slot, spec.window)
+        lo, ell = window_of(slot, spec.window)
         if ell:  # views of this step's memory window, shared by the layers that use a set
             k_t = [k.narrow(1, lo, ell).transpose(1, 2) for k in key_sets]  # [BH, dk, ell]
             v_w = [v.narrow(1, lo, ell) for v in value_sets]  # [BH, ell, dk]
@@ -304,7 +253,7 @@ def _backward(spec: CoreSpec, d_top: Tensor, hidden: Tensor, memory: Tensor, key
     g_ff: list[list[FFGrads]] = [[] for _ in range(L)]
     for t in reversed(range(T)):
         slot = n0 + t
-        lo, ell = _window(slot, spec.window)
+        lo, ell = window_of(slot, spec.window)
         ai = t - first_att
         dm = None
         if t < T - 1:  # the newest slot is read by no later step of this call

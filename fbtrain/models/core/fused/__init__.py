@@ -7,7 +7,7 @@ one its backward (``layer_backward``); per step one kernel makes the memory vect
 keys/values (``memory_forward``) and one takes their gradients back (``memory_backward``).
 That is 1 + 1/L launches per token-layer each way. The weight gradients are a few batched
 matmuls over all steps after the sweep. Dropout masks are drawn before the sweep exactly
-as the PyTorch core draws them (``python._draw_masks``), and the kernels read them.
+as the PyTorch core draws them (``masks.draw_masks``), and the kernels read them.
 
 Interface for tools (kept stable):
 

@@ -18,8 +18,8 @@ from torch import Tensor
 from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction
 
-from fbtrain.models.core import python
 from fbtrain.models.core.fused import kernels
+from fbtrain.models.core.masks import draw_masks, prob_offsets, window_of
 from fbtrain.models.core.spec import (
     LAYER_PARAMS,
     Core,
@@ -118,7 +118,7 @@ class FusedTape(NamedTuple):
     m_hat: Tensor  # [T, B, D] norm(m_t) (memory norm only)
     mu_m: Tensor  # [T, B]
     rs_m: Tensor  # [T, B]
-    mask_att: Tensor  # as python.Masks
+    mask_att: Tensor  # as masks.Masks
     mask_prob: Tensor
     mask_h: Tensor
     mask_ff: Tensor
@@ -183,10 +183,6 @@ class FusedCore:
             return _backward(spec, d_top, outputs, mix, wkv, layers)
 
 
-def _window(slot: int, window: int) -> tuple[int, int]:
-    return python._window(slot, window)
-
-
 def _forward(spec: CoreSpec, inputs: CoreInputs, keep_tape: bool) -> CoreOutputs:
     x0, mem_k, mem_v, mix, wkv, bkv, flat_layers = inputs
     mix, wkv = mix.contiguous(), wkv.contiguous()
@@ -205,7 +201,7 @@ def _forward(spec: CoreSpec, inputs: CoreInputs, keep_tape: bool) -> CoreOutputs
     hidden = new(T, L + 1, B, D)
     hidden[:, 0] = x0.transpose(0, 1)
     memory = new(T, B, D)
-    masks = python._draw_masks(spec, x0, n0, F)
+    masks = draw_masks(spec, x0, n0, F)
     steps = T if keep_tape else 1  # records: per step for the backward, else one scratch
     norm_steps = steps if spec.memory_norm else 1
     tape = FusedTape(
@@ -224,7 +220,7 @@ def _forward(spec: CoreSpec, inputs: CoreInputs, keep_tape: bool) -> CoreOutputs
     grid = _grid(B)
     for t in range(T):
         slot = n0 + t
-        lo, ell = _window(slot, spec.window)
+        lo, ell = window_of(slot, spec.window)
         r = t if keep_tape else 0
         for li in range(L):
             p = params[li]
@@ -285,7 +281,7 @@ def _backward(spec: CoreSpec, d_top: Tensor, outputs: CoreOutputs, mix: Tensor, 
     g_ds = hidden.new_zeros(L, T, B, H, n_pos)  # score gradients at their position rows
     dummy = new(1)
     first_att = 0 if n0 > 0 else 1
-    offsets = python.prob_offsets(spec, n0, T, B)
+    offsets = prob_offsets(spec, n0, T, B)
     blocks = _blocks(D, H)
     consts = dict(D=D, H=H, DK=dk, F=F, BLOCK_B=BLOCK_B, **blocks, BW=BW, BF=BF, BK=BK,
                   DROPOUT=dropout)
@@ -294,7 +290,7 @@ def _backward(spec: CoreSpec, d_top: Tensor, outputs: CoreOutputs, mix: Tensor, 
     grid = _grid(B)
     for t in reversed(range(T)):
         slot = n0 + t
-        lo, ell = _window(slot, spec.window)
+        lo, ell = window_of(slot, spec.window)
         if t < T - 1:
             rm = t if spec.memory_norm else 0
             _launch("memory_backward", grid, {
