@@ -260,10 +260,10 @@ def _fused_interface() -> str | None:
 def fused_cases(sizes: dict, shared_kv: bool) -> list[Case]:
     """Every kernel the fused core launches at ``sizes``, with dropout and memory_norm on
     (so every branch is compiled), from ``fbtrain.models.core.fused.compile_cases``, with
-    the warps per program the core launches them with (``fused.NUM_WARPS``)."""
+    the warps per program the core launches them with (``fused.launch_options``)."""
     from fbtrain.models.core import fused
 
-    return [(name, fn, signature, {**constexprs, "num_warps": fused.NUM_WARPS}, grid)
+    return [(name, fn, signature, {**constexprs, **fused.launch_options(name)}, grid)
             for name, fn, signature, constexprs, grid in fused.compile_cases(
                 shared_kv=shared_kv, memory_norm=True, dropout=0.1, **sizes)]
 

@@ -2,10 +2,11 @@
 (``FBTRAIN_CORE=fused``; off by default). The design and its cost model are in
 docs/design.md ("The fused core").
 
-Per step and layer one kernel runs the whole token-layer forward (``layer_forward``) and
-one its backward (``layer_backward``); per step one kernel makes the memory vector and its
-keys/values (``memory_forward``) and one takes their gradients back (``memory_backward``).
-That is 1 + 1/L launches per token-layer each way. The weight gradients are a few batched
+A token-layer is four kernels forward (``attend``, ``out_proj``, ``ff_in``, ``ff_out``)
+and four backward (``ffo_back``, ``ffi_back``, ``att_back``, ``q_back``), each a grid of
+batch tiles by heads or by column tiles (``kernels.py``); the memory of a step is made by
+the next step's first ``attend`` and its gradient by the next step's last ``q_back``, and
+the last step's memory is one more ``attend``. The weight gradients are a few batched
 matmuls over all steps after the sweep. Dropout masks are drawn before the sweep exactly
 as the PyTorch core draws them (``masks.draw_masks``), and the kernels read them.
 
@@ -16,7 +17,7 @@ Interface for tools (kept stable):
   kernel the core launches at those sizes (a call of ``window`` steps from empty memory,
   forward and backward), with the signature and constants it launches with, ready for
   ``triton.compile(ASTSource(fn, signature, constexprs), target=GPUTarget("cuda", 90, 32))``
-  with ``options={"num_warps": NUM_WARPS}`` (8), as the core launches them.
+  with the options :func:`launch_options` gives (warps, stages), as the core launches them.
 - :func:`kernels_per_step` ``(spec, batch, steps, d_model, d_ff, n0=0)`` -> ``{"forward":
   n, "backward": n}``: the launches one forward (with its tape) and one backward make for
   ``steps`` steps, counted from the launches themselves without a device.
@@ -33,17 +34,17 @@ import torch
 
 from fbtrain.models.core.fused.core import (
     _JIT,
-    NUM_WARPS,
     FusedCore,
     Launch,
     core_launches,
     interpreting,
+    launch_options,
     recording,
 )
 from fbtrain.models.core.spec import LAYER_PARAMS, CoreInputs, CoreSpec
 
-__all__ = ["NUM_WARPS", "FusedCore", "Launch", "compile_cases", "interpreting", "kernels_per_step",
-           "meta_inputs", "recording"]
+__all__ = ["FusedCore", "Launch", "compile_cases", "interpreting", "kernels_per_step",
+           "launch_options", "meta_inputs", "recording"]
 
 
 def meta_inputs(spec: CoreSpec, batch: int, steps: int, d_model: int, d_ff: int,

@@ -30,16 +30,26 @@ from fbtrain.models.core.spec import (
     interpreting,
 )
 
-# Tiles, sized for sm_80/sm_90 registers at D=128, F=512 (docs/design.md: what they use).
+# Tiles (docs/design.md, "The fused core": what they use of an SM).
 BLOCK_B = 16  # batch rows per program (tl.dot needs 16 or more in each dimension)
-BW = 8  # window slots per chunk (a [BLOCK_B, BW, d_k] key tile)
-BF = 32  # feed-forward columns per chunk (F=512 in 16)
-BC = 64  # key/value projection columns per chunk
-BK = 32  # inner (D) chunk of the layer kernels' matmuls
-NUM_WARPS = 8  # per program: 256 threads share the tiles' registers
+BN = 32  # output columns per program of the column-split kernels
+BK = 32  # inner-dimension chunk of every matmul
+WINDOW_TILE = 256  # window slots x head width per chunk of the attention ([BLOCK_B, BW, d_k])
+# Launch options, as compiled for the resource check (scripts/fused_compile.py). No
+# software pipelining: the inner loops are a few chunks long, and its staged copies of the
+# chunks spilled registers. The attention kernels' window tiles want 8 warps' registers.
+NUM_STAGES = 1
+WARPS = {"attend": 8, "att_back": 8}  # else 4
 
-KERNELS = {name: getattr(kernels, name)
-           for name in ("layer_forward", "memory_forward", "memory_backward", "layer_backward")}
+
+def launch_options(name: str) -> dict[str, int]:
+    """The Triton launch options kernel ``name`` runs with (``num_warps``, ``num_stages``)."""
+    return {"num_warps": WARPS.get(name, 4), "num_stages": NUM_STAGES}
+
+
+FORWARD_KERNELS = ("attend", "out_proj", "ff_in", "ff_out")
+BACKWARD_KERNELS = ("ffo_back", "ffi_back", "att_back", "q_back")
+KERNELS = {name: getattr(kernels, name) for name in FORWARD_KERNELS + BACKWARD_KERNELS}
 
 
 def _runtime_ints(fn: Any) -> list[str]:
@@ -47,8 +57,7 @@ def _runtime_ints(fn: Any) -> list[str]:
     not the constants): Triton would otherwise compile a variant for each value that is 1 or
     a multiple of 16, so new compiles would come at random steps (and inside a capture)."""
     names = fn.__code__.co_varnames[:fn.__code__.co_argcount]
-    ints = {"B", "S", "lo", "ell", "n_pos", "slot", "li", "is_top", "n_layers", "dx_stride",
-            "dout_stride"}
+    ints = {"B", "S", "lo", "ell", "n_pos", "slot", "mem", "has_ln", "mix_at", "src_stride"}
     return [n for n in names if n in ints]
 
 
@@ -79,7 +88,7 @@ def _launch(name: str, grid: tuple[int, ...], args: dict[str, Any],
         _recording.append(Launch(name, grid, args, constexprs))
         return
     if next(iter(args.values())).is_cuda:
-        _JIT[name][grid](**args, **constexprs, num_warps=NUM_WARPS)
+        _JIT[name][grid](**args, **constexprs, **launch_options(name))
     else:
         _INTERPRETED[name][grid](**args, **constexprs)
 
@@ -102,7 +111,8 @@ class FusedTape(NamedTuple):
     """What the forward keeps for the backward, all full-call buffers (a list of tensors, so
     graphs.py can capture a call). [L, T, B, ...] per layer and step unless said; the masks
     are empty without dropout. ``prob`` holds step t's probabilities at their position rows
-    (window slot j at row P - ell + j), zero elsewhere."""
+    (window slot j at row P - ell + j), zero elsewhere. Attention records of steps that do
+    not attend are not written (the backward never reads them); ``y`` there is x."""
 
     a: Tensor  # [L, T, B, D] LN1(x)
     mu1: Tensor  # [L, T, B]
@@ -110,11 +120,11 @@ class FusedTape(NamedTuple):
     qu: Tensor  # [L, T, B, D]
     prob: Tensor  # [L, T, B, H, P]
     o: Tensor  # [L, T, B, D]
-    y: Tensor  # [L, T, B, D]
+    y: Tensor  # [L, T, B, D] x + attention: the feed-forward's input
     mu2: Tensor  # [L, T, B]
     rs2: Tensor  # [L, T, B]
-    c: Tensor  # [L, T, B, D]
-    h: Tensor  # [L, T, B, F] relu output, before dropout
+    c: Tensor  # [L, T, B, D] LN2(y)
+    h: Tensor  # [L, T, B, F] relu output, after dropout
     m_hat: Tensor  # [T, B, D] norm(m_t) (memory norm only)
     mu_m: Tensor  # [T, B]
     rs_m: Tensor  # [T, B]
@@ -125,13 +135,16 @@ class FusedTape(NamedTuple):
 
 
 def _blocks(D: int, H: int) -> dict[str, int]:
-    """The power-of-two tiles for width D and H heads (16 at least: tl.dot's minimum)."""
-    return {"BD": max(16, triton.next_power_of_2(D)),
-            "BDK": max(16, triton.next_power_of_2(D // H))}
+    """The power-of-two tiles for width D and H heads (16 at least: tl.dot's minimum), and
+    the window chunk that keeps a [BLOCK_B, BW, d_k] tile at ``WINDOW_TILE`` per row."""
+    bdk = max(16, triton.next_power_of_2(D // H))
+    return {"BD": max(16, triton.next_power_of_2(D)), "BDK": bdk,
+            "BW": max(2, WINDOW_TILE // bdk)}
 
 
-def _grid(B: int) -> tuple[int]:
-    return (triton.cdiv(B, BLOCK_B),)
+def _tiles(B: int, n: int, per: int = BN) -> tuple[int, int]:
+    """A grid of batch tiles x ``n`` columns in tiles of ``per`` (or ``n`` heads: per=1)."""
+    return (triton.cdiv(B, BLOCK_B), triton.cdiv(n, per))
 
 
 def _per_layer(layers: Sequence[Tensor]) -> list[dict[str, Tensor]]:
@@ -183,6 +196,20 @@ class FusedCore:
             return _backward(spec, d_top, outputs, mix, wkv, layers)
 
 
+def _step_masks(masks: Any, li: int, t: int, ell: int, first_att: int, offsets: Sequence[int],
+                BH: int, dummy: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Layer li's dropout masks at step t (att, prob, h, ff), or ``dummy`` for each without
+    dropout (and for the attention's where the step does not attend). ``masks``: anything
+    with the :class:`~fbtrain.models.core.masks.Masks` tensors (the tape's are named
+    mask_*)."""
+    if masks is None:
+        return dummy, dummy, dummy, dummy
+    att, prob, h, ff = masks
+    m_att = att[li, t - first_att] if ell else dummy
+    m_prob = prob[li, offsets[t]:offsets[t] + BH * ell] if ell else dummy
+    return m_att, m_prob, h[li, t], ff[li, t]
+
+
 def _forward(spec: CoreSpec, inputs: CoreInputs, keep_tape: bool) -> CoreOutputs:
     x0, mem_k, mem_v, mix, wkv, bkv, flat_layers = inputs
     mix, wkv = mix.contiguous(), wkv.contiguous()
@@ -210,50 +237,75 @@ def _forward(spec: CoreSpec, inputs: CoreInputs, keep_tape: bool) -> CoreOutputs
         new(L, steps, B), new(L, steps, B), new(L, steps, B, D), new(L, steps, B, F),
         new(norm_steps, B, D), new(norm_steps, B), new(norm_steps, B),
         *((masks.att, masks.prob, masks.h, masks.ff) if masks else (new(0),) * 4))
+    m_scr = new(H, B, D)  # attend's per-program copy of the memory vector
     dummy = new(1)
     first_att = 0 if n0 > 0 else 1
+    offsets = masks.prob_offset if masks else []
+    mask_list = (masks.att, masks.prob, masks.h, masks.ff) if masks else None
     blocks = _blocks(D, H)
-    consts = dict(D=D, H=H, DK=dk, F=F, BLOCK_B=BLOCK_B, **blocks, BW=BW, BF=BF, BK=BK,
-                  DROPOUT=masks is not None)
-    mem_consts = dict(L1=L + 1, D=D, H=H, DK=dk, NKV=n_kv, HAS_BIAS=bkv is not None,
-                      NORM=spec.memory_norm, BLOCK_B=BLOCK_B, BD=blocks["BD"], BC=BC)
-    grid = _grid(B)
+    drop = masks is not None
+    att_consts = dict(D=D, H=H, DK=dk, L1=L + 1, NKV=n_kv, HAS_BIAS=bkv is not None,
+                      NORM=spec.memory_norm, BLOCK_B=BLOCK_B, **blocks, BK=BK, DROPOUT=drop)
+    col_consts = dict(D=D, BLOCK_B=BLOCK_B, BN=BN, BK=BK, DROPOUT=drop)
+    ff_in_consts = dict(D=D, F=F, BLOCK_B=BLOCK_B, BD=blocks["BD"], BN=BN, BK=BK, DROPOUT=drop)
+    ff_out_consts = dict(D=D, F=F, BLOCK_B=BLOCK_B, BN=BN, BK=BK, DROPOUT=drop)
+
+    def attend(li: int, t: int, r: int, lo: int, ell: int, mem_step: int | None) -> None:
+        """Layer li's attention at step t (``ell`` 0: none), first making the memory of
+        step ``mem_step`` (None: none)."""
+        p, kv_set = params[li], 0 if spec.shared_kv else li
+        m_att, m_prob, _, _ = _step_masks(mask_list, li, t, ell, first_att, offsets, B * H, dummy)
+        rm = (mem_step if keep_tape else 0) if spec.memory_norm and mem_step is not None else 0
+        _launch("attend", _tiles(B, H, 1), {
+            "x_ptr": hidden[t, li], "k_ptr": kv[0, kv_set], "v_ptr": kv[1, kv_set],
+            "ln1_w": p["ln1_w"], "ln1_b": p["ln1_b"], "wq": p["wq"], "uq": p["uq"],
+            "rt": p["rt"], "cpos": p["c"], "m_prob": m_prob,
+            "a_rec": tape.a[li, r], "mu1_rec": tape.mu1[li, r], "rs1_rec": tape.rs1[li, r],
+            "qu_rec": tape.qu[li, r], "prob_rec": tape.prob[li, r], "o_rec": tape.o[li, r],
+            "hid_ptr": hidden[mem_step if mem_step is not None else t], "mix": mix,
+            "wkv": wkv, "bkv": dummy if bkv is None else bkv, "kv_ptr": kv,
+            "mem_ptr": memory[mem_step if mem_step is not None else t],
+            "mhat_rec": tape.m_hat[rm], "mu_rec": tape.mu_m[rm], "rs_rec": tape.rs_m[rm],
+            "m_scr": m_scr,
+            "B": B, "S": S, "lo": lo, "ell": ell, "n_pos": n_pos,
+            "mem": int(mem_step is not None),
+            "slot": n0 + (mem_step if mem_step is not None else t), "eps": spec.eps,
+        }, att_consts)
+        if ell:
+            _launch("out_proj", _tiles(B, D), {
+                "x_ptr": hidden[t, li], "o_rec": tape.o[li, r], "wo": p["wo_t"], "bo": p["bo"],
+                "m_att": m_att, "y_rec": tape.y[li, r], "B": B}, col_consts)
+
     for t in range(T):
-        slot = n0 + t
-        lo, ell = window_of(slot, spec.window)
+        lo, ell = window_of(n0 + t, spec.window)
         r = t if keep_tape else 0
         for li in range(L):
             p = params[li]
-            kv_set = 0 if spec.shared_kv else li
-            if masks is not None:
-                m_att = masks.att[li, t - first_att] if ell else dummy
-                start = masks.prob_offset[t]
-                m_prob = masks.prob[li, start:start + B * H * ell] if ell else dummy
-                m_h, m_ff = masks.h[li, t], masks.ff[li, t]
-            else:
-                m_att = m_prob = m_h = m_ff = dummy
-            _launch("layer_forward", grid, {
-                "x_ptr": hidden[t, li], "out_ptr": hidden[t, li + 1],
-                "k_ptr": kv[0, kv_set], "v_ptr": kv[1, kv_set],
-                "ln1_w": p["ln1_w"], "ln1_b": p["ln1_b"], "wq": p["wq"], "uq": p["uq"],
-                "rt": p["rt"], "cpos": p["c"], "wo": p["wo_t"], "bo": p["bo"],
-                "ln2_w": p["ln2_w"], "ln2_b": p["ln2_b"], "w1": p["w1_t"], "b1": p["b1"],
-                "w2": p["w2_t"], "b2": p["b2"],
-                "a_rec": tape.a[li, r], "mu1_rec": tape.mu1[li, r], "rs1_rec": tape.rs1[li, r],
-                "qu_rec": tape.qu[li, r], "prob_rec": tape.prob[li, r], "o_rec": tape.o[li, r],
-                "y_rec": tape.y[li, r], "mu2_rec": tape.mu2[li, r], "rs2_rec": tape.rs2[li, r],
-                "c_rec": tape.c[li, r], "h_rec": tape.h[li, r],
-                "m_att": m_att, "m_prob": m_prob, "m_h": m_h, "m_ff": m_ff,
-                "B": B, "S": S, "lo": lo, "ell": ell, "n_pos": n_pos, "eps": spec.eps,
-            }, consts)
-        rm = r if spec.memory_norm else 0
-        _launch("memory_forward", grid, {
-            "hid_ptr": hidden[t], "mix": mix, "wkv": wkv,
-            "bkv": dummy if bkv is None else bkv, "kv_ptr": kv, "mem_ptr": memory[t],
-            "mhat_rec": tape.m_hat[rm], "mu_rec": tape.mu_m[rm], "rs_rec": tape.rs_m[rm],
-            "B": B, "S": S, "slot": slot, "eps": spec.eps,
-        }, mem_consts)
+            _, _, m_h, m_ff = _step_masks(mask_list, li, t, ell, first_att, offsets, B * H, dummy)
+            if ell:  # (a step that makes no memory attends: t > 0, or carried slots)
+                attend(li, t, r, lo, ell, t - 1 if li == 0 and t > 0 else None)
+            y = tape.y[li, r] if ell else hidden[t, li]
+            _launch("ff_in", _tiles(B, F), {
+                "y_ptr": y, "ln2_w": p["ln2_w"], "ln2_b": p["ln2_b"], "w1": p["w1_t"],
+                "b1": p["b1"], "m_h": m_h, "mu2_rec": tape.mu2[li, r],
+                "rs2_rec": tape.rs2[li, r], "c_rec": tape.c[li, r], "h_rec": tape.h[li, r],
+                "B": B, "eps": spec.eps}, ff_in_consts)
+            _launch("ff_out", _tiles(B, D), {
+                "y_ptr": y, "h_rec": tape.h[li, r], "w2": p["w2_t"], "b2": p["b2"],
+                "m_ff": m_ff, "out_ptr": hidden[t, li + 1], "B": B}, ff_out_consts)
+    attend(0, T - 1, T - 1 if keep_tape else 0, 0, 0, T - 1)  # the last step's memory only
+    if keep_tape and first_att:
+        tape.y[:, 0] = hidden[0, :L]  # step 0 did not attend: y is x (LN2's backward reads it)
     return CoreOutputs(hidden, memory, kv[0], kv[1], list(tape) if keep_tape else [])
+
+
+def _ln_backward(d: Tensor, x: Tensor, mu: Tensor, rs: Tensor, w: Tensor) -> Tensor:
+    """A LayerNorm's input gradient from its output's gradient ``d`` (rows of x [..., D],
+    statistics mu and rs = 1/std [...], weight w [D]); as the kernels compute it."""
+    g = d * w
+    xhat = (x - mu.unsqueeze(-1)) * rs.unsqueeze(-1)
+    return rs.unsqueeze(-1) * (g - g.mean(-1, keepdim=True)
+                               - xhat * (g * xhat).mean(-1, keepdim=True))
 
 
 def _backward(spec: CoreSpec, d_top: Tensor, outputs: CoreOutputs, mix: Tensor, wkv: Tensor,
@@ -270,72 +322,83 @@ def _backward(spec: CoreSpec, d_top: Tensor, outputs: CoreOutputs, mix: Tensor, 
     F, n_pos = params[0]["w1_t"].shape[1], params[0]["rt"].shape[-1]
     C = 2 * n_kv * D
     dropout = tape.mask_h.numel() > 0
+    masks = (tape.mask_att, tape.mask_prob, tape.mask_h, tape.mask_ff) if dropout else None
     d_kv = hidden.new_zeros(2, n_kv, B * H, S, dk)  # every slot's key/value gradients
-    d_memory = hidden.new_zeros(T, B, D)  # zero at the last step: no later step reads it
+    dm_raw = hidden.new_zeros(T, B, D)  # zero at the last step: no later step reads it
     dkv_rec = hidden.new_zeros(T, B, C)
-    dx = hidden.new_empty(2, B, D)  # ping-pong between layers
-    d_x0 = hidden.new_empty(B, T, D)
     new = hidden.new_empty
-    g_dz, g_dqu, g_da = new(L, T, B, D), new(L, T, B, D), new(L, T, B, D)
-    g_df, g_dc, g_dh = new(L, T, B, D), new(L, T, B, D), new(L, T, B, F)
+    g_out, g_dy, g_df, g_dc = new(L, T, B, D), new(L, T, B, D), new(L, T, B, D), new(L, T, B, D)
+    g_dz, g_dqu, g_da, g_dh = new(L, T, B, D), new(L, T, B, D), new(L, T, B, D), new(L, T, B, F)
     g_ds = hidden.new_zeros(L, T, B, H, n_pos)  # score gradients at their position rows
     dummy = new(1)
     first_att = 0 if n0 > 0 else 1
     offsets = prob_offsets(spec, n0, T, B)
     blocks = _blocks(D, H)
-    consts = dict(D=D, H=H, DK=dk, F=F, BLOCK_B=BLOCK_B, **blocks, BW=BW, BF=BF, BK=BK,
-                  DROPOUT=dropout)
-    mem_consts = dict(D=D, H=H, DK=dk, NKV=n_kv, NORM=spec.memory_norm, BLOCK_B=BLOCK_B,
-                      BD=blocks["BD"], BC=BC)
-    grid = _grid(B)
+    ffo_consts = dict(D=D, F=F, BLOCK_B=BLOCK_B, BD=blocks["BD"], BN=BN, BK=BK,
+                      NORM=spec.memory_norm, DROPOUT=dropout)
+    ffi_consts = dict(D=D, F=F, BLOCK_B=BLOCK_B, BN=BN, BK=BK)
+    att_consts = dict(D=D, H=H, DK=dk, BLOCK_B=BLOCK_B, **blocks, BK=BK, DROPOUT=dropout)
+    q_consts = dict(D=D, H=H, DK=dk, NKV=n_kv, BLOCK_B=BLOCK_B, BN=BN, BK=BK)
     for t in reversed(range(T)):
-        slot = n0 + t
-        lo, ell = window_of(slot, spec.window)
-        if t < T - 1:
-            rm = t if spec.memory_norm else 0
-            _launch("memory_backward", grid, {
-                "dkv_ptr": d_kv, "wkv": wkv, "mem_ptr": memory[t], "mu_rec": tape.mu_m[rm],
-                "rs_rec": tape.rs_m[rm], "dm_ptr": d_memory[t], "dkv_rec": dkv_rec[t],
-                "B": B, "S": S, "slot": slot,
-            }, mem_consts)
-        src, src_stride = d_top[:, t], T * D
+        lo, ell = window_of(n0 + t, spec.window)
+        rm = t if spec.memory_norm else 0
         for li in reversed(range(L)):
-            p = params[li]
-            kv_set = 0 if spec.shared_kv else li
-            out, out_stride = (d_x0[:, t], T * D) if li == 0 else (dx[li % 2], D)
-            if dropout:
-                m_att = tape.mask_att[li, t - first_att] if ell else dummy
-                m_prob = tape.mask_prob[li, offsets[t]:offsets[t] + B * H * ell] if ell else dummy
-                m_h, m_ff = tape.mask_h[li, t], tape.mask_ff[li, t]
-            else:
-                m_att = m_prob = m_h = m_ff = dummy
-            _launch("layer_backward", grid, {
-                "dx_ptr": src, "dx_stride": src_stride, "dout_ptr": out,
-                "dout_stride": out_stride, "dm_ptr": d_memory[t], "mix": mix, "li": li,
-                "is_top": int(li == L - 1),
-                "x_ptr": hidden[t, li], "k_ptr": keys[kv_set], "v_ptr": values[kv_set],
+            p, kv_set, top = params[li], 0 if spec.shared_kv else li, li == L - 1
+            m_att, m_prob, m_h, m_ff = _step_masks(masks, li, t, ell, first_att, offsets,
+                                                   B * H, dummy)
+            above = None if top else li + 1
+            has_ln = above is not None and ell > 0
+            _launch("ffo_back", _tiles(B, F), {
+                "src_ptr": d_top[:, t] if top else g_dy[above, t],
+                "src_stride": T * D if top else D,
+                "dm_ptr": dm_raw[t], "mhat_ptr": tape.m_hat[rm], "rsm_ptr": tape.rs_m[rm],
+                "mix": mix, "mix_at": li + 1, "has_ln": int(has_ln),
+                "da_ptr": g_da[above, t] if has_ln else dummy, "xa_ptr": hidden[t, li + 1],
+                "mu1_ptr": tape.mu1[above, t] if has_ln else dummy,
+                "rs1_ptr": tape.rs1[above, t] if has_ln else dummy,
+                "ln1_w": params[above]["ln1_w"] if has_ln else dummy,
+                "w2": p["w2_t"], "h_rec": tape.h[li, t], "m_ff": m_ff, "m_h": m_h,
+                "g_rec": g_out[li, t], "df_rec": g_df[li, t], "dh_rec": g_dh[li, t], "B": B,
+            }, ffo_consts)
+            _launch("ffi_back", _tiles(B, D), {
+                "dh_rec": g_dh[li, t], "w1": p["w1_t"], "dc_rec": g_dc[li, t], "B": B},
+                ffi_consts)
+            _launch("att_back", _tiles(B, H if ell else 1, 1), {
+                "g_rec": g_out[li, t], "dc_rec": g_dc[li, t], "y_ptr": tape.y[li, t],
+                "mu2_rec": tape.mu2[li, t], "rs2_rec": tape.rs2[li, t], "ln2_w": p["ln2_w"],
+                "wo": p["wo_t"], "m_att": m_att, "m_prob": m_prob,
+                "k_ptr": keys[kv_set], "v_ptr": values[kv_set],
                 "dk_ptr": d_kv[0, kv_set], "dv_ptr": d_kv[1, kv_set],
-                "ln1_w": p["ln1_w"], "wq": p["wq"], "rt": p["rt"], "wo": p["wo_t"],
-                "ln2_w": p["ln2_w"], "w1": p["w1_t"], "w2": p["w2_t"],
-                "a_rec": tape.a[li, t], "mu1_rec": tape.mu1[li, t], "rs1_rec": tape.rs1[li, t],
-                "qu_rec": tape.qu[li, t], "prob_rec": tape.prob[li, t],
-                "y_rec": tape.y[li, t], "mu2_rec": tape.mu2[li, t], "rs2_rec": tape.rs2[li, t],
-                "h_rec": tape.h[li, t],
-                "m_att": m_att, "m_prob": m_prob, "m_h": m_h, "m_ff": m_ff,
-                "dz_rec": g_dz[li, t], "dqu_rec": g_dqu[li, t], "da_rec": g_da[li, t],
-                "df_rec": g_df[li, t], "dh_rec": g_dh[li, t], "dc_rec": g_dc[li, t],
-                "ds_rec": g_ds[li, t],
-                "B": B, "S": S, "lo": lo, "ell": ell, "n_pos": n_pos, "n_layers": L,
-            }, consts)
-            src, src_stride = out, out_stride
+                "qu_rec": tape.qu[li, t], "prob_rec": tape.prob[li, t], "rt": p["rt"],
+                "dy_rec": g_dy[li, t], "dz_rec": g_dz[li, t], "ds_rec": g_ds[li, t],
+                "dqu_rec": g_dqu[li, t], "B": B, "S": S, "lo": lo, "ell": ell, "n_pos": n_pos,
+            }, att_consts)
+            if ell:
+                mem = li == 0 and t > 0  # slot t-1's gradients are complete: make its dm
+                _launch("q_back", _tiles(B, D), {
+                    "dqu_rec": g_dqu[li, t], "wq": p["wq"], "da_rec": g_da[li, t],
+                    "mem": int(mem), "dkv_ptr": d_kv, "wkv": wkv,
+                    "dkv_rec": dkv_rec[t - 1] if mem else dummy,
+                    "dm_ptr": dm_raw[t - 1] if mem else dummy,
+                    "B": B, "S": S, "slot": n0 + t - 1}, q_consts)
+    # What no later step needs, for all steps at once: the memory norm's backward, the
+    # embedding's gradient (layer 0's input), the mix and the memory projection's.
+    d_memory = dm_raw
+    if spec.memory_norm:
+        d_memory = _ln_backward(dm_raw, memory, tape.mu_m, tape.rs_m,
+                                torch.ones_like(memory[0, 0]))  # the norm has no affine
+    d_x0 = g_dy[0] + mix[0] * d_memory  # [T, B, D]
+    a = first_att
+    d_x0[a:] += _ln_backward(g_da[0, a:], hidden[a:, 0], tape.mu1[0, a:], tape.rs1[0, a:],
+                             params[0]["ln1_w"])
     grads = _weight_grads(spec, hidden, memory, tape, params, first_att,
                           (g_dz, g_dqu, g_da, g_df, g_dh, g_dc, g_ds))
     d_mix = torch.einsum("tbd,tlbd->l", d_memory, hidden)
     kv_in = tape.m_hat if spec.memory_norm else memory
     d_flat = dkv_rec.view(T * B, C)
     d_wkv = torch.mm(kv_in.reshape(T * B, D).t(), d_flat)
-    return CoreInputs(d_x0, d_kv[0, :, :, :n0], d_kv[1, :, :, :n0], d_mix, d_wkv,
-                      d_flat.sum(0), grads)
+    return CoreInputs(d_x0.transpose(0, 1).contiguous(), d_kv[0, :, :, :n0],
+                      d_kv[1, :, :, :n0], d_mix, d_wkv, d_flat.sum(0), grads)
 
 
 def _weight_grads(spec: CoreSpec, hidden: Tensor, memory: Tensor, tape: FusedTape,
@@ -357,7 +420,7 @@ def _weight_grads(spec: CoreSpec, hidden: Tensor, memory: Tensor, tape: FusedTap
     def ln_affine(d: Tensor, x: Tensor, mu: Tensor, rs: Tensor) -> tuple[Tensor, Tensor]:
         return (d * (x - mu.unsqueeze(-1)) * rs.unsqueeze(-1)).sum((1, 2)), d.sum((1, 2))
 
-    h_used = tape.h * tape.mask_h if tape.mask_h.numel() else tape.h
+    h_used = tape.h  # after dropout
     out: dict[str, Tensor] = {
         "w2_t": bmm_t(rows(h_used), rows(g_df)), "b2": g_df.sum((1, 2)),
         "w1_t": bmm_t(rows(tape.c), rows(g_dh)), "b1": g_dh.sum((1, 2)),

@@ -1,29 +1,42 @@
-"""The fused core's Triton kernels: four, one job each (see ``fused/__init__.py``).
+"""The fused core's Triton kernels: a token-layer is four kernels each way, each spread over
+the GPU by batch tile and by head or column tile (see ``fused/__init__.py``).
 
-- :func:`layer_forward`: one layer at one step for a tile of batch rows, LayerNorm to
-  residual: LN1, the query projection, window attention over the memory keys/values with the
-  position terms (two passes over the window: scores and their running max and sum, then the
-  probabilities and the weighted sum), the output projection, the residual, LN2, the
-  feed-forward in chunks of F with its relu, the residual; dropout by reading masks.
-- :func:`memory_forward`: one step's memory vector m_t = sum_l mix_l h_t^l, its optional
-  normalisation and its key/value projection into the new slot of every key/value set.
-- :func:`memory_backward`: the same step's gradients back from the new slot's key/value
-  gradients to m_t (through the normalisation).
-- :func:`layer_backward`: one layer at one step backwards, activation gradients only: the
-  feed-forward, LN2, attention (accumulating the window's key/value gradients, which only
-  the program owning those batch rows touches), LN1, and the memory mix's share.
+Forward, for one layer at one step (grid: batch tiles x heads, or x column tiles):
 
-Matmuls whose inner dimension is the width D run in chunks of ``BK``, the left operand
-re-read from its record (written just before, behind a barrier): Triton's float32 ``tl.dot``
-(FMA, no tensor cores in IEEE precision) holds a whole inner row per thread, and at D = 128
-that alone spilled registers.
+- :func:`attend` (x heads): LN1, the head's query, window attention with the position terms
+  (two passes: scores with their running max and sum, then probabilities and the weighted
+  sum) -> the head's share of o. On layer 0 it first makes the previous step's memory
+  vector and the head's keys and values of it in every key/value set (``mem``).
+- :func:`out_proj` (x column tiles of D): y = x + Drop(o Wo + bo).
+- :func:`ff_in` (x column tiles of F): h = Drop(relu(LN2(y) W1 + b1)).
+- :func:`ff_out` (x column tiles of D): out = y + Drop(h W2 + b2).
 
-Every kernel runs one program per tile of ``BLOCK_B`` batch rows; rows never meet, so no
-atomics and the results do not depend on the tile. Matrices go through ``tl.dot`` tiles
-(``IEEE`` precision: float32 stays float32, no TF32). Records (what the backward and the
-weight gradients read) are written to full-call buffers, one [B, ...] slice a launch.
-Shapes: D width (``BD`` its power-of-two tile), H heads of DK (``BDK``), F feed-forward
-width (chunks of ``BF``), the window in chunks of ``BW``, P position rows.
+Backward, activation gradients only (the weight gradients are batched matmuls afterwards):
+
+- :func:`ffo_back` (x column tiles of F): the gradient g of the layer's output, composed from
+  the layer above's records (its dy, the LN1 backward of its attention input gradient, the
+  memory's gradient) -> dh.
+- :func:`ffi_back` (x column tiles of D): dc = dh W1^T.
+- :func:`att_back` (x heads): LN2 backward (dy), the head's dz Wo^T, the attention
+  backward (the window's key/value gradients of the head, owned by this program) -> dqu.
+- :func:`q_back` (x column tiles of D): da = dqu Wq^T; on layer 0 also the previous step's
+  memory gradient from its keys'/values' gradients (before the memory norm's backward,
+  which the next kernels apply: it needs whole rows).
+
+Why this split: a LayerNorm needs whole rows and a matmul's output columns can be spread
+over programs, so each kernel is a row prologue (statistics over whole rows, recomputed by
+every program of the row tile: cheap) followed by one matmul over its own output columns,
+the inner dimension in chunks of ``BK``. No program needs another's results within a
+launch, so there are no atomics and no grid barriers, the results do not depend on the
+tiling, and the register footprint is a few [16, 32] tiles whatever the width. A record
+that every program of a tile computes alike is written by the first program of the tile
+(``wrows``: a row mask made by arithmetic, as the interpreter takes no scalar in a mask).
+
+Matrices go through ``tl.dot`` in ``IEEE`` precision (float32 stays float32, no TF32).
+Shapes: B batch, D width (``BD`` its power-of-two tile), H heads of DK (``BDK``), F
+feed-forward width, the window of ``ell`` slots from slot ``lo`` in chunks of ``BW``, P
+(``n_pos``) position rows, S key/value slots, BLOCK_B batch rows a program. Key/value
+buffers are [2, NKV, B*H, S, DK] (keys then values, set by set); a set's keys [B*H, S, DK].
 
 Kept free of ``@triton.jit`` helpers, so each kernel is one plain function that
 ``fused.core`` wraps both for the interpreter and for the compiler. Reductions are
@@ -42,381 +55,517 @@ _SUM = tl.standard._sum_combine  # what tl.sum reduces with
 _MAX = tl.standard._elementwise_max  # and tl.max
 
 
-def layer_forward(
-    x_ptr, out_ptr, k_ptr, v_ptr,
-    ln1_w, ln1_b, wq, uq, rt, cpos, wo, bo, ln2_w, ln2_b, w1, b1, w2, b2,
+def attend(
+    x_ptr, k_ptr, v_ptr, ln1_w, ln1_b, wq, uq, rt, cpos, m_prob,
     a_rec, mu1_rec, rs1_rec, qu_rec, prob_rec, o_rec,
-    y_rec, mu2_rec, rs2_rec, c_rec, h_rec,
-    m_att, m_prob, m_h, m_ff,
-    B, S, lo, ell, n_pos, eps,
-    D: tl.constexpr, H: tl.constexpr, DK: tl.constexpr, F: tl.constexpr,
+    hid_ptr, mix, wkv, bkv, kv_ptr, mem_ptr, mhat_rec, mu_rec, rs_rec, m_scr,
+    B, S, lo, ell, n_pos, mem, slot, eps,
+    D: tl.constexpr, H: tl.constexpr, DK: tl.constexpr, L1: tl.constexpr,
+    NKV: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
     BLOCK_B: tl.constexpr, BD: tl.constexpr, BDK: tl.constexpr, BW: tl.constexpr,
-    BF: tl.constexpr, BK: tl.constexpr, DROPOUT: tl.constexpr,
+    BK: tl.constexpr, DROPOUT: tl.constexpr,
 ):
-    """x [B, D] -> out [B, D] for one layer and step; k/v [B*H, S, DK] its key/value set.
-    ``lo``/``ell``: the window's first slot and length (0: memory empty, no attention)."""
+    """x [B, D] -> head h's columns of o [B, D] (and its records); k/v [B*H, S, DK] the
+    layer's key/value set. ``mem``: first make memory slot ``slot`` from hid [L+1, B, D]
+    (the previous step's layer outputs): m [B, D], its norm, and head h's keys and values
+    of it in all NKV sets of kv [2, NKV, B*H, S, DK]. ``ell`` 0: no attention."""
     pid = tl.program_id(0)
+    h = tl.program_id(1)
     rows = pid * BLOCK_B + tl.arange(0, BLOCK_B)
     rmask = rows < B
-    cols = tl.arange(0, BD)
-    dmask = cols < D
-    rd = rmask[:, None] & dmask[None, :]
-    row_d = rows[:, None] * D + cols[None, :]
-    x = tl.load(x_ptr + row_d, mask=rd, other=0.0)
+    wrows = rows < B * (tl.program_id(1) == 0)  # the rows the tile's first program records
     dks = tl.arange(0, BDK)
     kmask = dks < DK
-    y = x
-    if ell > 0:
-        # LN1
-        mean = tl.reduce(x, 1, _SUM) / D
-        xc = tl.where(rd, x - mean[:, None], 0.0)
-        rstd = 1.0 / tl.sqrt(tl.reduce(xc * xc, 1, _SUM) / D + eps)
-        a = (xc * rstd[:, None] * tl.load(ln1_w + cols, mask=dmask, other=0.0)[None, :]
-             + tl.load(ln1_b + cols, mask=dmask, other=0.0)[None, :])
-        a = tl.where(rd, a, 0.0)
-        tl.store(a_rec + row_d, a, mask=rd)
-        tl.debug_barrier()  # the query projection re-reads it in K chunks (module docstring)
-        tl.store(mu1_rec + rows, mean, mask=rmask)
-        tl.store(rs1_rec + rows, rstd, mask=rmask)
-        z = tl.full([BLOCK_B, BD], 0.0, x.dtype)
-        for h in range(H):
-            hcols = h * DK + dks
-            rk = rmask[:, None] & kmask[None, :]
-            qu = tl.full([BLOCK_B, BDK], 0.0, x.dtype)
+    rk = rmask[:, None] & kmask[None, :]
+    if mem > 0:
+        # m = sum_l mix_l hid_l, chunk by chunk into this program's own scratch rows (the
+        # projection reads it in K chunks), then normalised there in place.
+        scr = m_scr + h * B * D
+        s1 = tl.full([BLOCK_B], 0.0, mem_ptr.dtype.element_ty)
+        for k0 in range(0, BD, BK):
+            ks = k0 + tl.arange(0, BK)
+            kd = ks < D
+            at_k = rows[:, None] * D + ks[None, :]
+            rkd = rmask[:, None] & kd[None, :]
+            m_k = tl.full([BLOCK_B, BK], 0.0, mem_ptr.dtype.element_ty)
+            for li in tl.static_range(L1):
+                m_k += tl.load(mix + li) * tl.load(hid_ptr + li * B * D + at_k, mask=rkd,
+                                                   other=0.0)
+            tl.store(mem_ptr + at_k, m_k, mask=wrows[:, None] & kd[None, :])
+            tl.store(scr + at_k, m_k, mask=rkd)
+            s1 += tl.reduce(m_k, 1, _SUM)
+        if NORM:  # LayerNorm without affine (folded into wkv/bkv by the model)
+            mean_m = s1 / D
+            s2 = tl.full([BLOCK_B], 0.0, mem_ptr.dtype.element_ty)
+            for k0 in range(0, BD, BK):  # (each thread reads back what it wrote)
+                ks = k0 + tl.arange(0, BK)
+                rkd = rmask[:, None] & (ks < D)[None, :]
+                m_k = tl.load(scr + rows[:, None] * D + ks[None, :], mask=rkd, other=0.0)
+                mc = tl.where(rkd, m_k - mean_m[:, None], 0.0)
+                s2 += tl.reduce(mc * mc, 1, _SUM)
+            rstd_m = 1.0 / tl.sqrt(s2 / D + eps)
+            tl.store(mu_rec + rows, mean_m, mask=wrows)
+            tl.store(rs_rec + rows, rstd_m, mask=wrows)
             for k0 in range(0, BD, BK):
                 ks = k0 + tl.arange(0, BK)
                 kd = ks < D
-                a_k = tl.load(a_rec + rows[:, None] * D + ks[None, :],
+                at_k = rows[:, None] * D + ks[None, :]
+                rkd = rmask[:, None] & kd[None, :]
+                m_k = tl.load(scr + at_k, mask=rkd, other=0.0)
+                m_k = tl.where(rkd, (m_k - mean_m[:, None]) * rstd_m[:, None], 0.0)
+                tl.store(scr + at_k, m_k, mask=rkd)
+                tl.store(mhat_rec + at_k, m_k, mask=wrows[:, None] & kd[None, :])
+        tl.debug_barrier()  # the projection reads the scratch in another layout
+        C: tl.constexpr = 2 * NKV * D
+        for part in range(2 * NKV):  # keys of every set, then values
+            col = part * D + h * DK + dks
+            kv = tl.full([BLOCK_B, BDK], 0.0, mem_ptr.dtype.element_ty)
+            for k0 in range(0, BD, BK):
+                ks = k0 + tl.arange(0, BK)
+                kd = ks < D
+                m_k = tl.load(scr + rows[:, None] * D + ks[None, :],
                               mask=rmask[:, None] & kd[None, :], other=0.0)
-                w_k = tl.load(wq + ks[:, None] * D + hcols[None, :],
+                w_k = tl.load(wkv + ks[:, None] * C + col[None, :],
                               mask=kd[:, None] & kmask[None, :], other=0.0)
-                qu += tl.dot(a_k, w_k, input_precision="ieee")
-            qu += tl.load(uq + hcols, mask=kmask, other=0.0)[None, :]
-            tl.store(qu_rec + rows[:, None] * D + hcols[None, :], qu, mask=rk)
-            head = (rows * H + h) * S  # [BLOCK_B] first slot of (row, head)
-            prob_row = (rows * H + h) * n_pos
-            m_run = tl.full([BLOCK_B], float("-inf"), dtype=x.dtype)
-            l_run = tl.full([BLOCK_B], 0.0, x.dtype)
-            # Pass 1: the scores (kept in the probability record), their max and sum.
-            for j0 in range(0, ell, BW):
-                j = j0 + tl.arange(0, BW)
-                jmask = j < ell
-                pos = n_pos - ell + j  # position row: largest offset first
-                kw = rmask[:, None, None] & jmask[None, :, None] & kmask[None, None, :]
-                kt = tl.load(k_ptr + ((head[:, None] + lo + j[None, :]) * DK)[:, :, None]
-                             + dks[None, None, :], mask=kw, other=0.0)
-                s = tl.reduce(qu[:, None, :] * kt, 2, tl.standard._sum_combine)
-                r = tl.load(rt + (h * DK + dks[:, None]) * n_pos + pos[None, :],
-                            mask=kmask[:, None] & jmask[None, :], other=0.0)
-                s += tl.reduce(qu[:, :, None] * r[None, :, :], 1, _SUM)
-                s += tl.load(cpos + h * n_pos + pos, mask=jmask, other=0.0)[None, :]
-                s = tl.where(jmask[None, :], s, float("-inf"))
-                tl.store(prob_rec + prob_row[:, None] + pos[None, :], s,
-                         mask=rmask[:, None] & jmask[None, :])
-                m_new = tl.maximum(m_run, tl.reduce(s, 1, _MAX))
-                l_run = (l_run * tl.exp(m_run - m_new)
-                         + tl.reduce(tl.exp(s - m_new[:, None]), 1, _SUM))
-                m_run = m_new
-            tl.debug_barrier()  # pass 2 reads what other threads of this program wrote
-            o = tl.full([BLOCK_B, BDK], 0.0, x.dtype)
-            # Pass 2: probabilities (recorded), dropout, the weighted sum of values.
-            for j0 in range(0, ell, BW):
-                j = j0 + tl.arange(0, BW)
-                jmask = j < ell
-                pos = n_pos - ell + j
-                rj = rmask[:, None] & jmask[None, :]
-                s = tl.load(prob_rec + prob_row[:, None] + pos[None, :], mask=rj,
-                            other=float("-inf"))
-                p = tl.exp(s - m_run[:, None]) / l_run[:, None]
-                p = tl.where(rj, p, 0.0)
-                tl.store(prob_rec + prob_row[:, None] + pos[None, :], p, mask=rj)
-                if DROPOUT:
-                    p = p * tl.load(m_prob + ((rows * H + h) * ell)[:, None] + j[None, :],
-                                    mask=rj, other=0.0)
-                kw = rmask[:, None, None] & jmask[None, :, None] & kmask[None, None, :]
-                vt = tl.load(v_ptr + ((head[:, None] + lo + j[None, :]) * DK)[:, :, None]
-                             + dks[None, None, :], mask=kw, other=0.0)
-                o += tl.reduce(p[:, :, None] * vt, 1, _SUM)
-            tl.store(o_rec + rows[:, None] * D + hcols[None, :], o, mask=rk)
-            wo_h = tl.load(wo + hcols[:, None] * D + cols[None, :],
-                           mask=kmask[:, None] & dmask[None, :], other=0.0)
-            z += tl.dot(o, wo_h, input_precision="ieee")
-        z += tl.load(bo + cols, mask=dmask, other=0.0)[None, :]
-        if DROPOUT:
-            z = z * tl.load(m_att + row_d, mask=rd, other=0.0)
-        # x re-read rather than held through the heads' loop (registers: see the docstring)
-        y = tl.load(x_ptr + row_d, mask=rd, other=0.0) + z
-    tl.store(y_rec + row_d, y, mask=rd)
-    # LN2 and the feed-forward, F in chunks of BF.
-    mean2 = tl.reduce(y, 1, _SUM) / D
-    yc = tl.where(rd, y - mean2[:, None], 0.0)
-    rstd2 = 1.0 / tl.sqrt(tl.reduce(yc * yc, 1, _SUM) / D + eps)
-    c = (yc * rstd2[:, None] * tl.load(ln2_w + cols, mask=dmask, other=0.0)[None, :]
-         + tl.load(ln2_b + cols, mask=dmask, other=0.0)[None, :])
-    c = tl.where(rd, c, 0.0)
-    tl.store(c_rec + row_d, c, mask=rd)
-    tl.debug_barrier()  # the first feed-forward matmul re-reads it in K chunks
-    tl.store(mu2_rec + rows, mean2, mask=rmask)
-    tl.store(rs2_rec + rows, rstd2, mask=rmask)
-    f = tl.full([BLOCK_B, BD], 0.0, x.dtype)
-    for f0 in range(0, F, BF):
-        fc = f0 + tl.arange(0, BF)
-        fmask = fc < F
-        rf = rmask[:, None] & fmask[None, :]
-        hc = tl.full([BLOCK_B, BF], 0.0, x.dtype)
+                kv += tl.dot(m_k, w_k, input_precision="ieee")
+            if HAS_BIAS:
+                kv += tl.load(bkv + col, mask=kmask, other=0.0)[None, :]
+            addr = ((part * B + rows) * H + h) * S * DK + slot * DK
+            tl.store(kv_ptr + addr[:, None] + dks[None, :], kv, mask=rk)
+        tl.debug_barrier()  # layer 0's attention below reads the slot just written
+    if ell > 0:
+        s1 = tl.full([BLOCK_B], 0.0, o_rec.dtype.element_ty)
+        for k0 in range(0, BD, BK):  # LN1's statistics, two passes over chunks
+            ks = k0 + tl.arange(0, BK)
+            rkd = rmask[:, None] & (ks < D)[None, :]
+            s1 += tl.reduce(tl.load(x_ptr + rows[:, None] * D + ks[None, :], mask=rkd,
+                                    other=0.0), 1, _SUM)
+        mean = s1 / D
+        s2 = tl.full([BLOCK_B], 0.0, o_rec.dtype.element_ty)
         for k0 in range(0, BD, BK):
             ks = k0 + tl.arange(0, BK)
+            rkd = rmask[:, None] & (ks < D)[None, :]
+            xc = tl.where(rkd, tl.load(x_ptr + rows[:, None] * D + ks[None, :], mask=rkd,
+                                       other=0.0) - mean[:, None], 0.0)
+            s2 += tl.reduce(xc * xc, 1, _SUM)
+        rstd = 1.0 / tl.sqrt(s2 / D + eps)
+        tl.store(mu1_rec + rows, mean, mask=wrows)
+        tl.store(rs1_rec + rows, rstd, mask=wrows)
+        hcols = h * DK + dks
+        qu = tl.full([BLOCK_B, BDK], 0.0, o_rec.dtype.element_ty)
+        for k0 in range(0, BD, BK):  # LN1 chunk by chunk, straight into the query
+            ks = k0 + tl.arange(0, BK)
             kd = ks < D
-            c_k = tl.load(c_rec + rows[:, None] * D + ks[None, :],
-                          mask=rmask[:, None] & kd[None, :], other=0.0)
-            w_k = tl.load(w1 + ks[:, None] * F + fc[None, :], mask=kd[:, None] & fmask[None, :],
-                          other=0.0)
-            hc += tl.dot(c_k, w_k, input_precision="ieee")
-        hc = tl.maximum(hc + tl.load(b1 + fc, mask=fmask, other=0.0)[None, :], 0.0)
-        tl.store(h_rec + rows[:, None] * F + fc[None, :], hc, mask=rf)
-        if DROPOUT:
-            hc = hc * tl.load(m_h + rows[:, None] * F + fc[None, :], mask=rf, other=0.0)
-        w2c = tl.load(w2 + fc[:, None] * D + cols[None, :],
-                      mask=fmask[:, None] & dmask[None, :], other=0.0)
-        f += tl.dot(hc, w2c, input_precision="ieee")
-    f += tl.load(b2 + cols, mask=dmask, other=0.0)[None, :]
+            rkd = rmask[:, None] & kd[None, :]
+            x_k = tl.load(x_ptr + rows[:, None] * D + ks[None, :], mask=rkd, other=0.0)
+            a_k = ((x_k - mean[:, None]) * rstd[:, None]
+                   * tl.load(ln1_w + ks, mask=kd, other=0.0)[None, :]
+                   + tl.load(ln1_b + ks, mask=kd, other=0.0)[None, :])
+            a_k = tl.where(rkd, a_k, 0.0)
+            tl.store(a_rec + rows[:, None] * D + ks[None, :], a_k,
+                     mask=wrows[:, None] & kd[None, :])
+            w_k = tl.load(wq + ks[:, None] * D + hcols[None, :],
+                          mask=kd[:, None] & kmask[None, :], other=0.0)
+            qu += tl.dot(a_k, w_k, input_precision="ieee")
+        qu += tl.load(uq + hcols, mask=kmask, other=0.0)[None, :]
+        tl.store(qu_rec + rows[:, None] * D + hcols[None, :], qu, mask=rk)
+        head = (rows * H + h) * S  # [BLOCK_B] first slot of (row, head)
+        prob_row = (rows * H + h) * n_pos
+        m_run = tl.full([BLOCK_B], float("-inf"), dtype=qu.dtype)
+        l_run = tl.full([BLOCK_B], 0.0, qu.dtype)
+        # Pass 1: the scores (kept in the probability record), their max and sum.
+        for j0 in range(0, ell, BW):
+            j = j0 + tl.arange(0, BW)
+            jmask = j < ell
+            pos = n_pos - ell + j  # position row: largest offset first
+            kw = rmask[:, None, None] & jmask[None, :, None] & kmask[None, None, :]
+            kt = tl.load(k_ptr + ((head[:, None] + lo + j[None, :]) * DK)[:, :, None]
+                         + dks[None, None, :], mask=kw, other=0.0)
+            s = tl.reduce(qu[:, None, :] * kt, 2, _SUM)
+            r = tl.load(rt + (h * DK + dks[:, None]) * n_pos + pos[None, :],
+                        mask=kmask[:, None] & jmask[None, :], other=0.0)
+            s += tl.reduce(qu[:, :, None] * r[None, :, :], 1, _SUM)
+            s += tl.load(cpos + h * n_pos + pos, mask=jmask, other=0.0)[None, :]
+            s = tl.where(jmask[None, :], s, float("-inf"))
+            tl.store(prob_rec + prob_row[:, None] + pos[None, :], s,
+                     mask=rmask[:, None] & jmask[None, :])
+            m_new = tl.maximum(m_run, tl.reduce(s, 1, _MAX))
+            l_run = (l_run * tl.exp(m_run - m_new)
+                     + tl.reduce(tl.exp(s - m_new[:, None]), 1, _SUM))
+            m_run = m_new
+        tl.debug_barrier()  # pass 2 reads what other threads of this program wrote
+        o = tl.full([BLOCK_B, BDK], 0.0, qu.dtype)
+        # Pass 2: probabilities (recorded), dropout, the weighted sum of values.
+        for j0 in range(0, ell, BW):
+            j = j0 + tl.arange(0, BW)
+            jmask = j < ell
+            pos = n_pos - ell + j
+            rj = rmask[:, None] & jmask[None, :]
+            s = tl.load(prob_rec + prob_row[:, None] + pos[None, :], mask=rj,
+                        other=float("-inf"))
+            p = tl.exp(s - m_run[:, None]) / l_run[:, None]
+            p = tl.where(rj, p, 0.0)
+            tl.store(prob_rec + prob_row[:, None] + pos[None, :], p, mask=rj)
+            if DROPOUT:
+                p = p * tl.load(m_prob + ((rows * H + h) * ell)[:, None] + j[None, :],
+                                mask=rj, other=0.0)
+            kw = rmask[:, None, None] & jmask[None, :, None] & kmask[None, None, :]
+            vt = tl.load(v_ptr + ((head[:, None] + lo + j[None, :]) * DK)[:, :, None]
+                         + dks[None, None, :], mask=kw, other=0.0)
+            o += tl.reduce(p[:, :, None] * vt, 1, _SUM)
+        tl.store(o_rec + rows[:, None] * D + hcols[None, :], o, mask=rk)
+
+
+def out_proj(
+    x_ptr, o_rec, wo, bo, m_att, y_rec, B,
+    D: tl.constexpr, BLOCK_B: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    DROPOUT: tl.constexpr,
+):
+    """Columns n of y = x + Drop(o Wo + bo): x, o, y [B, D]; wo [D, D] (Wo transposed)."""
+    rows = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
+    rmask = rows < B
+    n = tl.program_id(1) * BN + tl.arange(0, BN)
+    nmask = n < D
+    rn = rmask[:, None] & nmask[None, :]
+    z = tl.full([BLOCK_B, BN], 0.0, y_rec.dtype.element_ty)
+    for k0 in range(0, D, BK):
+        ks = k0 + tl.arange(0, BK)
+        kd = ks < D
+        o_k = tl.load(o_rec + rows[:, None] * D + ks[None, :], mask=rmask[:, None] & kd[None, :],
+                      other=0.0)
+        w_k = tl.load(wo + ks[:, None] * D + n[None, :], mask=kd[:, None] & nmask[None, :],
+                      other=0.0)
+        z += tl.dot(o_k, w_k, input_precision="ieee")
+    z += tl.load(bo + n, mask=nmask, other=0.0)[None, :]
     if DROPOUT:
-        f = f * tl.load(m_ff + row_d, mask=rd, other=0.0)
-    tl.store(out_ptr + row_d, y + f, mask=rd)
+        z = z * tl.load(m_att + rows[:, None] * D + n[None, :], mask=rn, other=0.0)
+    y = tl.load(x_ptr + rows[:, None] * D + n[None, :], mask=rn, other=0.0) + z
+    tl.store(y_rec + rows[:, None] * D + n[None, :], y, mask=rn)
 
 
-def memory_forward(
-    hid_ptr, mix, wkv, bkv, kv_ptr, mem_ptr, mhat_rec, mu_rec, rs_rec,
-    B, S, slot, eps,
-    L1: tl.constexpr, D: tl.constexpr, H: tl.constexpr, DK: tl.constexpr,
-    NKV: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
-    BLOCK_B: tl.constexpr, BD: tl.constexpr, BC: tl.constexpr,
+def ff_in(
+    y_ptr, ln2_w, ln2_b, w1, b1, m_h, mu2_rec, rs2_rec, c_rec, h_rec, B, eps,
+    D: tl.constexpr, F: tl.constexpr, BLOCK_B: tl.constexpr, BD: tl.constexpr,
+    BN: tl.constexpr, BK: tl.constexpr, DROPOUT: tl.constexpr,
 ):
-    """hid [L+1, B, D] (one step) -> m_t [B, D] and the new slot of kv
-    [2, NKV, B*H, S, DK]: all key sets, then all value sets (wkv's column order)."""
-    pid = tl.program_id(0)
-    rows = pid * BLOCK_B + tl.arange(0, BLOCK_B)
+    """Columns n of h = Drop(relu(LN2(y) W1 + b1)): y [B, D] -> h [B, F] (recorded after
+    dropout: its sign still gives relu's derivative where the mask kept the unit);
+    w1 [D, F] (W1 transposed)."""
+    rows = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
     rmask = rows < B
-    cols = tl.arange(0, BD)
-    dmask = cols < D
-    rd = rmask[:, None] & dmask[None, :]
-    row_d = rows[:, None] * D + cols[None, :]
-    m = tl.full([BLOCK_B, BD], 0.0, mem_ptr.dtype.element_ty)
-    for li in tl.static_range(L1):
-        m += tl.load(mix + li) * tl.load(hid_ptr + li * B * D + row_d, mask=rd, other=0.0)
-    tl.store(mem_ptr + row_d, m, mask=rd)
-    if NORM:  # LayerNorm without affine (folded into wkv/bkv by the model)
-        mean = tl.reduce(m, 1, _SUM) / D
-        mc = tl.where(rd, m - mean[:, None], 0.0)
-        rstd = 1.0 / tl.sqrt(tl.reduce(mc * mc, 1, _SUM) / D + eps)
-        m = mc * rstd[:, None]
-        tl.store(mhat_rec + row_d, m, mask=rd)
-        tl.store(mu_rec + rows, mean, mask=rmask)
-        tl.store(rs_rec + rows, rstd, mask=rmask)
-    C: tl.constexpr = 2 * NKV * D
-    for c0 in range(0, C, BC):
-        cc = c0 + tl.arange(0, BC)
-        cmask = cc < C
-        w = tl.load(wkv + cols[:, None] * C + cc[None, :], mask=dmask[:, None] & cmask[None, :],
-                    other=0.0)
-        kv = tl.dot(m, w, input_precision="ieee")
-        if HAS_BIAS:
-            kv += tl.load(bkv + cc, mask=cmask, other=0.0)[None, :]
-        part = cc // D  # which * NKV + set
-        hh = (cc % D) // DK
-        dd = cc % DK
-        addr = ((part[None, :] * B + rows[:, None]) * H + hh[None, :]) * S * DK + slot * DK \
-            + dd[None, :]
-        tl.store(kv_ptr + addr, kv, mask=rmask[:, None] & cmask[None, :])
+    wrows = rows < B * (tl.program_id(1) == 0)  # the rows the tile's first program records
+    s1 = tl.full([BLOCK_B], 0.0, h_rec.dtype.element_ty)
+    for k0 in range(0, BD, BK):  # LN2's statistics, two passes over chunks
+        ks = k0 + tl.arange(0, BK)
+        rkd = rmask[:, None] & (ks < D)[None, :]
+        s1 += tl.reduce(tl.load(y_ptr + rows[:, None] * D + ks[None, :], mask=rkd, other=0.0),
+                        1, _SUM)
+    mean = s1 / D
+    s2 = tl.full([BLOCK_B], 0.0, h_rec.dtype.element_ty)
+    for k0 in range(0, BD, BK):
+        ks = k0 + tl.arange(0, BK)
+        rkd = rmask[:, None] & (ks < D)[None, :]
+        yc = tl.where(rkd, tl.load(y_ptr + rows[:, None] * D + ks[None, :], mask=rkd,
+                                   other=0.0) - mean[:, None], 0.0)
+        s2 += tl.reduce(yc * yc, 1, _SUM)
+    rstd = 1.0 / tl.sqrt(s2 / D + eps)
+    tl.store(mu2_rec + rows, mean, mask=wrows)
+    tl.store(rs2_rec + rows, rstd, mask=wrows)
+    n = tl.program_id(1) * BN + tl.arange(0, BN)
+    nmask = n < F
+    rn = rmask[:, None] & nmask[None, :]
+    acc = tl.full([BLOCK_B, BN], 0.0, h_rec.dtype.element_ty)
+    for k0 in range(0, BD, BK):
+        ks = k0 + tl.arange(0, BK)
+        kd = ks < D
+        rkd = rmask[:, None] & kd[None, :]
+        y_k = tl.load(y_ptr + rows[:, None] * D + ks[None, :], mask=rkd, other=0.0)
+        c_k = ((y_k - mean[:, None]) * rstd[:, None]
+               * tl.load(ln2_w + ks, mask=kd, other=0.0)[None, :]
+               + tl.load(ln2_b + ks, mask=kd, other=0.0)[None, :])
+        c_k = tl.where(rkd, c_k, 0.0)
+        tl.store(c_rec + rows[:, None] * D + ks[None, :], c_k, mask=wrows[:, None] & kd[None, :])
+        w_k = tl.load(w1 + ks[:, None] * F + n[None, :], mask=kd[:, None] & nmask[None, :],
+                      other=0.0)
+        acc += tl.dot(c_k, w_k, input_precision="ieee")
+    hv = tl.maximum(acc + tl.load(b1 + n, mask=nmask, other=0.0)[None, :], 0.0)
+    if DROPOUT:
+        hv = hv * tl.load(m_h + rows[:, None] * F + n[None, :], mask=rn, other=0.0)
+    tl.store(h_rec + rows[:, None] * F + n[None, :], hv, mask=rn)
 
 
-def memory_backward(
-    dkv_ptr, wkv, mem_ptr, mu_rec, rs_rec, dm_ptr, dkv_rec,
-    B, S, slot,
-    D: tl.constexpr, H: tl.constexpr, DK: tl.constexpr, NKV: tl.constexpr,
-    NORM: tl.constexpr, BLOCK_B: tl.constexpr, BD: tl.constexpr, BC: tl.constexpr,
+def ff_out(
+    y_ptr, h_rec, w2, b2, m_ff, out_ptr, B,
+    D: tl.constexpr, F: tl.constexpr, BLOCK_B: tl.constexpr, BN: tl.constexpr,
+    BK: tl.constexpr, DROPOUT: tl.constexpr,
 ):
-    """The new slot's key/value gradients (in dkv [2, NKV, B*H, S, DK]) -> recorded as
-    dkv_rec [B, 2*NKV*D], and back through the projection (and norm) to dm [B, D]."""
-    pid = tl.program_id(0)
-    rows = pid * BLOCK_B + tl.arange(0, BLOCK_B)
+    """Columns n of out = y + Drop(h W2 + b2): h [B, F], y and out [B, D]; w2 [F, D]."""
+    rows = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
     rmask = rows < B
-    cols = tl.arange(0, BD)
-    dmask = cols < D
-    rd = rmask[:, None] & dmask[None, :]
-    row_d = rows[:, None] * D + cols[None, :]
-    C: tl.constexpr = 2 * NKV * D
-    dm = tl.full([BLOCK_B, BD], 0.0, dm_ptr.dtype.element_ty)
-    for c0 in range(0, C, BC):
-        cc = c0 + tl.arange(0, BC)
-        cmask = cc < C
-        rc = rmask[:, None] & cmask[None, :]
-        part = cc // D
-        hh = (cc % D) // DK
-        dd = cc % DK
-        addr = ((part[None, :] * B + rows[:, None]) * H + hh[None, :]) * S * DK + slot * DK \
-            + dd[None, :]
-        g = tl.load(dkv_ptr + addr, mask=rc, other=0.0)
-        tl.store(dkv_rec + rows[:, None] * C + cc[None, :], g, mask=rc)
-        wt = tl.load(wkv + cols[None, :] * C + cc[:, None], mask=cmask[:, None] & dmask[None, :],
-                     other=0.0)  # [BC, BD]: wkv transposed
-        dm += tl.dot(g, wt, input_precision="ieee")
+    n = tl.program_id(1) * BN + tl.arange(0, BN)
+    nmask = n < D
+    rn = rmask[:, None] & nmask[None, :]
+    f = tl.full([BLOCK_B, BN], 0.0, out_ptr.dtype.element_ty)
+    for k0 in range(0, F, BK):
+        ks = k0 + tl.arange(0, BK)
+        kf = ks < F
+        h_k = tl.load(h_rec + rows[:, None] * F + ks[None, :], mask=rmask[:, None] & kf[None, :],
+                      other=0.0)
+        w_k = tl.load(w2 + ks[:, None] * D + n[None, :], mask=kf[:, None] & nmask[None, :],
+                      other=0.0)
+        f += tl.dot(h_k, w_k, input_precision="ieee")
+    f += tl.load(b2 + n, mask=nmask, other=0.0)[None, :]
+    if DROPOUT:
+        f = f * tl.load(m_ff + rows[:, None] * D + n[None, :], mask=rn, other=0.0)
+    y = tl.load(y_ptr + rows[:, None] * D + n[None, :], mask=rn, other=0.0)
+    tl.store(out_ptr + rows[:, None] * D + n[None, :], y + f, mask=rn)
+
+
+def ffo_back(
+    src_ptr, src_stride, dm_ptr, mhat_ptr, rsm_ptr, mix, mix_at,
+    has_ln, da_ptr, xa_ptr, mu1_ptr, rs1_ptr, ln1_w,
+    w2, h_rec, m_ff, m_h, g_rec, df_rec, dh_rec, B,
+    D: tl.constexpr, F: tl.constexpr, BLOCK_B: tl.constexpr, BD: tl.constexpr,
+    BN: tl.constexpr, BK: tl.constexpr, NORM: tl.constexpr, DROPOUT: tl.constexpr,
+):
+    """Columns n of dh [B, F], from the gradient of the layer's output
+    g = src + [has_ln] LN1'(da) + mix[mix_at] * dm, recorded as g_rec [B, D] (and
+    df = Drop'(g) as df_rec). src: the loss's gradient of the top layer's output (rows
+    ``src_stride`` apart), else the layer above's dy. LN1'(da): the layer above's LN1
+    backward (da its output's gradient, xa = this layer's output, mu1/rs1 its statistics,
+    ln1_w its weight). dm [B, D]: the memory's gradient, before the memory norm's backward
+    (mhat and rsm: the norm's output and 1/std) where NORM."""
+    rows = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
+    rmask = rows < B
+    wrows = rows < B * (tl.program_id(1) == 0)  # the rows the tile's first program records
+    # Row sums of the two LayerNorm backwards, over chunks.
+    s_g = tl.full([BLOCK_B], 0.0, g_rec.dtype.element_ty)
+    s_gx = tl.full([BLOCK_B], 0.0, g_rec.dtype.element_ty)
+    s_m = tl.full([BLOCK_B], 0.0, g_rec.dtype.element_ty)
+    s_mx = tl.full([BLOCK_B], 0.0, g_rec.dtype.element_ty)
+    mean1 = tl.load(mu1_ptr + rows, mask=rows < B * (has_ln > 0), other=0.0)
+    rstd1 = tl.load(rs1_ptr + rows, mask=rows < B * (has_ln > 0), other=0.0)
+    rstd_m = tl.full([BLOCK_B], 0.0, g_rec.dtype.element_ty)
     if NORM:
-        x = tl.load(mem_ptr + row_d, mask=rd, other=0.0)
-        mean = tl.load(mu_rec + rows, mask=rmask, other=0.0)
-        rstd = tl.load(rs_rec + rows, mask=rmask, other=0.0)
-        xhat = tl.where(rd, (x - mean[:, None]) * rstd[:, None], 0.0)
-        dm = rstd[:, None] * (dm - (tl.reduce(dm, 1, _SUM) / D)[:, None]
-                              - xhat * (tl.reduce(dm * xhat, 1, _SUM) / D)[:, None])
-        dm = tl.where(rd, dm, 0.0)
-    tl.store(dm_ptr + row_d, dm, mask=rd)
+        rstd_m = tl.load(rsm_ptr + rows, mask=rmask, other=0.0)
+    for k0 in range(0, BD, BK):
+        ks = k0 + tl.arange(0, BK)
+        kd = ks < D
+        rkd = rmask[:, None] & kd[None, :]
+        at_k = rows[:, None] * D + ks[None, :]
+        if has_ln:
+            g1_k = (tl.load(da_ptr + at_k, mask=rkd, other=0.0)
+                    * tl.load(ln1_w + ks, mask=kd, other=0.0)[None, :])
+            xhat_k = tl.where(rkd, (tl.load(xa_ptr + at_k, mask=rkd, other=0.0)
+                                    - mean1[:, None]) * rstd1[:, None], 0.0)
+            s_g += tl.reduce(g1_k, 1, _SUM)
+            s_gx += tl.reduce(g1_k * xhat_k, 1, _SUM)
+        if NORM:
+            dm_k = tl.load(dm_ptr + at_k, mask=rkd, other=0.0)
+            s_m += tl.reduce(dm_k, 1, _SUM)
+            s_mx += tl.reduce(dm_k * tl.load(mhat_ptr + at_k, mask=rkd, other=0.0), 1, _SUM)
+    s_g, s_gx, s_m, s_mx = s_g / D, s_gx / D, s_m / D, s_mx / D
+    mix_w = tl.load(mix + mix_at)
+    n = tl.program_id(1) * BN + tl.arange(0, BN)
+    nmask = n < F
+    rn = rmask[:, None] & nmask[None, :]
+    acc = tl.full([BLOCK_B, BN], 0.0, g_rec.dtype.element_ty)
+    for k0 in range(0, BD, BK):
+        ks = k0 + tl.arange(0, BK)
+        kd = ks < D
+        rkd = rmask[:, None] & kd[None, :]
+        at_k = rows[:, None] * D + ks[None, :]
+        g = tl.load(src_ptr + rows[:, None] * src_stride + ks[None, :], mask=rkd, other=0.0)
+        if has_ln:
+            g1_k = (tl.load(da_ptr + at_k, mask=rkd, other=0.0)
+                    * tl.load(ln1_w + ks, mask=kd, other=0.0)[None, :])
+            xhat_k = (tl.load(xa_ptr + at_k, mask=rkd, other=0.0) - mean1[:, None]) * rstd1[:, None]
+            g += rstd1[:, None] * (g1_k - s_g[:, None] - xhat_k * s_gx[:, None])
+        dm_k = tl.load(dm_ptr + at_k, mask=rkd, other=0.0)
+        if NORM:
+            mhat_k = tl.load(mhat_ptr + at_k, mask=rkd, other=0.0)
+            dm_k = rstd_m[:, None] * (dm_k - s_m[:, None] - mhat_k * s_mx[:, None])
+        g = tl.where(rkd, g + mix_w * dm_k, 0.0)
+        tl.store(g_rec + at_k, g, mask=wrows[:, None] & kd[None, :])
+        if DROPOUT:
+            g = g * tl.load(m_ff + at_k, mask=rkd, other=0.0)
+        tl.store(df_rec + at_k, g, mask=wrows[:, None] & kd[None, :])
+        w_k = tl.load(w2 + n[None, :] * D + ks[:, None], mask=kd[:, None] & nmask[None, :],
+                      other=0.0)  # [BK, BN]: w2 [F, D] transposed
+        acc += tl.dot(g, w_k, input_precision="ieee")
+    hv = tl.load(h_rec + rows[:, None] * F + n[None, :], mask=rn, other=0.0)
+    if DROPOUT:
+        acc = acc * tl.load(m_h + rows[:, None] * F + n[None, :], mask=rn, other=0.0)
+    tl.store(dh_rec + rows[:, None] * F + n[None, :], tl.where(hv > 0, acc, 0.0), mask=rn)
 
 
-def layer_backward(
-    dx_ptr, dx_stride, dout_ptr, dout_stride, dm_ptr, mix, li, is_top,
-    x_ptr, k_ptr, v_ptr, dk_ptr, dv_ptr,
-    ln1_w, wq, rt, wo, ln2_w, w1, w2,
-    a_rec, mu1_rec, rs1_rec, qu_rec, prob_rec,
-    y_rec, mu2_rec, rs2_rec, h_rec,
-    m_att, m_prob, m_h, m_ff,
-    dz_rec, dqu_rec, da_rec, df_rec, dh_rec, dc_rec, ds_rec,
-    B, S, lo, ell, n_pos, n_layers,
-    D: tl.constexpr, H: tl.constexpr, DK: tl.constexpr, F: tl.constexpr,
-    BLOCK_B: tl.constexpr, BD: tl.constexpr, BDK: tl.constexpr, BW: tl.constexpr,
-    BF: tl.constexpr, BK: tl.constexpr, DROPOUT: tl.constexpr,
+def ffi_back(
+    dh_rec, w1, dc_rec, B,
+    D: tl.constexpr, F: tl.constexpr, BLOCK_B: tl.constexpr, BN: tl.constexpr,
+    BK: tl.constexpr,
 ):
-    """The gradient of one layer's output at one step (dx, rows ``dx_stride`` apart; on the
-    top layer plus mix_L times the memory's dm) -> the gradient of its input (dout), the
-    window's key/value gradients added to dk/dv [B*H, S, DK], and the activation records
-    the weight gradients are built from."""
+    """Columns n of dc = dh W1^T: dh [B, F] -> dc [B, D]; w1 [D, F] (W1 transposed)."""
+    rows = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
+    rmask = rows < B
+    n = tl.program_id(1) * BN + tl.arange(0, BN)
+    nmask = n < D
+    acc = tl.full([BLOCK_B, BN], 0.0, dc_rec.dtype.element_ty)
+    for k0 in range(0, F, BK):
+        ks = k0 + tl.arange(0, BK)
+        kf = ks < F
+        dh_k = tl.load(dh_rec + rows[:, None] * F + ks[None, :],
+                       mask=rmask[:, None] & kf[None, :], other=0.0)
+        w_k = tl.load(w1 + n[None, :] * F + ks[:, None], mask=kf[:, None] & nmask[None, :],
+                      other=0.0)
+        acc += tl.dot(dh_k, w_k, input_precision="ieee")
+    tl.store(dc_rec + rows[:, None] * D + n[None, :], acc, mask=rmask[:, None] & nmask[None, :])
+
+
+def att_back(
+    g_rec, dc_rec, y_ptr, mu2_rec, rs2_rec, ln2_w, wo, m_att, m_prob,
+    k_ptr, v_ptr, dk_ptr, dv_ptr, qu_rec, prob_rec, rt,
+    dy_rec, dz_rec, ds_rec, dqu_rec,
+    B, S, lo, ell, n_pos,
+    D: tl.constexpr, H: tl.constexpr, DK: tl.constexpr, BLOCK_B: tl.constexpr,
+    BD: tl.constexpr, BDK: tl.constexpr, BW: tl.constexpr, BK: tl.constexpr,
+    DROPOUT: tl.constexpr,
+):
+    """LN2's backward: dy = LN2'(dc) + g [B, D] (recorded); then, where the step attends,
+    head h's gradients: do_h = Drop'(dy) Wo^T, the window's key/value gradients added to
+    dk/dv [B*H, S, DK] (this program's rows and head only), and dqu's head-h columns."""
     pid = tl.program_id(0)
+    h = tl.program_id(1)
     rows = pid * BLOCK_B + tl.arange(0, BLOCK_B)
     rmask = rows < B
-    cols = tl.arange(0, BD)
-    dmask = cols < D
-    rd = rmask[:, None] & dmask[None, :]
-    row_d = rows[:, None] * D + cols[None, :]
-    dx = tl.load(dx_ptr + rows[:, None] * dx_stride + cols[None, :], mask=rd, other=0.0)
-    if is_top:
-        dx += tl.load(mix + n_layers) * tl.load(dm_ptr + row_d, mask=rd, other=0.0)
-    # Feed-forward: out = y + Drop(W2 Drop(relu(W1 LN2(y) + b1)) + b2).
-    df = dx
-    if DROPOUT:
-        df = df * tl.load(m_ff + row_d, mask=rd, other=0.0)
-    tl.store(df_rec + row_d, df, mask=rd)
-    tl.debug_barrier()  # re-read in K chunks below
-    dc = tl.full([BLOCK_B, BD], 0.0, dx.dtype)
-    for f0 in range(0, F, BF):
-        fc = f0 + tl.arange(0, BF)
-        fmask = fc < F
-        rf = rmask[:, None] & fmask[None, :]
-        dh = tl.full([BLOCK_B, BF], 0.0, dx.dtype)
-        for k0 in range(0, BD, BK):
-            ks = k0 + tl.arange(0, BK)
-            kd = ks < D
-            df_k = tl.load(df_rec + rows[:, None] * D + ks[None, :],
-                           mask=rmask[:, None] & kd[None, :], other=0.0)
-            w_k = tl.load(w2 + fc[None, :] * D + ks[:, None], mask=kd[:, None] & fmask[None, :],
-                          other=0.0)  # [BK, BF]: w2_t transposed
-            dh += tl.dot(df_k, w_k, input_precision="ieee")
-        if DROPOUT:
-            dh = dh * tl.load(m_h + rows[:, None] * F + fc[None, :], mask=rf, other=0.0)
-        hv = tl.load(h_rec + rows[:, None] * F + fc[None, :], mask=rf, other=0.0)
-        dh = tl.where(hv > 0, dh, 0.0)
-        tl.store(dh_rec + rows[:, None] * F + fc[None, :], dh, mask=rf)
-        w1t = tl.load(w1 + cols[None, :] * F + fc[:, None], mask=fmask[:, None] & dmask[None, :],
-                      other=0.0)  # [BF, BD]: w1_t transposed
-        dc += tl.dot(dh, w1t, input_precision="ieee")
-    tl.store(dc_rec + row_d, dc, mask=rd)
-    y = tl.load(y_rec + row_d, mask=rd, other=0.0)
+    wrows = rows < B * (tl.program_id(1) == 0)  # the rows the tile's first program records
     mean2 = tl.load(mu2_rec + rows, mask=rmask, other=0.0)
     rstd2 = tl.load(rs2_rec + rows, mask=rmask, other=0.0)
-    yhat = tl.where(rd, (y - mean2[:, None]) * rstd2[:, None], 0.0)
-    g = dc * tl.load(ln2_w + cols, mask=dmask, other=0.0)[None, :]
-    dy = rstd2[:, None] * (g - (tl.reduce(g, 1, _SUM) / D)[:, None]
-                           - yhat * (tl.reduce(g * yhat, 1, _SUM) / D)[:, None]) + dx
-    dy = tl.where(rd, dy, 0.0)
-    dx_new = dy
+    s_g = tl.full([BLOCK_B], 0.0, dy_rec.dtype.element_ty)
+    s_gy = tl.full([BLOCK_B], 0.0, dy_rec.dtype.element_ty)
+    for k0 in range(0, BD, BK):  # LN2's backward: its row sums, over chunks
+        ks = k0 + tl.arange(0, BK)
+        kd = ks < D
+        rkd = rmask[:, None] & kd[None, :]
+        at_k = rows[:, None] * D + ks[None, :]
+        g2_k = (tl.load(dc_rec + at_k, mask=rkd, other=0.0)
+                * tl.load(ln2_w + ks, mask=kd, other=0.0)[None, :])
+        yhat_k = tl.where(rkd, (tl.load(y_ptr + at_k, mask=rkd, other=0.0) - mean2[:, None])
+                          * rstd2[:, None], 0.0)
+        s_g += tl.reduce(g2_k, 1, _SUM)
+        s_gy += tl.reduce(g2_k * yhat_k, 1, _SUM)
+    s_g, s_gy = s_g / D, s_gy / D
+    dks = tl.arange(0, BDK)
+    kmask = dks < DK
+    rk = rmask[:, None] & kmask[None, :]
+    hcols = h * DK + dks
+    do = tl.full([BLOCK_B, BDK], 0.0, dy_rec.dtype.element_ty)
+    for k0 in range(0, BD, BK):
+        ks = k0 + tl.arange(0, BK)
+        kd = ks < D
+        rkd = rmask[:, None] & kd[None, :]
+        at_k = rows[:, None] * D + ks[None, :]
+        g2_k = (tl.load(dc_rec + at_k, mask=rkd, other=0.0)
+                * tl.load(ln2_w + ks, mask=kd, other=0.0)[None, :])
+        yhat_k = (tl.load(y_ptr + at_k, mask=rkd, other=0.0) - mean2[:, None]) * rstd2[:, None]
+        dy = (rstd2[:, None] * (g2_k - s_g[:, None] - yhat_k * s_gy[:, None])
+              + tl.load(g_rec + at_k, mask=rkd, other=0.0))
+        dy = tl.where(rkd, dy, 0.0)
+        tl.store(dy_rec + at_k, dy, mask=wrows[:, None] & kd[None, :])
+        if ell > 0:
+            if DROPOUT:
+                dy = dy * tl.load(m_att + at_k, mask=rkd, other=0.0)
+            tl.store(dz_rec + at_k, dy, mask=wrows[:, None] & kd[None, :])
+            w_k = tl.load(wo + hcols[None, :] * D + ks[:, None],
+                          mask=kd[:, None] & kmask[None, :], other=0.0)  # wo [D, D] transposed
+            do += tl.dot(dy, w_k, input_precision="ieee")
     if ell > 0:
-        # Attention: y = x + Drop(Wo (softmax(scores) V) + bo).
-        dz = dy
-        if DROPOUT:
-            dz = dz * tl.load(m_att + row_d, mask=rd, other=0.0)
-        tl.store(dz_rec + row_d, dz, mask=rd)
-        tl.debug_barrier()  # re-read in K chunks below
-        dks = tl.arange(0, BDK)
-        kmask = dks < DK
-        rk = rmask[:, None] & kmask[None, :]
-        da = tl.full([BLOCK_B, BD], 0.0, dx.dtype)
-        for h in range(H):
-            hcols = h * DK + dks
-            do = tl.full([BLOCK_B, BDK], 0.0, dx.dtype)
-            for k0 in range(0, BD, BK):
-                ks = k0 + tl.arange(0, BK)
-                kd = ks < D
-                dz_k = tl.load(dz_rec + rows[:, None] * D + ks[None, :],
-                               mask=rmask[:, None] & kd[None, :], other=0.0)
-                w_k = tl.load(wo + hcols[None, :] * D + ks[:, None],
-                              mask=kd[:, None] & kmask[None, :], other=0.0)  # wo_t transposed
-                do += tl.dot(dz_k, w_k, input_precision="ieee")
-            qu = tl.load(qu_rec + rows[:, None] * D + hcols[None, :], mask=rk, other=0.0)
-            head = (rows * H + h) * S
-            prob_row = (rows * H + h) * n_pos
-            rowdot = tl.full([BLOCK_B], 0.0, dx.dtype)
-            # Pass 1: d(prob) = do . v (kept in the score-gradient record), dV += p do.
-            for j0 in range(0, ell, BW):
-                j = j0 + tl.arange(0, BW)
-                jmask = j < ell
-                pos = n_pos - ell + j
-                rj = rmask[:, None] & jmask[None, :]
-                kw = rj[:, :, None] & kmask[None, None, :]
-                slot_off = ((head[:, None] + lo + j[None, :]) * DK)[:, :, None] + dks[None, None, :]
-                vt = tl.load(v_ptr + slot_off, mask=kw, other=0.0)
-                dp = tl.reduce(do[:, None, :] * vt, 2, tl.standard._sum_combine)
-                p = tl.load(prob_rec + prob_row[:, None] + pos[None, :], mask=rj, other=0.0)
-                pu = p
-                if DROPOUT:
-                    mp = tl.load(m_prob + ((rows * H + h) * ell)[:, None] + j[None, :], mask=rj,
-                                 other=0.0)
-                    pu = p * mp
-                    dp = dp * mp
-                dvt = tl.load(dv_ptr + slot_off, mask=kw, other=0.0)
-                tl.store(dv_ptr + slot_off, dvt + pu[:, :, None] * do[:, None, :], mask=kw)
-                tl.store(ds_rec + prob_row[:, None] + pos[None, :], dp, mask=rj)
-                rowdot += tl.reduce(p * dp, 1, _SUM)
-            tl.debug_barrier()  # pass 2 reads what other threads of this program wrote
-            dqu = tl.full([BLOCK_B, BDK], 0.0, dx.dtype)
-            # Pass 2: the softmax backward, then the query's and the keys' gradients.
-            for j0 in range(0, ell, BW):
-                j = j0 + tl.arange(0, BW)
-                jmask = j < ell
-                pos = n_pos - ell + j
-                rj = rmask[:, None] & jmask[None, :]
-                kw = rj[:, :, None] & kmask[None, None, :]
-                slot_off = ((head[:, None] + lo + j[None, :]) * DK)[:, :, None] + dks[None, None, :]
-                dp = tl.load(ds_rec + prob_row[:, None] + pos[None, :], mask=rj, other=0.0)
-                p = tl.load(prob_rec + prob_row[:, None] + pos[None, :], mask=rj, other=0.0)
-                ds = tl.where(rj, p * (dp - rowdot[:, None]), 0.0)
-                tl.store(ds_rec + prob_row[:, None] + pos[None, :], ds, mask=rj)
-                kt = tl.load(k_ptr + slot_off, mask=kw, other=0.0)
-                dqu += tl.reduce(ds[:, :, None] * kt, 1, _SUM)
-                rtt = tl.load(rt + (h * DK + dks[None, :]) * n_pos + pos[:, None],
-                              mask=jmask[:, None] & kmask[None, :], other=0.0)  # [BW, BDK]
-                dqu += tl.reduce(ds[:, :, None] * rtt[None, :, :], 1, _SUM)
-                dkt = tl.load(dk_ptr + slot_off, mask=kw, other=0.0)
-                tl.store(dk_ptr + slot_off, dkt + ds[:, :, None] * qu[:, None, :], mask=kw)
-            tl.store(dqu_rec + rows[:, None] * D + hcols[None, :], dqu, mask=rk)
-            wqt = tl.load(wq + cols[None, :] * D + hcols[:, None],
-                          mask=kmask[:, None] & dmask[None, :], other=0.0)  # [BDK, BD]
-            da += tl.dot(dqu, wqt, input_precision="ieee")
-        tl.store(da_rec + row_d, da, mask=rd)
-        x = tl.load(x_ptr + row_d, mask=rd, other=0.0)
-        mean1 = tl.load(mu1_rec + rows, mask=rmask, other=0.0)
-        rstd1 = tl.load(rs1_rec + rows, mask=rmask, other=0.0)
-        xhat = tl.where(rd, (x - mean1[:, None]) * rstd1[:, None], 0.0)
-        g1 = da * tl.load(ln1_w + cols, mask=dmask, other=0.0)[None, :]
-        dx_new = rstd1[:, None] * (g1 - (tl.reduce(g1, 1, _SUM) / D)[:, None]
-                                   - xhat * (tl.reduce(g1 * xhat, 1, _SUM) / D)[:, None]) + dy
-    # dm re-read rather than held through the sweep (registers: see the docstring)
-    dx_new += tl.load(mix + li) * tl.load(dm_ptr + row_d, mask=rd, other=0.0)
-    tl.store(dout_ptr + rows[:, None] * dout_stride + cols[None, :], dx_new, mask=rd)
+        qu = tl.load(qu_rec + rows[:, None] * D + hcols[None, :], mask=rk, other=0.0)
+        head = (rows * H + h) * S
+        prob_row = (rows * H + h) * n_pos
+        rowdot = tl.full([BLOCK_B], 0.0, do.dtype)
+        # Pass 1: d(prob) = do . v (kept in the score-gradient record), dV += p do.
+        for j0 in range(0, ell, BW):
+            j = j0 + tl.arange(0, BW)
+            jmask = j < ell
+            pos = n_pos - ell + j
+            rj = rmask[:, None] & jmask[None, :]
+            kw = rj[:, :, None] & kmask[None, None, :]
+            slot_off = ((head[:, None] + lo + j[None, :]) * DK)[:, :, None] + dks[None, None, :]
+            vt = tl.load(v_ptr + slot_off, mask=kw, other=0.0)
+            dp = tl.reduce(do[:, None, :] * vt, 2, _SUM)
+            p = tl.load(prob_rec + prob_row[:, None] + pos[None, :], mask=rj, other=0.0)
+            pu = p
+            if DROPOUT:
+                mp = tl.load(m_prob + ((rows * H + h) * ell)[:, None] + j[None, :], mask=rj,
+                             other=0.0)
+                pu = p * mp
+                dp = dp * mp
+            dvt = tl.load(dv_ptr + slot_off, mask=kw, other=0.0)
+            tl.store(dv_ptr + slot_off, dvt + pu[:, :, None] * do[:, None, :], mask=kw)
+            tl.store(ds_rec + prob_row[:, None] + pos[None, :], dp, mask=rj)
+            rowdot += tl.reduce(p * dp, 1, _SUM)
+        tl.debug_barrier()  # pass 2 reads what other threads of this program wrote
+        dqu = tl.full([BLOCK_B, BDK], 0.0, do.dtype)
+        # Pass 2: the softmax backward, then the query's and the keys' gradients.
+        for j0 in range(0, ell, BW):
+            j = j0 + tl.arange(0, BW)
+            jmask = j < ell
+            pos = n_pos - ell + j
+            rj = rmask[:, None] & jmask[None, :]
+            kw = rj[:, :, None] & kmask[None, None, :]
+            slot_off = ((head[:, None] + lo + j[None, :]) * DK)[:, :, None] + dks[None, None, :]
+            dp = tl.load(ds_rec + prob_row[:, None] + pos[None, :], mask=rj, other=0.0)
+            p = tl.load(prob_rec + prob_row[:, None] + pos[None, :], mask=rj, other=0.0)
+            ds = tl.where(rj, p * (dp - rowdot[:, None]), 0.0)
+            tl.store(ds_rec + prob_row[:, None] + pos[None, :], ds, mask=rj)
+            kt = tl.load(k_ptr + slot_off, mask=kw, other=0.0)
+            dqu += tl.reduce(ds[:, :, None] * kt, 1, _SUM)
+            rtt = tl.load(rt + (h * DK + dks[None, :]) * n_pos + pos[:, None],
+                          mask=jmask[:, None] & kmask[None, :], other=0.0)  # [BW, BDK]
+            dqu += tl.reduce(ds[:, :, None] * rtt[None, :, :], 1, _SUM)
+            dkt = tl.load(dk_ptr + slot_off, mask=kw, other=0.0)
+            tl.store(dk_ptr + slot_off, dkt + ds[:, :, None] * qu[:, None, :], mask=kw)
+        tl.store(dqu_rec + rows[:, None] * D + hcols[None, :], dqu, mask=rk)
+
+
+def q_back(
+    dqu_rec, wq, da_rec, mem, dkv_ptr, wkv, dkv_rec, dm_ptr, B, S, slot,
+    D: tl.constexpr, H: tl.constexpr, DK: tl.constexpr, NKV: tl.constexpr,
+    BLOCK_B: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+):
+    """Columns n of da = dqu Wq^T [B, D] (wq [D, D]). ``mem``: also memory slot ``slot``'s
+    keys'/values' gradients from dkv [2, NKV, B*H, S, DK] -> recorded as dkv_rec
+    [B, 2*NKV*D], and columns n of dm = dkv_rec Wkv^T [B, D] (wkv [D, 2*NKV*D]), before
+    the memory norm's backward."""
+    rows = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
+    rmask = rows < B
+    wrows = rows < B * (tl.program_id(1) == 0)  # the rows the tile's first program records
+    n = tl.program_id(1) * BN + tl.arange(0, BN)
+    nmask = n < D
+    rn = rmask[:, None] & nmask[None, :]
+    acc = tl.full([BLOCK_B, BN], 0.0, da_rec.dtype.element_ty)
+    for k0 in range(0, D, BK):
+        ks = k0 + tl.arange(0, BK)
+        kd = ks < D
+        g = tl.load(dqu_rec + rows[:, None] * D + ks[None, :], mask=rmask[:, None] & kd[None, :],
+                    other=0.0)
+        w_k = tl.load(wq + n[None, :] * D + ks[:, None], mask=kd[:, None] & nmask[None, :],
+                      other=0.0)  # [BK, BN]: wq transposed
+        acc += tl.dot(g, w_k, input_precision="ieee")
+    tl.store(da_rec + rows[:, None] * D + n[None, :], acc, mask=rn)
+    if mem > 0:
+        C: tl.constexpr = 2 * NKV * D
+        dm = tl.full([BLOCK_B, BN], 0.0, da_rec.dtype.element_ty)
+        for c0 in range(0, C, BK):
+            cc = c0 + tl.arange(0, BK)
+            cmask = cc < C
+            rc = rmask[:, None] & cmask[None, :]
+            addr = (((cc // D)[None, :] * B + rows[:, None]) * H + ((cc % D) // DK)[None, :]) \
+                * S * DK + slot * DK + (cc % DK)[None, :]
+            g = tl.load(dkv_ptr + addr, mask=rc, other=0.0)
+            tl.store(dkv_rec + rows[:, None] * C + cc[None, :], g,
+                     mask=wrows[:, None] & cmask[None, :])
+            w_k = tl.load(wkv + n[None, :] * C + cc[:, None], mask=cmask[:, None] & nmask[None, :],
+                          other=0.0)  # [BK, BN]: wkv transposed
+            dm += tl.dot(g, w_k, input_precision="ieee")
+        tl.store(dm_ptr + rows[:, None] * D + n[None, :], dm, mask=rn)
