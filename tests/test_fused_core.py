@@ -86,12 +86,14 @@ def test_fused_matches_reference_float64(kind, memory_norm, mem_len, use_core):
 
 
 @pytest.mark.parametrize(("d_model", "n_heads", "d_ff", "batch", "steps"), [
-    (24, 3, 40, 17, 11), (32, 4, 70, 2, 5)])
+    (24, 3, 40, 17, 11), (32, 4, 70, 2, 5), (80, 2, 72, 3, 6)])
 def test_fused_widths_and_heads_match_reference(d_model, n_heads, d_ff, batch, steps,
                                                 use_core):
-    """Widths and head sizes that are not powers of two (24/3 = 8, d_ff 40, 70: the tiles
-    are padded and masked), 17 rows (two tiles, the second nearly empty), and windows of
-    up to 10 slots (the kernels take a window in chunks of 8)."""
+    """Widths and head sizes that are not powers of two (24/3 = 8, 80/2 = 40, d_ff 40, 70,
+    72: the tiles are padded and masked), 17 rows (two batch tiles, the second nearly
+    empty), a width of several column tiles and inner chunks (80: three tiles of 32, the
+    last partial; d_ff 72: three), and windows of up to 10 slots (in chunks of 8, or 4 at
+    d_k 40)."""
     use_core("fused")
     model = randomized(small("feedback_kv", d_model=d_model, n_heads=n_heads, d_ff=d_ff,
                              n_layers=1, mem_len=10))
