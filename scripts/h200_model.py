@@ -24,14 +24,16 @@ The model of a step: ``step = max(host, device)`` (the host queues ahead of the 
 the slower of the two sets the pace). ``host = host launches x 5 us + replays x 10 us``.
 Device, ATen path: ``kernels x 2 us + max(FLOPs / peak, HBM bytes / 4.8 TB/s)``, the work
 assumed spread over the whole GPU (generous to the ATen path: its kernels are tiny).
-Device, fused core: each sweep kernel (a Triton launch) runs ``ceil(B / 16)`` programs, one
-per tile of 16 batch rows, so it can use only ``a = min(1, programs / 132)`` of the GPU:
-``max(2 us, flops / (67 TFLOP/s x a), L2 bytes / (10 TB/s x a), HBM bytes / 4.8 TB/s)``,
-where every program reads its layer's weights from L2 and the sweep's FLOPs and bytes are
-split evenly over its launches; the weight-gradient matmuls and the rest of the step
-(embedding, logits, loss, optimizer) add ``kernels x 2 us + their work over the whole
-GPU``. Weights stay in L2 between steps when all of them fit (else each step of each sweep
-streams them from HBM again).
+Device, fused core: a token-layer is eight Triton kernels (fbtrain/models/core/fused/
+kernels.py), each a grid of ``ceil(B / 16)`` batch tiles by heads or by column tiles of 32
+(:func:`fused_kernels` gives each one's programs, FLOPs and bytes for one launch, averaged
+over a call), so a launch can use ``a = min(1, programs / 132)`` of the GPU:
+``max(2 us, FLOPs / (67 TFLOP/s x a), L2 bytes / (10 TB/s x a), HBM bytes / 4.8 TB/s)``.
+Every batch tile reads the kernel's weight matrix from L2 (from HBM once a launch when the
+weights cannot stay in L2) and every column program its rows' inputs; the step's records
+are split evenly over the launches; the counted launches are split evenly over the eight
+kinds. The weight-gradient matmuls and the rest of the step (embedding, logits, loss,
+optimizer) add ``kernels x 2 us + their work over the whole GPU``.
 
 Kernel and launch counts come from scripts/launch_count.py, counted on the CPU at tiny
 widths, 16 position rows and batch 2 (counts follow the steps and layers) at four (steps,
@@ -66,6 +68,7 @@ HOST_US = 5.0  # host cost of one eager launch
 REPLAY_US = 10.0  # host cost of one graph replay (assumed)
 DEVICE_FLOOR_US = 2.0  # device cost of any kernel at least (issue 32: 1.5-3 us)
 BLOCK_B = 16  # batch rows per program of the fused core's kernels
+BN = 32  # columns per program of its column-split kernels
 FP32 = 4  # bytes
 VOCAB = 65
 BATCHES = (16, 128, 512)
@@ -188,27 +191,76 @@ def aten_row(path: str, s: Sizes, c: Counts) -> Row:
     return _row(path, s, host_ms(c), c.kernels * DEVICE_FLOOR_US / 1000 + work_ms)
 
 
+@dataclass(frozen=True)
+class Launch:
+    """One fused-core kernel's launch, averaged over a call: its programs, FLOPs and the
+    bytes it reads from L2 and from HBM."""
+
+    name: str
+    programs: int
+    flops: float
+    l2_bytes: float
+    hbm_bytes: float
+
+
+def fused_kernels(s: Sizes) -> list[Launch]:
+    """The fused core's eight kernels of a token-layer at ``s`` (see the module docstring):
+    the window averaged over a call's steps, the memory's projection (done by layer 0's
+    attend forward and q_back backward) averaged over the layers."""
+    D, F, H, L, B = s.d_model, s.d_ff, s.n_heads, s.n_layers, s.batch
+    tiles = math.ceil(B / BLOCK_B)
+    ell = s.attended() / s.seq_len  # slots a step attends, on average
+    C = 2 * s.n_kv * D  # the memory projection's columns
+
+    def cols(n: int) -> int:
+        return tiles * math.ceil(n / BN)
+
+    def weights(n: int) -> float:  # a matrix's bytes: HBM where weights cannot stay in L2
+        return 0.0 if s.params() * FP32 <= L2_BYTES else n * FP32
+
+    window = B * ell * 6 * D  # scores (content and position) and the weighted sum
+    kv_bytes = 2 * B * ell * D * FP32  # the window's keys and values
+    memory = 2 * B * D * C / L
+    return [
+        Launch("attend", tiles * H, 2 * B * D * D + window + memory,
+               tiles * (D * D + D * C / L) * FP32 + kv_bytes, weights(D * D + D * C / L)),
+        Launch("out_proj", cols(D), 2 * B * D * D,
+               (tiles * D * D + B * D * math.ceil(D / BN)) * FP32, weights(D * D)),
+        Launch("ff_in", cols(F), 2 * B * D * F,
+               (tiles * D * F + B * D * math.ceil(F / BN)) * FP32, weights(D * F)),
+        Launch("ff_out", cols(D), 2 * B * F * D,
+               (tiles * F * D + B * F * math.ceil(D / BN)) * FP32, weights(F * D)),
+        Launch("ffo_back", cols(F), 2 * B * D * F,  # (and five rows' LayerNorm inputs)
+               (tiles * D * F + 5 * B * D * math.ceil(F / BN)) * FP32, weights(D * F)),
+        Launch("ffi_back", cols(D), 2 * B * F * D,
+               (tiles * F * D + B * F * math.ceil(D / BN)) * FP32, weights(F * D)),
+        Launch("att_back", tiles * H, 2 * B * D * D + 2 * window,
+               tiles * D * D * FP32 + 2 * kv_bytes, weights(D * D)),
+        Launch("q_back", cols(D), 2 * B * D * D + memory,
+               (tiles * (D * D + D * C / L) + B * (D + C / L) * math.ceil(D / BN)) * FP32,
+               weights(D * D + D * C / L)),
+    ]
+
+
+def launch_s(k: Launch, records_bytes: float) -> float:
+    """One launch's modelled device time (seconds), with its share of the records."""
+    a = min(1.0, k.programs / SMS)
+    return max(DEVICE_FLOOR_US * 1e-6, k.flops / (PEAK_FLOPS["fp32"] * a),
+               k.l2_bytes / (L2_BW * a), (k.hbm_bytes + records_bytes) / HBM_BW)
+
+
 def fused_row(path: str, s: Sizes, c: Counts) -> Row:
     """The fused core (graphed, by its counts): see the module docstring."""
     f = step_flops(s)
     n = max(1.0, c.triton)
     hbm = step_hbm_bytes(s)
-    programs = math.ceil(s.batch / BLOCK_B)
-    a = min(1.0, programs / SMS)
-    # Each launch: its share of the sweep's FLOPs, every program reading its layer's
-    # weights (and its rows' window of keys and values) from L2, its share of HBM traffic.
-    weights_per_launch = (s.n_layers * s.layer_params() + 2 * s.n_kv * s.d_model ** 2) / (
-        s.n_layers + 1) * FP32
-    window_bytes = 3 * 2 * s.batch * s.n_layers * s.attended() * s.d_model * FP32
-    l2_per_launch = programs * weights_per_launch + window_bytes / n
-    hbm_per_launch = (hbm["records"] + hbm["weights"]) / n
-    per_launch_s = max(DEVICE_FLOOR_US * 1e-6, f["sweep"] / n / (PEAK_FLOPS["fp32"] * a),
-                       l2_per_launch / (L2_BW * a), hbm_per_launch / HBM_BW)
+    kernels = fused_kernels(s)
+    sweep_s = sum(n / len(kernels) * launch_s(k, hbm["records"] / n) for k in kernels)
     other = c.kernels - c.triton
     other_s = (other * DEVICE_FLOOR_US * 1e-6
                + max((f["weight_grads"] + f["rest"]) / PEAK_FLOPS["fp32"],
                      hbm["optimizer"] / HBM_BW))
-    return _row(path, s, host_ms(c), (n * per_launch_s + other_s) * 1000)
+    return _row(path, s, host_ms(c), (sweep_s + other_s) * 1000)
 
 
 def model_rows(s: Sizes, counts: dict[str, Counts]) -> list[Row]:

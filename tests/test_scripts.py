@@ -165,23 +165,34 @@ def test_h200_model_recomputes_one_row_by_hand(monkeypatch):
     assert row.device_ms == pytest.approx(0.2 + 15808 / 4.8e12 * 1000)
     assert row.step_ms == pytest.approx(0.5) and row.bound == "host"
     assert row.tokens_per_s == pytest.approx(48 / 0.5 * 1000)
-    # Fused, graphed, without the 2 us floor: 12 sweep launches of one program each (1/132
-    # of the GPU); per launch L2 bytes 64 (the layer's and the memory's weights averaged:
-    # (24 + 8) / 2 floats) + 2304 / 12 (keys and values) = 256 B at 10 TB/s / 132, which
-    # beats 7360 / 12 FLOP at 67 TFLOP/s / 132 and (14400 + 176) / 12 B at 4.8 TB/s; then
-    # 8 other kernels at no floor and the optimizer's 1232 B at 4.8 TB/s. Host: 6 launches
-    # x 5 us + 2 replays x 10 us.
+    # Fused, graphed, without the 2 us floor: the eight kernels of a token-layer, one
+    # program each (one batch tile; one head; one column tile), the window averaged to 1
+    # slot a step, the memory's projection (C = 4 columns) in attend and q_back. attend:
+    # 2 x 16 x D^2 = 128 FLOP for the query + 16 x 6 D = 192 for the window + 2 x 16 x D x C
+    # = 256 for the memory; L2: Wq and Wkv (4 + 8 floats) + 2 x 16 x D keys and values
+    # (64 floats) = 304 B. q_back: 128 + 256 FLOP; Wq and Wkv (12 floats) and its rows
+    # (16 x (D + C) = 96) = 432 B.
+    kernels = {k.name: k for k in m.fused_kernels(s)}
+    assert list(kernels) == ["attend", "out_proj", "ff_in", "ff_out", "ffo_back", "ffi_back",
+                             "att_back", "q_back"]
+    assert kernels["attend"] == m.Launch("attend", 1, 576.0, 304.0, 0.0)
+    assert kernels["q_back"] == m.Launch("q_back", 1, 384.0, 432.0, 0.0)
+    l2 = {"out_proj": 144, "ff_in": 160, "ff_out": 288, "ffo_back": 672, "ffi_back": 288,
+          "att_back": 528}
+    assert {k: kernels[k].l2_bytes for k in l2} == l2
+    # Each launch uses 1/132 of the GPU and is L2-bound (the bytes beat the FLOPs at 67
+    # TFLOP/s / 132 and the records' 14400 / 12 B at 4.8 TB/s): 12 launches, 12/8 of each
+    # kind, then 8 other kernels at no floor and the optimizer's 1232 B at 4.8 TB/s.
     monkeypatch.setattr(m, "DEVICE_FLOOR_US", 0.0)
     row = m.fused_row("fused graphed", s, m.Counts(kernels=20, host=8, replays=2, triton=12))
-    per_launch = 256 / (10e12 / 132)
-    assert row.device_ms == pytest.approx((12 * per_launch + 1232 / 4.8e12) * 1000)
+    sweep = 12 / 8 * sum(k.l2_bytes for k in kernels.values()) / (10e12 / 132)
+    assert row.device_ms == pytest.approx((sweep + 1232 / 4.8e12) * 1000)
     assert row.host_ms == pytest.approx(0.05) and row.bound == "host"
-    # Batch 48: three programs, each reading the 64 B of weights: 3 x 64 + 6912 / 12 = 768 B
-    # a launch, over 3/132 of the L2's bandwidth.
-    row = m.fused_row("fused graphed", m.Sizes(**{**asdict(s), "batch": 48}),
-                      m.Counts(kernels=20, host=8, replays=2, triton=12))
-    per_launch = 768 / (10e12 * 3 / 132)
-    assert row.device_ms == pytest.approx((12 * per_launch + 1232 / 4.8e12) * 1000)
+    # Batch 48: three batch tiles, each reading the weights; the window's bytes follow the
+    # rows: attend 3 x 12 x 4 + 2 x 48 x 2 x 4 = 912 B over three programs.
+    wide = {k.name: k for k in m.fused_kernels(m.Sizes(**{**asdict(s), "batch": 48}))}
+    assert wide["attend"].programs == 3 and wide["attend"].l2_bytes == 912.0
+    assert m.launch_s(wide["attend"], 0.0) == pytest.approx(912 / (10e12 * 3 / 132))
 
 
 def test_h200_model_fit_is_exact_on_its_points():
