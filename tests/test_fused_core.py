@@ -64,12 +64,16 @@ def _assert_close(got: dict, want: dict, tol: float) -> None:
                                    msg=lambda m, n=name: f"{n}: {m}")
 
 
-@pytest.mark.parametrize(("kind", "memory_norm", "mem_len"), [
-    ("feedback_kv", "none", None), ("feedback_kv", "layernorm", 3),
-    ("feedback", "none", 3), ("feedback", "layernorm", None)])
-def test_fused_matches_reference_float64(kind, memory_norm, mem_len, use_core):
+@pytest.mark.parametrize(("kind", "memory_norm", "mem_len", "split"), [
+    ("feedback_kv", "none", None, 32), ("feedback_kv", "layernorm", 3, 2),
+    ("feedback", "none", 3, 32), ("feedback", "layernorm", None, 2)])
+def test_fused_matches_reference_float64(kind, memory_norm, mem_len, split, use_core,
+                                         monkeypatch):
     """Both kinds, memory norm on and off, a window shorter than the steps (3 of 7) and one
-    as long; a batch of 3 (the tile is 16 rows)."""
+    as long; a batch of 3 (the tile is 16 rows); a head's window in one program (32 slots
+    a program) or split over up to three (2 slots a program: the splits' partial sums
+    combined in out_proj, their gradients summed in q_back)."""
+    monkeypatch.setattr(fused_core, "SPLIT", split)
     use_core("fused")
     assert isinstance(select.core(), fused.FusedCore)
     model = randomized(small(kind, n_layers=2, memory_norm=memory_norm, mem_len=mem_len))
@@ -88,12 +92,13 @@ def test_fused_matches_reference_float64(kind, memory_norm, mem_len, use_core):
 @pytest.mark.parametrize(("d_model", "n_heads", "d_ff", "batch", "steps"), [
     (24, 3, 40, 17, 11), (32, 4, 70, 2, 5), (80, 2, 72, 3, 6)])
 def test_fused_widths_and_heads_match_reference(d_model, n_heads, d_ff, batch, steps,
-                                                use_core):
+                                                use_core, monkeypatch):
     """Widths and head sizes that are not powers of two (24/3 = 8, 80/2 = 40, d_ff 40, 70,
     72: the tiles are padded and masked), 17 rows (two batch tiles, the second nearly
     empty), a width of several column tiles and inner chunks (80: three tiles of 32, the
     last partial; d_ff 72: three), and windows of up to 10 slots (in chunks of 8, or 4 at
-    d_k 40)."""
+    d_k 40), each split over programs of 4 slots (the last split partial)."""
+    monkeypatch.setattr(fused_core, "SPLIT", 4)
     use_core("fused")
     model = randomized(small("feedback_kv", d_model=d_model, n_heads=n_heads, d_ff=d_ff,
                              n_layers=1, mem_len=10))
@@ -107,11 +112,14 @@ def test_fused_widths_and_heads_match_reference(d_model, n_heads, d_ff, batch, s
 
 
 @pytest.mark.parametrize("kind", ["feedback_kv", "feedback"])
-def test_fused_agrees_with_python_core_on_dropout_and_carried_memory(kind, use_core):
+def test_fused_agrees_with_python_core_on_dropout_and_carried_memory(kind, use_core,
+                                                                    monkeypatch):
     """Dropout (the masks drawn before the sweep, as the PyTorch core draws them, then read
     by the kernels) and memory carried over from a first call, re-projected with the
     current weights (memory norm on): two calls, the same logits, carried keys and values
-    and every gradient as the PyTorch core from one seed."""
+    and every gradient as the PyTorch core from one seed. Windows of up to 4 slots split
+    over programs of 3 (dropout's masks read by split)."""
+    monkeypatch.setattr(fused_core, "SPLIT", 3)
     model = randomized(small(kind, dropout=0.3, n_layers=2, mem_len=4,
                              memory_norm="layernorm")).train()
     tokens = torch.randint(0, 11, (3, 5))
@@ -128,6 +136,37 @@ def test_fused_agrees_with_python_core_on_dropout_and_carried_memory(kind, use_c
     for a, b in zip(got, want, strict=True):  # other masks would differ by O(1)
         torch.testing.assert_close(a, b, rtol=0, atol=TOL)
     _assert_close(got_grads, want_grads, TOL)
+
+
+def test_the_memory_is_made_by_the_split_that_reads_it(use_core):
+    """On a GPU a launch's programs run at once: step t-1's memory keys and values (made by
+    layer 0's attend at step t) must come from the split whose share of the window holds
+    that slot (the last), which reads them after its barrier. The interpreter runs programs
+    one after another, so a race would not show as wrong numbers: here the first of two
+    splits runs alone and must write nothing, and a lone split (the last) must write."""
+    use_core("fused")
+    spec = CoreSpec(n_layers=1, n_heads=2, shared_kv=True, window=8, dropout=0.0)
+    model = build_model(small("feedback_kv", n_layers=1), 11).double()
+    layers, wkv, bkv = model.core_params(3)
+    from fbtrain.models.core.autograd import flatten_layers
+    from fbtrain.models.core.spec import CoreInputs
+
+    empty = torch.zeros(1, 4, 0, 8, dtype=torch.float64)
+    inputs = CoreInputs(torch.randn(2, 3, 16, dtype=torch.float64), empty, empty,
+                        model.memory_weights().detach(), wkv.detach(), bkv,
+                        [t.detach() for t in flatten_layers(layers)])
+    with fused_core.recording() as launches:
+        fused_core._forward(spec, inputs, keep_tape=True)
+    launch = next(x for x in launches if x.name == "attend" and x.args["mem"])
+    args = {**launch.args, "ell": 0}  # the memory alone
+    args["hid_ptr"].normal_()
+    kv, slot = args["kv_ptr"], args["slot"]
+    for n_split, writes in ((2, False), (1, True)):
+        kv.fill_(7.0)
+        fused_core._INTERPRETED["attend"][(1, 2, 1)](**{**args, "n_split": n_split},
+                                                    **launch.constexprs)
+        assert bool((kv[:, :, :, slot] != 7.0).any()) == writes, n_split
+        assert bool((kv[:, :, :, slot] == 7.0).any()) != writes  # every head's, whole
 
 
 def test_fused_tape_holds_the_masks_the_python_core_draws(use_core):
@@ -273,7 +312,9 @@ def test_compile_cases_name_every_kernel_with_its_whole_signature():
         assert {k for k, v in signature.items() if v == "constexpr"} == set(constexprs)
         assert all(v == "*fp32" for k, v in signature.items() if k.endswith("_ptr")), name
     grids = {name: grid for name, _, _, _, grid in cases}
-    assert grids == {"attend": (1, 4), "att_back": (1, 4), "ff_in": (1, 16),
+    # (attend's first launch at step 1 attends 1 slot; att_back's first, at step 63, 63
+    # slots: two programs of SPLIT = 32 slots a head)
+    assert grids == {"attend": (1, 4, 1), "att_back": (1, 4, 2), "ff_in": (1, 16),
                      "ffo_back": (1, 16), "out_proj": (1, 4), "ff_out": (1, 4),
                      "ffi_back": (1, 4), "q_back": (1, 4)}
     consts = {name: c for name, _, _, c, _ in cases}

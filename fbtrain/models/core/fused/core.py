@@ -35,11 +35,14 @@ BLOCK_B = 16  # batch rows per program (tl.dot needs 16 or more in each dimensio
 BN = 32  # output columns per program of the column-split kernels
 BK = 32  # inner-dimension chunk of every matmul
 WINDOW_TILE = 256  # window slots x head width per chunk of the attention ([BLOCK_B, BW, d_k])
+SPLIT = 32  # window slots per attention program (a step's window split over programs)
 # Launch options, as compiled for the resource check (scripts/fused_compile.py). No
 # software pipelining: the inner loops are a few chunks long, and its staged copies of the
-# chunks spilled registers. The attention kernels' window tiles want 8 warps' registers.
+# chunks spilled registers. The attention kernels' window tiles want 8 warps' registers;
+# q_back at 4 warps kept a 24-byte stack frame on sm_90 at D 128 (80 registers: not
+# pressure; at 8 it has none).
 NUM_STAGES = 1
-WARPS = {"attend": 8, "att_back": 8}  # else 4
+WARPS = {"attend": 8, "att_back": 8, "q_back": 8}  # else 4
 
 
 def launch_options(name: str) -> dict[str, int]:
@@ -57,7 +60,8 @@ def _runtime_ints(fn: Any) -> list[str]:
     not the constants): Triton would otherwise compile a variant for each value that is 1 or
     a multiple of 16, so new compiles would come at random steps (and inside a capture)."""
     names = fn.__code__.co_varnames[:fn.__code__.co_argcount]
-    ints = {"B", "S", "lo", "ell", "n_pos", "slot", "mem", "has_ln", "mix_at", "src_stride"}
+    ints = {"B", "S", "lo", "ell", "n_split", "n_pos", "slot", "mem", "has_ln", "mix_at",
+            "src_stride"}
     return [n for n in names if n in ints]
 
 
@@ -110,16 +114,18 @@ class recording:
 class FusedTape(NamedTuple):
     """What the forward keeps for the backward, all full-call buffers (a list of tensors, so
     graphs.py can capture a call). [L, T, B, ...] per layer and step unless said; the masks
-    are empty without dropout. ``prob`` holds step t's probabilities at their position rows
-    (window slot j at row P - ell + j), zero elsewhere. Attention records of steps that do
-    not attend are not written (the backward never reads them); ``y`` there is x."""
+    are empty without dropout. ``score`` holds step t's attention scores at their position
+    rows (window slot j at row P - ell + j), and ``lse`` their log-sum-exp per head, so
+    the probabilities are exp(score - lse). Attention records of steps that do not attend
+    are not written (the backward never reads them); ``y`` there is x."""
 
     a: Tensor  # [L, T, B, D] LN1(x)
     mu1: Tensor  # [L, T, B]
     rs1: Tensor  # [L, T, B]
     qu: Tensor  # [L, T, B, D]
-    prob: Tensor  # [L, T, B, H, P]
-    o: Tensor  # [L, T, B, D]
+    score: Tensor  # [L, T, B, H, P]
+    lse: Tensor  # [L, T, B, H]
+    o: Tensor  # [L, T, B, D] the attention's output (after dropout on its probabilities)
     y: Tensor  # [L, T, B, D] x + attention: the feed-forward's input
     mu2: Tensor  # [L, T, B]
     rs2: Tensor  # [L, T, B]
@@ -140,6 +146,11 @@ def _blocks(D: int, H: int) -> dict[str, int]:
     bdk = max(16, triton.next_power_of_2(D // H))
     return {"BD": max(16, triton.next_power_of_2(D)), "BDK": bdk,
             "BW": max(2, WINDOW_TILE // bdk)}
+
+
+def _splits(ell: int) -> int:
+    """Programs a head's window of ``ell`` slots is split over (1 for none)."""
+    return max(1, triton.cdiv(ell, SPLIT))
 
 
 def _tiles(B: int, n: int, per: int = BN) -> tuple[int, int]:
@@ -233,11 +244,14 @@ def _forward(spec: CoreSpec, inputs: CoreInputs, keep_tape: bool) -> CoreOutputs
     norm_steps = steps if spec.memory_norm else 1
     tape = FusedTape(
         new(L, steps, B, D), new(L, steps, B), new(L, steps, B), new(L, steps, B, D),
-        new(L, steps, B, H, n_pos), new(L, steps, B, D), new(L, steps, B, D),
+        new(L, steps, B, H, n_pos), new(L, steps, B, H), new(L, steps, B, D),
+        new(L, steps, B, D),
         new(L, steps, B), new(L, steps, B), new(L, steps, B, D), new(L, steps, B, F),
         new(norm_steps, B, D), new(norm_steps, B), new(norm_steps, B),
         *((masks.att, masks.prob, masks.h, masks.ff) if masks else (new(0),) * 4))
     m_scr = new(H, B, D)  # attend's per-program copy of the memory vector
+    splits = _splits(max(window_of(n0 + t, spec.window)[1] for t in range(T)))
+    o_part, m_part, l_part = new(splits, B, D), new(splits, B, H), new(splits, B, H)
     dummy = new(1)
     first_att = 0 if n0 > 0 else 1
     offsets = masks.prob_offset if masks else []
@@ -245,8 +259,9 @@ def _forward(spec: CoreSpec, inputs: CoreInputs, keep_tape: bool) -> CoreOutputs
     blocks = _blocks(D, H)
     drop = masks is not None
     att_consts = dict(D=D, H=H, DK=dk, L1=L + 1, NKV=n_kv, HAS_BIAS=bkv is not None,
-                      NORM=spec.memory_norm, BLOCK_B=BLOCK_B, **blocks, BK=BK, DROPOUT=drop)
-    col_consts = dict(D=D, BLOCK_B=BLOCK_B, BN=BN, BK=BK, DROPOUT=drop)
+                      NORM=spec.memory_norm, BLOCK_B=BLOCK_B, **blocks, SPLIT=SPLIT, BK=BK,
+                      DROPOUT=drop)
+    out_consts = dict(D=D, H=H, DK=dk, BLOCK_B=BLOCK_B, BN=BN, BK=BK, DROPOUT=drop)
     ff_in_consts = dict(D=D, F=F, BLOCK_B=BLOCK_B, BD=blocks["BD"], BN=BN, BK=BK, DROPOUT=drop)
     ff_out_consts = dict(D=D, F=F, BLOCK_B=BLOCK_B, BN=BN, BK=BK, DROPOUT=drop)
 
@@ -256,25 +271,29 @@ def _forward(spec: CoreSpec, inputs: CoreInputs, keep_tape: bool) -> CoreOutputs
         p, kv_set = params[li], 0 if spec.shared_kv else li
         m_att, m_prob, _, _ = _step_masks(mask_list, li, t, ell, first_att, offsets, B * H, dummy)
         rm = (mem_step if keep_tape else 0) if spec.memory_norm and mem_step is not None else 0
-        _launch("attend", _tiles(B, H, 1), {
+        n_split = _splits(ell)
+        _launch("attend", (triton.cdiv(B, BLOCK_B), H, n_split), {
             "x_ptr": hidden[t, li], "k_ptr": kv[0, kv_set], "v_ptr": kv[1, kv_set],
             "ln1_w": p["ln1_w"], "ln1_b": p["ln1_b"], "wq": p["wq"], "uq": p["uq"],
             "rt": p["rt"], "cpos": p["c"], "m_prob": m_prob,
             "a_rec": tape.a[li, r], "mu1_rec": tape.mu1[li, r], "rs1_rec": tape.rs1[li, r],
-            "qu_rec": tape.qu[li, r], "prob_rec": tape.prob[li, r], "o_rec": tape.o[li, r],
+            "qu_rec": tape.qu[li, r], "score_rec": tape.score[li, r], "o_part": o_part,
+            "m_part": m_part, "l_part": l_part,
             "hid_ptr": hidden[mem_step if mem_step is not None else t], "mix": mix,
             "wkv": wkv, "bkv": dummy if bkv is None else bkv, "kv_ptr": kv,
             "mem_ptr": memory[mem_step if mem_step is not None else t],
             "mhat_rec": tape.m_hat[rm], "mu_rec": tape.mu_m[rm], "rs_rec": tape.rs_m[rm],
             "m_scr": m_scr,
-            "B": B, "S": S, "lo": lo, "ell": ell, "n_pos": n_pos,
+            "B": B, "S": S, "lo": lo, "ell": ell, "n_split": n_split, "n_pos": n_pos,
             "mem": int(mem_step is not None),
             "slot": n0 + (mem_step if mem_step is not None else t), "eps": spec.eps,
         }, att_consts)
         if ell:
             _launch("out_proj", _tiles(B, D), {
-                "x_ptr": hidden[t, li], "o_rec": tape.o[li, r], "wo": p["wo_t"], "bo": p["bo"],
-                "m_att": m_att, "y_rec": tape.y[li, r], "B": B}, col_consts)
+                "x_ptr": hidden[t, li], "o_part": o_part, "m_part": m_part, "l_part": l_part,
+                "n_split": n_split, "wo": p["wo_t"], "bo": p["bo"], "m_att": m_att,
+                "o_rec": tape.o[li, r], "lse_rec": tape.lse[li, r], "y_rec": tape.y[li, r],
+                "B": B}, out_consts)
 
     for t in range(T):
         lo, ell = window_of(n0 + t, spec.window)
@@ -330,6 +349,7 @@ def _backward(spec: CoreSpec, d_top: Tensor, outputs: CoreOutputs, mix: Tensor, 
     g_out, g_dy, g_df, g_dc = new(L, T, B, D), new(L, T, B, D), new(L, T, B, D), new(L, T, B, D)
     g_dz, g_dqu, g_da, g_dh = new(L, T, B, D), new(L, T, B, D), new(L, T, B, D), new(L, T, B, F)
     g_ds = hidden.new_zeros(L, T, B, H, n_pos)  # score gradients at their position rows
+    dqu_part = new(_splits(max(window_of(n0 + t, spec.window)[1] for t in range(T))), B, D)
     dummy = new(1)
     first_att = 0 if n0 > 0 else 1
     offsets = prob_offsets(spec, n0, T, B)
@@ -337,10 +357,12 @@ def _backward(spec: CoreSpec, d_top: Tensor, outputs: CoreOutputs, mix: Tensor, 
     ffo_consts = dict(D=D, F=F, BLOCK_B=BLOCK_B, BD=blocks["BD"], BN=BN, BK=BK,
                       NORM=spec.memory_norm, DROPOUT=dropout)
     ffi_consts = dict(D=D, F=F, BLOCK_B=BLOCK_B, BN=BN, BK=BK)
-    att_consts = dict(D=D, H=H, DK=dk, BLOCK_B=BLOCK_B, **blocks, BK=BK, DROPOUT=dropout)
+    att_consts = dict(D=D, H=H, DK=dk, BLOCK_B=BLOCK_B, **blocks, SPLIT=SPLIT, BK=BK,
+                      DROPOUT=dropout)
     q_consts = dict(D=D, H=H, DK=dk, NKV=n_kv, BLOCK_B=BLOCK_B, BN=BN, BK=BK)
     for t in reversed(range(T)):
         lo, ell = window_of(n0 + t, spec.window)
+        n_split = _splits(ell)
         rm = t if spec.memory_norm else 0
         for li in reversed(range(L)):
             p, kv_set, top = params[li], 0 if spec.shared_kv else li, li == L - 1
@@ -363,20 +385,23 @@ def _backward(spec: CoreSpec, d_top: Tensor, outputs: CoreOutputs, mix: Tensor, 
             _launch("ffi_back", _tiles(B, D), {
                 "dh_rec": g_dh[li, t], "w1": p["w1_t"], "dc_rec": g_dc[li, t], "B": B},
                 ffi_consts)
-            _launch("att_back", _tiles(B, H if ell else 1, 1), {
+            _launch("att_back", (triton.cdiv(B, BLOCK_B), H if ell else 1, n_split), {
                 "g_rec": g_out[li, t], "dc_rec": g_dc[li, t], "y_ptr": tape.y[li, t],
                 "mu2_rec": tape.mu2[li, t], "rs2_rec": tape.rs2[li, t], "ln2_w": p["ln2_w"],
                 "wo": p["wo_t"], "m_att": m_att, "m_prob": m_prob,
                 "k_ptr": keys[kv_set], "v_ptr": values[kv_set],
                 "dk_ptr": d_kv[0, kv_set], "dv_ptr": d_kv[1, kv_set],
-                "qu_rec": tape.qu[li, t], "prob_rec": tape.prob[li, t], "rt": p["rt"],
+                "qu_rec": tape.qu[li, t], "o_rec": tape.o[li, t],
+                "score_rec": tape.score[li, t], "lse_rec": tape.lse[li, t], "rt": p["rt"],
                 "dy_rec": g_dy[li, t], "dz_rec": g_dz[li, t], "ds_rec": g_ds[li, t],
-                "dqu_rec": g_dqu[li, t], "B": B, "S": S, "lo": lo, "ell": ell, "n_pos": n_pos,
+                "dqu_part": dqu_part, "B": B, "S": S, "lo": lo, "ell": ell,
+                "n_split": n_split, "n_pos": n_pos,
             }, att_consts)
             if ell:
                 mem = li == 0 and t > 0  # slot t-1's gradients are complete: make its dm
                 _launch("q_back", _tiles(B, D), {
-                    "dqu_rec": g_dqu[li, t], "wq": p["wq"], "da_rec": g_da[li, t],
+                    "dqu_part": dqu_part, "n_split": n_split, "dqu_rec": g_dqu[li, t],
+                    "wq": p["wq"], "da_rec": g_da[li, t],
                     "mem": int(mem), "dkv_ptr": d_kv, "wkv": wkv,
                     "dkv_rec": dkv_rec[t - 1] if mem else dummy,
                     "dm_ptr": dm_raw[t - 1] if mem else dummy,

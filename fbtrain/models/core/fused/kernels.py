@@ -57,27 +57,33 @@ _MAX = tl.standard._elementwise_max  # and tl.max
 
 def attend(
     x_ptr, k_ptr, v_ptr, ln1_w, ln1_b, wq, uq, rt, cpos, m_prob,
-    a_rec, mu1_rec, rs1_rec, qu_rec, prob_rec, o_rec,
+    a_rec, mu1_rec, rs1_rec, qu_rec, score_rec, o_part, m_part, l_part,
     hid_ptr, mix, wkv, bkv, kv_ptr, mem_ptr, mhat_rec, mu_rec, rs_rec, m_scr,
-    B, S, lo, ell, n_pos, mem, slot, eps,
+    B, S, lo, ell, n_split, n_pos, mem, slot, eps,
     D: tl.constexpr, H: tl.constexpr, DK: tl.constexpr, L1: tl.constexpr,
     NKV: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
     BLOCK_B: tl.constexpr, BD: tl.constexpr, BDK: tl.constexpr, BW: tl.constexpr,
-    BK: tl.constexpr, DROPOUT: tl.constexpr,
+    SPLIT: tl.constexpr, BK: tl.constexpr, DROPOUT: tl.constexpr,
 ):
-    """x [B, D] -> head h's columns of o [B, D] (and its records); k/v [B*H, S, DK] the
-    layer's key/value set. ``mem``: first make memory slot ``slot`` from hid [L+1, B, D]
-    (the previous step's layer outputs): m [B, D], its norm, and head h's keys and values
-    of it in all NKV sets of kv [2, NKV, B*H, S, DK]. ``ell`` 0: no attention."""
+    """x [B, D] -> head h's attention over its share of the window (``SPLIT`` slots from
+    split sp's start, of ``n_split``): the unnormalised weighted sum o_part [n_split, B, D]
+    (head h's columns), its max m_part and sum l_part [n_split, B, H] (out_proj combines
+    them); k/v [B*H, S, DK] the layer's key/value set; the raw scores to score_rec.
+    ``mem``: first make memory slot ``slot`` from hid [L+1, B, D] (the previous step's
+    layer outputs; by the last split, which reads that slot): m [B, D], its norm, and head
+    h's keys and values of it in all NKV sets of kv [2, NKV, B*H, S, DK]. ``ell`` 0: no
+    attention."""
     pid = tl.program_id(0)
     h = tl.program_id(1)
+    sp = tl.program_id(2)
     rows = pid * BLOCK_B + tl.arange(0, BLOCK_B)
     rmask = rows < B
-    wrows = rows < B * (tl.program_id(1) == 0)  # the rows the tile's first program records
+    wrows = rows < B * (h == 0) * (sp == 0)  # the rows the tile's first program records
     dks = tl.arange(0, BDK)
     kmask = dks < DK
     rk = rmask[:, None] & kmask[None, :]
-    if mem > 0:
+    if (mem > 0) & (sp == n_split - 1):
+        mrows = rows < B * (h == 0)  # (this split's first head records the memory)
         # m = sum_l mix_l hid_l, chunk by chunk into this program's own scratch rows (the
         # projection reads it in K chunks), then normalised there in place.
         scr = m_scr + h * B * D
@@ -91,7 +97,7 @@ def attend(
             for li in tl.static_range(L1):
                 m_k += tl.load(mix + li) * tl.load(hid_ptr + li * B * D + at_k, mask=rkd,
                                                    other=0.0)
-            tl.store(mem_ptr + at_k, m_k, mask=wrows[:, None] & kd[None, :])
+            tl.store(mem_ptr + at_k, m_k, mask=mrows[:, None] & kd[None, :])
             tl.store(scr + at_k, m_k, mask=rkd)
             s1 += tl.reduce(m_k, 1, _SUM)
         if NORM:  # LayerNorm without affine (folded into wkv/bkv by the model)
@@ -104,8 +110,8 @@ def attend(
                 mc = tl.where(rkd, m_k - mean_m[:, None], 0.0)
                 s2 += tl.reduce(mc * mc, 1, _SUM)
             rstd_m = 1.0 / tl.sqrt(s2 / D + eps)
-            tl.store(mu_rec + rows, mean_m, mask=wrows)
-            tl.store(rs_rec + rows, rstd_m, mask=wrows)
+            tl.store(mu_rec + rows, mean_m, mask=mrows)
+            tl.store(rs_rec + rows, rstd_m, mask=mrows)
             for k0 in range(0, BD, BK):
                 ks = k0 + tl.arange(0, BK)
                 kd = ks < D
@@ -114,7 +120,7 @@ def attend(
                 m_k = tl.load(scr + at_k, mask=rkd, other=0.0)
                 m_k = tl.where(rkd, (m_k - mean_m[:, None]) * rstd_m[:, None], 0.0)
                 tl.store(scr + at_k, m_k, mask=rkd)
-                tl.store(mhat_rec + at_k, m_k, mask=wrows[:, None] & kd[None, :])
+                tl.store(mhat_rec + at_k, m_k, mask=mrows[:, None] & kd[None, :])
         tl.debug_barrier()  # the projection reads the scratch in another layout
         C: tl.constexpr = 2 * NKV * D
         for part in range(2 * NKV):  # keys of every set, then values
@@ -134,14 +140,14 @@ def attend(
             tl.store(kv_ptr + addr[:, None] + dks[None, :], kv, mask=rk)
         tl.debug_barrier()  # layer 0's attention below reads the slot just written
     if ell > 0:
-        s1 = tl.full([BLOCK_B], 0.0, o_rec.dtype.element_ty)
+        s1 = tl.full([BLOCK_B], 0.0, o_part.dtype.element_ty)
         for k0 in range(0, BD, BK):  # LN1's statistics, two passes over chunks
             ks = k0 + tl.arange(0, BK)
             rkd = rmask[:, None] & (ks < D)[None, :]
             s1 += tl.reduce(tl.load(x_ptr + rows[:, None] * D + ks[None, :], mask=rkd,
                                     other=0.0), 1, _SUM)
         mean = s1 / D
-        s2 = tl.full([BLOCK_B], 0.0, o_rec.dtype.element_ty)
+        s2 = tl.full([BLOCK_B], 0.0, o_part.dtype.element_ty)
         for k0 in range(0, BD, BK):
             ks = k0 + tl.arange(0, BK)
             rkd = rmask[:, None] & (ks < D)[None, :]
@@ -152,7 +158,7 @@ def attend(
         tl.store(mu1_rec + rows, mean, mask=wrows)
         tl.store(rs1_rec + rows, rstd, mask=wrows)
         hcols = h * DK + dks
-        qu = tl.full([BLOCK_B, BDK], 0.0, o_rec.dtype.element_ty)
+        qu = tl.full([BLOCK_B, BDK], 0.0, o_part.dtype.element_ty)
         for k0 in range(0, BD, BK):  # LN1 chunk by chunk, straight into the query
             ks = k0 + tl.arange(0, BK)
             kd = ks < D
@@ -168,15 +174,18 @@ def attend(
                           mask=kd[:, None] & kmask[None, :], other=0.0)
             qu += tl.dot(a_k, w_k, input_precision="ieee")
         qu += tl.load(uq + hcols, mask=kmask, other=0.0)[None, :]
-        tl.store(qu_rec + rows[:, None] * D + hcols[None, :], qu, mask=rk)
+        tl.store(qu_rec + rows[:, None] * D + hcols[None, :], qu,
+                 mask=(rows < B * (sp == 0))[:, None] & kmask[None, :])
         head = (rows * H + h) * S  # [BLOCK_B] first slot of (row, head)
         prob_row = (rows * H + h) * n_pos
+        j_lo = sp * SPLIT  # this split's window slots: j_lo .. j_hi - 1
+        j_hi = tl.minimum(ell, j_lo + SPLIT)
         m_run = tl.full([BLOCK_B], float("-inf"), dtype=qu.dtype)
         l_run = tl.full([BLOCK_B], 0.0, qu.dtype)
-        # Pass 1: the scores (kept in the probability record), their max and sum.
-        for j0 in range(0, ell, BW):
+        # Pass 1: the scores (recorded), their max and sum.
+        for j0 in range(j_lo, j_hi, BW):
             j = j0 + tl.arange(0, BW)
-            jmask = j < ell
+            jmask = j < j_hi
             pos = n_pos - ell + j  # position row: largest offset first
             kw = rmask[:, None, None] & jmask[None, :, None] & kmask[None, None, :]
             kt = tl.load(k_ptr + ((head[:, None] + lo + j[None, :]) * DK)[:, :, None]
@@ -187,7 +196,7 @@ def attend(
             s += tl.reduce(qu[:, :, None] * r[None, :, :], 1, _SUM)
             s += tl.load(cpos + h * n_pos + pos, mask=jmask, other=0.0)[None, :]
             s = tl.where(jmask[None, :], s, float("-inf"))
-            tl.store(prob_rec + prob_row[:, None] + pos[None, :], s,
+            tl.store(score_rec + prob_row[:, None] + pos[None, :], s,
                      mask=rmask[:, None] & jmask[None, :])
             m_new = tl.maximum(m_run, tl.reduce(s, 1, _MAX))
             l_run = (l_run * tl.exp(m_run - m_new)
@@ -195,17 +204,15 @@ def attend(
             m_run = m_new
         tl.debug_barrier()  # pass 2 reads what other threads of this program wrote
         o = tl.full([BLOCK_B, BDK], 0.0, qu.dtype)
-        # Pass 2: probabilities (recorded), dropout, the weighted sum of values.
-        for j0 in range(0, ell, BW):
+        # Pass 2: dropout and the weighted sum of values, exp(s - max) unnormalised.
+        for j0 in range(j_lo, j_hi, BW):
             j = j0 + tl.arange(0, BW)
-            jmask = j < ell
+            jmask = j < j_hi
             pos = n_pos - ell + j
             rj = rmask[:, None] & jmask[None, :]
-            s = tl.load(prob_rec + prob_row[:, None] + pos[None, :], mask=rj,
+            s = tl.load(score_rec + prob_row[:, None] + pos[None, :], mask=rj,
                         other=float("-inf"))
-            p = tl.exp(s - m_run[:, None]) / l_run[:, None]
-            p = tl.where(rj, p, 0.0)
-            tl.store(prob_rec + prob_row[:, None] + pos[None, :], p, mask=rj)
+            p = tl.where(rj, tl.exp(s - m_run[:, None]), 0.0)
             if DROPOUT:
                 p = p * tl.load(m_prob + ((rows * H + h) * ell)[:, None] + j[None, :],
                                 mask=rj, other=0.0)
@@ -213,17 +220,23 @@ def attend(
             vt = tl.load(v_ptr + ((head[:, None] + lo + j[None, :]) * DK)[:, :, None]
                          + dks[None, None, :], mask=kw, other=0.0)
             o += tl.reduce(p[:, :, None] * vt, 1, _SUM)
-        tl.store(o_rec + rows[:, None] * D + hcols[None, :], o, mask=rk)
+        tl.store(o_part + sp * B * D + rows[:, None] * D + hcols[None, :], o, mask=rk)
+        tl.store(m_part + (sp * B + rows) * H + h, m_run, mask=rmask)
+        tl.store(l_part + (sp * B + rows) * H + h, l_run, mask=rmask)
 
 
 def out_proj(
-    x_ptr, o_rec, wo, bo, m_att, y_rec, B,
-    D: tl.constexpr, BLOCK_B: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    DROPOUT: tl.constexpr,
+    x_ptr, o_part, m_part, l_part, n_split, wo, bo, m_att, o_rec, lse_rec, y_rec, B,
+    D: tl.constexpr, H: tl.constexpr, DK: tl.constexpr, BLOCK_B: tl.constexpr,
+    BN: tl.constexpr, BK: tl.constexpr, DROPOUT: tl.constexpr,
 ):
-    """Columns n of y = x + Drop(o Wo + bo): x, o, y [B, D]; wo [D, D] (Wo transposed)."""
+    """Columns n of y = x + Drop(o Wo + bo): x, o, y [B, D]; wo [D, D] (Wo transposed).
+    o is the window splits' partial sums combined (o_part [n_split, B, D], their maxima
+    m_part and sums l_part [n_split, B, H]); it and each head's log-sum-exp lse [B, H]
+    (the backward's probabilities: exp(score - lse)) are recorded."""
     rows = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
     rmask = rows < B
+    wrows = rows < B * (tl.program_id(1) == 0)  # the rows the tile's first program records
     n = tl.program_id(1) * BN + tl.arange(0, BN)
     nmask = n < D
     rn = rmask[:, None] & nmask[None, :]
@@ -231,8 +244,24 @@ def out_proj(
     for k0 in range(0, D, BK):
         ks = k0 + tl.arange(0, BK)
         kd = ks < D
-        o_k = tl.load(o_rec + rows[:, None] * D + ks[None, :], mask=rmask[:, None] & kd[None, :],
-                      other=0.0)
+        rkd = rmask[:, None] & kd[None, :]
+        at_k = rows[:, None] * D + ks[None, :]
+        at_h = rows[:, None] * H + (ks // DK)[None, :]  # each column's (row, head)
+        m_all = tl.full([BLOCK_B, BK], float("-inf"), dtype=z.dtype)
+        for s in range(n_split):
+            m_all = tl.maximum(m_all, tl.load(m_part + s * B * H + at_h, mask=rkd,
+                                              other=float("-inf")))
+        m_all = tl.where(rkd, m_all, 0.0)
+        l_all = tl.full([BLOCK_B, BK], 0.0, z.dtype)
+        o_k = tl.full([BLOCK_B, BK], 0.0, z.dtype)
+        for s in range(n_split):  # each split's sums rescaled to the common max
+            e = tl.exp(tl.load(m_part + s * B * H + at_h, mask=rkd, other=0.0) - m_all)
+            l_all += e * tl.load(l_part + s * B * H + at_h, mask=rkd, other=0.0)
+            o_k += e * tl.load(o_part + s * B * D + at_k, mask=rkd, other=0.0)
+        o_k = tl.where(rkd, o_k / tl.where(rkd, l_all, 1.0), 0.0)
+        tl.store(o_rec + at_k, o_k, mask=wrows[:, None] & kd[None, :])
+        tl.store(lse_rec + at_h, m_all + tl.log(tl.where(rkd, l_all, 1.0)),
+                 mask=wrows[:, None] & kd[None, :])
         w_k = tl.load(wo + ks[:, None] * D + n[None, :], mask=kd[:, None] & nmask[None, :],
                       other=0.0)
         z += tl.dot(o_k, w_k, input_precision="ieee")
@@ -423,21 +452,26 @@ def ffi_back(
 
 def att_back(
     g_rec, dc_rec, y_ptr, mu2_rec, rs2_rec, ln2_w, wo, m_att, m_prob,
-    k_ptr, v_ptr, dk_ptr, dv_ptr, qu_rec, prob_rec, rt,
-    dy_rec, dz_rec, ds_rec, dqu_rec,
-    B, S, lo, ell, n_pos,
+    k_ptr, v_ptr, dk_ptr, dv_ptr, qu_rec, o_rec, score_rec, lse_rec, rt,
+    dy_rec, dz_rec, ds_rec, dqu_part,
+    B, S, lo, ell, n_split, n_pos,
     D: tl.constexpr, H: tl.constexpr, DK: tl.constexpr, BLOCK_B: tl.constexpr,
-    BD: tl.constexpr, BDK: tl.constexpr, BW: tl.constexpr, BK: tl.constexpr,
-    DROPOUT: tl.constexpr,
+    BD: tl.constexpr, BDK: tl.constexpr, BW: tl.constexpr, SPLIT: tl.constexpr,
+    BK: tl.constexpr, DROPOUT: tl.constexpr,
 ):
     """LN2's backward: dy = LN2'(dc) + g [B, D] (recorded); then, where the step attends,
-    head h's gradients: do_h = Drop'(dy) Wo^T, the window's key/value gradients added to
-    dk/dv [B*H, S, DK] (this program's rows and head only), and dqu's head-h columns."""
+    head h's gradients over its split sp of the window (``SPLIT`` slots): do_h =
+    Drop'(dy) Wo^T, the split's key/value gradients added to dk/dv [B*H, S, DK] (this
+    program's rows, head and slots only), and its share of dqu's head-h columns in
+    dqu_part [n_split, B, D] (q_back sums them). The probabilities are exp(score - lse),
+    and the softmax's row term sum_j p_j dp_j is do . o (o recorded after the weighted sum),
+    so a split needs nothing from the others."""
     pid = tl.program_id(0)
     h = tl.program_id(1)
+    sp = tl.program_id(2)
     rows = pid * BLOCK_B + tl.arange(0, BLOCK_B)
     rmask = rows < B
-    wrows = rows < B * (tl.program_id(1) == 0)  # the rows the tile's first program records
+    wrows = rows < B * (h == 0) * (sp == 0)  # the rows the tile's first program records
     mean2 = tl.load(mu2_rec + rows, mask=rmask, other=0.0)
     rstd2 = tl.load(rs2_rec + rows, mask=rmask, other=0.0)
     s_g = tl.full([BLOCK_B], 0.0, dy_rec.dtype.element_ty)
@@ -480,20 +514,26 @@ def att_back(
             do += tl.dot(dy, w_k, input_precision="ieee")
     if ell > 0:
         qu = tl.load(qu_rec + rows[:, None] * D + hcols[None, :], mask=rk, other=0.0)
+        o = tl.load(o_rec + rows[:, None] * D + hcols[None, :], mask=rk, other=0.0)
+        rowdot = tl.reduce(do * o, 1, _SUM)
+        lse = tl.load(lse_rec + rows * H + h, mask=rmask, other=0.0)
         head = (rows * H + h) * S
         prob_row = (rows * H + h) * n_pos
-        rowdot = tl.full([BLOCK_B], 0.0, do.dtype)
-        # Pass 1: d(prob) = do . v (kept in the score-gradient record), dV += p do.
-        for j0 in range(0, ell, BW):
+        j_lo = sp * SPLIT
+        j_hi = tl.minimum(ell, j_lo + SPLIT)
+        dqu = tl.full([BLOCK_B, BDK], 0.0, do.dtype)
+        for j0 in range(j_lo, j_hi, BW):
             j = j0 + tl.arange(0, BW)
-            jmask = j < ell
+            jmask = j < j_hi
             pos = n_pos - ell + j
             rj = rmask[:, None] & jmask[None, :]
             kw = rj[:, :, None] & kmask[None, None, :]
             slot_off = ((head[:, None] + lo + j[None, :]) * DK)[:, :, None] + dks[None, None, :]
             vt = tl.load(v_ptr + slot_off, mask=kw, other=0.0)
-            dp = tl.reduce(do[:, None, :] * vt, 2, _SUM)
-            p = tl.load(prob_rec + prob_row[:, None] + pos[None, :], mask=rj, other=0.0)
+            dp = tl.reduce(do[:, None, :] * vt, 2, _SUM)  # d(prob) = do . v
+            s = tl.load(score_rec + prob_row[:, None] + pos[None, :], mask=rj,
+                        other=float("-inf"))
+            p = tl.where(rj, tl.exp(s - lse[:, None]), 0.0)
             pu = p
             if DROPOUT:
                 mp = tl.load(m_prob + ((rows * H + h) * ell)[:, None] + j[None, :], mask=rj,
@@ -502,21 +542,7 @@ def att_back(
                 dp = dp * mp
             dvt = tl.load(dv_ptr + slot_off, mask=kw, other=0.0)
             tl.store(dv_ptr + slot_off, dvt + pu[:, :, None] * do[:, None, :], mask=kw)
-            tl.store(ds_rec + prob_row[:, None] + pos[None, :], dp, mask=rj)
-            rowdot += tl.reduce(p * dp, 1, _SUM)
-        tl.debug_barrier()  # pass 2 reads what other threads of this program wrote
-        dqu = tl.full([BLOCK_B, BDK], 0.0, do.dtype)
-        # Pass 2: the softmax backward, then the query's and the keys' gradients.
-        for j0 in range(0, ell, BW):
-            j = j0 + tl.arange(0, BW)
-            jmask = j < ell
-            pos = n_pos - ell + j
-            rj = rmask[:, None] & jmask[None, :]
-            kw = rj[:, :, None] & kmask[None, None, :]
-            slot_off = ((head[:, None] + lo + j[None, :]) * DK)[:, :, None] + dks[None, None, :]
-            dp = tl.load(ds_rec + prob_row[:, None] + pos[None, :], mask=rj, other=0.0)
-            p = tl.load(prob_rec + prob_row[:, None] + pos[None, :], mask=rj, other=0.0)
-            ds = tl.where(rj, p * (dp - rowdot[:, None]), 0.0)
+            ds = tl.where(rj, p * (dp - rowdot[:, None]), 0.0)  # the softmax backward
             tl.store(ds_rec + prob_row[:, None] + pos[None, :], ds, mask=rj)
             kt = tl.load(k_ptr + slot_off, mask=kw, other=0.0)
             dqu += tl.reduce(ds[:, :, None] * kt, 1, _SUM)
@@ -525,15 +551,16 @@ def att_back(
             dqu += tl.reduce(ds[:, :, None] * rtt[None, :, :], 1, _SUM)
             dkt = tl.load(dk_ptr + slot_off, mask=kw, other=0.0)
             tl.store(dk_ptr + slot_off, dkt + ds[:, :, None] * qu[:, None, :], mask=kw)
-        tl.store(dqu_rec + rows[:, None] * D + hcols[None, :], dqu, mask=rk)
+        tl.store(dqu_part + sp * B * D + rows[:, None] * D + hcols[None, :], dqu, mask=rk)
 
 
 def q_back(
-    dqu_rec, wq, da_rec, mem, dkv_ptr, wkv, dkv_rec, dm_ptr, B, S, slot,
+    dqu_part, n_split, dqu_rec, wq, da_rec, mem, dkv_ptr, wkv, dkv_rec, dm_ptr, B, S, slot,
     D: tl.constexpr, H: tl.constexpr, DK: tl.constexpr, NKV: tl.constexpr,
     BLOCK_B: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):
-    """Columns n of da = dqu Wq^T [B, D] (wq [D, D]). ``mem``: also memory slot ``slot``'s
+    """Columns n of da = dqu Wq^T [B, D] (wq [D, D]), dqu [B, D] the sum of the window
+    splits' dqu_part [n_split, B, D] (recorded as dqu_rec). ``mem``: also memory slot ``slot``'s
     keys'/values' gradients from dkv [2, NKV, B*H, S, DK] -> recorded as dkv_rec
     [B, 2*NKV*D], and columns n of dm = dkv_rec Wkv^T [B, D] (wkv [D, 2*NKV*D]), before
     the memory norm's backward."""
@@ -547,8 +574,12 @@ def q_back(
     for k0 in range(0, D, BK):
         ks = k0 + tl.arange(0, BK)
         kd = ks < D
-        g = tl.load(dqu_rec + rows[:, None] * D + ks[None, :], mask=rmask[:, None] & kd[None, :],
-                    other=0.0)
+        rkd = rmask[:, None] & kd[None, :]
+        g = tl.full([BLOCK_B, BK], 0.0, acc.dtype)
+        for s in range(n_split):
+            g += tl.load(dqu_part + s * B * D + rows[:, None] * D + ks[None, :], mask=rkd,
+                         other=0.0)
+        tl.store(dqu_rec + rows[:, None] * D + ks[None, :], g, mask=wrows[:, None] & kd[None, :])
         w_k = tl.load(wq + n[None, :] * D + ks[:, None], mask=kd[:, None] & nmask[None, :],
                       other=0.0)  # [BK, BN]: wq transposed
         acc += tl.dot(g, w_k, input_precision="ieee")
