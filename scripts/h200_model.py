@@ -69,6 +69,7 @@ REPLAY_US = 10.0  # host cost of one graph replay (assumed)
 DEVICE_FLOOR_US = 2.0  # device cost of any kernel at least (issue 32: 1.5-3 us)
 BLOCK_B = 16  # batch rows per program of the fused core's kernels
 BN = 32  # columns per program of its column-split kernels
+SPLIT = 32  # window slots per program of its attention kernels
 FP32 = 4  # bytes
 VOCAB = 65
 BATCHES = (16, 128, 512)
@@ -206,10 +207,14 @@ class Launch:
 def fused_kernels(s: Sizes) -> list[Launch]:
     """The fused core's eight kernels of a token-layer at ``s`` (see the module docstring):
     the window averaged over a call's steps, the memory's projection (done by layer 0's
-    attend forward and q_back backward) averaged over the layers."""
-    D, F, H, L, B = s.d_model, s.d_ff, s.n_heads, s.n_layers, s.batch
+    attend forward and q_back backward) averaged over the layers. The attention kernels
+    run a program per batch tile, head and split of ``SPLIT`` window slots, each split
+    computing its head's query (forward) or do (backward) again; out_proj and q_back read
+    every split's partial results."""
+    D, F, H, L, B, T = s.d_model, s.d_ff, s.n_heads, s.n_layers, s.batch, s.seq_len
     tiles = math.ceil(B / BLOCK_B)
-    ell = s.attended() / s.seq_len  # slots a step attends, on average
+    ell = s.attended() / T  # slots a step attends, on average
+    splits = sum(max(1, math.ceil(min(t, s.window) / SPLIT)) for t in range(T)) / T
     C = 2 * s.n_kv * D  # the memory projection's columns
 
     def cols(n: int) -> int:
@@ -222,10 +227,11 @@ def fused_kernels(s: Sizes) -> list[Launch]:
     kv_bytes = 2 * B * ell * D * FP32  # the window's keys and values
     memory = 2 * B * D * C / L
     return [
-        Launch("attend", tiles * H, 2 * B * D * D + window + memory,
-               tiles * (D * D + D * C / L) * FP32 + kv_bytes, weights(D * D + D * C / L)),
+        Launch("attend", round(tiles * H * splits), 2 * B * D * D * splits + window + memory,
+               tiles * (D * D * splits + D * C / L) * FP32 + kv_bytes,
+               weights(D * D + D * C / L)),
         Launch("out_proj", cols(D), 2 * B * D * D,
-               (tiles * D * D + B * D * math.ceil(D / BN)) * FP32, weights(D * D)),
+               (tiles * D * D + B * D * splits * math.ceil(D / BN)) * FP32, weights(D * D)),
         Launch("ff_in", cols(F), 2 * B * D * F,
                (tiles * D * F + B * D * math.ceil(F / BN)) * FP32, weights(D * F)),
         Launch("ff_out", cols(D), 2 * B * F * D,
@@ -234,11 +240,11 @@ def fused_kernels(s: Sizes) -> list[Launch]:
                (tiles * D * F + 5 * B * D * math.ceil(F / BN)) * FP32, weights(D * F)),
         Launch("ffi_back", cols(D), 2 * B * F * D,
                (tiles * F * D + B * F * math.ceil(D / BN)) * FP32, weights(F * D)),
-        Launch("att_back", tiles * H, 2 * B * D * D + 2 * window,
-               tiles * D * D * FP32 + 2 * kv_bytes, weights(D * D)),
+        Launch("att_back", round(tiles * H * splits), 2 * B * D * D * splits + 2 * window,
+               tiles * D * D * splits * FP32 + 2 * kv_bytes, weights(D * D)),
         Launch("q_back", cols(D), 2 * B * D * D + memory,
-               (tiles * (D * D + D * C / L) + B * (D + C / L) * math.ceil(D / BN)) * FP32,
-               weights(D * D + D * C / L)),
+               (tiles * (D * D + D * C / L) + B * (D * splits + C / L) * math.ceil(D / BN))
+               * FP32, weights(D * D + D * C / L)),
     ]
 
 

@@ -180,6 +180,11 @@ def test_h200_model_recomputes_one_row_by_hand(monkeypatch):
     l2 = {"out_proj": 144, "ff_in": 160, "ff_out": 288, "ffo_back": 672, "ffi_back": 288,
           "att_back": 528}
     assert {k: kernels[k].l2_bytes for k in l2} == l2
+    with monkeypatch.context() as mp:  # windows split by 1 slot: (1 + 1 + 2) / 3 splits a
+        mp.setattr(m, "SPLIT", 1)      # step, each computing the query again
+        split = m.fused_kernels(s)[0]
+        assert split.flops == pytest.approx(128 * 4 / 3 + 192 + 256)
+        assert split.l2_bytes == pytest.approx((4 * 4 / 3 + 8) * 4 + 256)
     # Each launch uses 1/132 of the GPU and is L2-bound (the bytes beat the FLOPs at 67
     # TFLOP/s / 132 and the records' 14400 / 12 B at 4.8 TB/s): 12 launches, 12/8 of each
     # kind, then 8 other kernels at no floor and the optimizer's 1232 B at 4.8 TB/s.
