@@ -62,11 +62,12 @@ def write_text(path: Path) -> Path:
     return path
 
 
-def make_run(tmp_path: Path, lr: float = LR, **train: Any) -> Run:
+def make_run(tmp_path: Path, lr: float = LR, precision: str = "fp32", **train: Any) -> Run:
     """A fresh run of a tiny feedback_kv model with dropout and clipping; the curriculum
     lengthens from 8 to 12 after three steps."""
     raw = {
-        "run": {"name": "run", "out_dir": str(tmp_path / "runs"), "device": "cpu", "seed": 5},
+        "run": {"name": "run", "out_dir": str(tmp_path / "runs"), "device": "cpu", "seed": 5,
+                "precision": precision},
         "data": {"path": str(write_text(tmp_path / "text.txt"))},
         "model": {"kind": "feedback_kv", "d_model": 16, "n_heads": 2, "d_ff": 32,
                   "n_layers": 2, "max_rel_pos": 16, "dropout": 0.1},
@@ -106,13 +107,14 @@ def stand_in(monkeypatch) -> type[ReplayingStepGraph]:
     return ReplayingStepGraph
 
 
-def eager_and_graphed(tmp_path: Path, lr: float = LR) -> tuple[list, list, Run, Run]:
+def eager_and_graphed(tmp_path: Path, lr: float = LR, precision: str = "fp32"
+                      ) -> tuple[list, list, Run, Run]:
     """STEPS steps of one run eagerly and of a second, from the same seed, graphed."""
     # One after the other: set-up seeds the process's generators, which dropout draws from.
-    eager = make_run(tmp_path / "eager", lr)
+    eager = make_run(tmp_path / "eager", lr, precision)
     eager_results = [train_step(eager, i, StopSignals(), tmp_path / "last.pt")
                      for i in range(STEPS)]
-    graphed = make_run(tmp_path / "graphed", lr)
+    graphed = make_run(tmp_path / "graphed", lr, precision)
     step_graphs = graphs_of(graphed)
     graphed_results = [step_graph.graphed_train_step(graphed, step_graphs, i, StopSignals(),
                                                      tmp_path / "last.pt")
@@ -120,11 +122,15 @@ def eager_and_graphed(tmp_path: Path, lr: float = LR) -> tuple[list, list, Run, 
     return eager_results, graphed_results, eager, graphed
 
 
-def test_graphed_steps_are_the_eager_steps_bit_for_bit(tmp_path, stand_in):
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_graphed_steps_are_the_eager_steps_bit_for_bit(tmp_path, stand_in, precision):
     """Six steps, a shape change after three: the same figures, weights and AdamW state as
     eager training, bit for bit; the first step of each shape runs eagerly and is captured,
-    the other two replay (and each replay overwrote the graph's one output)."""
-    eager_results, graphed_results, eager, graphed = eager_and_graphed(tmp_path)
+    the other two replay (and each replay overwrote the graph's one output). In bf16 the
+    graphs' autocast keeps no cache of cast weights, and casts the same values."""
+    eager_results, graphed_results, eager, graphed = eager_and_graphed(tmp_path,
+                                                                       precision=precision)
+    assert (graphed.amp_dtype is torch.bfloat16) == (precision == "bf16")
     assert [figures(r) for r in graphed_results] == [figures(r) for r in eager_results]
     for a, b in zip(state_of(eager), state_of(graphed), strict=True):
         assert torch.equal(a, b)
@@ -246,3 +252,27 @@ def test_the_core_is_not_graphed_inside_a_step_graph(monkeypatch):
     with graphs.suspended():
         assert graphs.maybe_graphed(native.NativeCore, like) is native.NativeCore
     assert isinstance(graphs.maybe_graphed(native.NativeCore, like), graphs.GraphedCore)
+
+
+def test_the_gpu_check_script_runs_on_its_cpu_stand_in(tmp_path, monkeypatch, capsys):
+    """scripts/step_graph_check.py, the prepared check for a first GPU run, on the CPU: the
+    eager and graphed pairs agree bit for bit (exit 0, its JSON says so); at a learning
+    rate that is not a float32 number they do not, while eager repeats itself (exit 1)."""
+    import json
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import step_graph_check
+
+    out = tmp_path / "check.json"
+    assert step_graph_check.main(["--json", str(out)]) == 0
+    row = json.loads(out.read_text())["rows"]["auto/fp32"]
+    assert row["bitwise_equal"] and row["captured"] and row["eager_repeatable"]
+    assert row["graphed_ms"] > 0 and row["eager_ms"] > 0
+    monkeypatch.setattr(step_graph_check, "LR", 1e-3)
+    assert step_graph_check.main(["--json", str(out)]) == 1
+    row = json.loads(out.read_text())["rows"]["auto/fp32"]
+    assert row["eager_repeatable"] and row["captured"] and not row["bitwise_equal"]
+    assert "auto/fp32: FAILED" in capsys.readouterr().out
+    assert step_graph_check.main(["--require-cuda"]) == 1
+    assert capsys.readouterr().err == "error: no CUDA device; this check is for a CUDA machine\n"
