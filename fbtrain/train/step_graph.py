@@ -191,14 +191,19 @@ class StepGraphs:
 
     def step(self, x: Tensor, y: Tensor, lr: float) -> Figures:
         """Train one step on inputs ``x`` and targets ``y`` ``[batch, T]`` at rate ``lr``."""
-        self.lr.fill_(lr)
-        key = (tuple(x.shape), tuple(y.shape), x.dtype, y.dtype)
-        if self.graph is not None and key == self.key:
-            for static, given in zip(self.static, (x, y), strict=True):
-                static.copy_(given)
-            self.graph.replay()
-            return self._read(self.graph.out)
-        return self._read(self._first(x, y, key))
+        # On the run's device, which need not be the current one (a run on cuda:1 without
+        # DDP never sets it): a replay is queued on the current device's stream, and
+        # capture and AdamW's capture check read that device's stream too.
+        with torch.cuda.device(self.device) if self.stream is not None else \
+                contextlib.nullcontext():
+            self.lr.fill_(lr)
+            key = (tuple(x.shape), tuple(y.shape), x.dtype, y.dtype)
+            if self.graph is not None and key == self.key:
+                for static, given in zip(self.static, (x, y), strict=True):
+                    static.copy_(given)
+                self.graph.replay()
+                return self._read(self.graph.out)
+            return self._read(self._first(x, y, key))
 
     def _first(self, x: Tensor, y: Tensor, key: tuple) -> Tensor:
         """The first step of a shape: run eagerly on the capture stream, then captured."""
