@@ -43,6 +43,7 @@ import sys
 import time
 import warnings
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -115,14 +116,14 @@ def step_function(run: Run) -> TrainStep:
     step_graphs = StepGraphs(run.model, run.optimizer, run.params, clip, run.amp_dtype,
                              run.ctx)
 
-    def graphed(run: Run, index: int, signals: StopSignals, last) -> StepResult:
+    def graphed(run: Run, index: int, signals: StopSignals, last: Path) -> StepResult:
         return graphed_train_step(run, step_graphs, index, signals, last)
 
     return graphed
 
 
 def graphed_train_step(run: Run, step_graphs: StepGraphs, index: int, signals: StopSignals,
-                       last) -> StepResult:
+                       last: Path) -> StepResult:
     """:func:`~fbtrain.train.step.train_step` through ``step_graphs``: the same figures,
     stop rules and result, one micro-batch and no loss scaling (:func:`step_graph_problem`)."""
     seq_len, batch = run.curriculum.seq_len_at(index), run.curriculum.batch_size_at(index)
