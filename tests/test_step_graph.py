@@ -276,3 +276,26 @@ def test_the_gpu_check_script_runs_on_its_cpu_stand_in(tmp_path, monkeypatch, ca
     assert "auto/fp32: FAILED" in capsys.readouterr().out
     assert step_graph_check.main(["--require-cuda"]) == 1
     assert capsys.readouterr().err == "error: no CUDA device; this check is for a CUDA machine\n"
+
+
+def test_a_failed_capture_runs_every_step_eagerly_after_one_line(tmp_path, monkeypatch,
+                                                                 capsys):
+    """A capture that fails: one notice line, the step it followed already trained eagerly,
+    every later step eager too (no capture tried again, nor of the core), and the numbers
+    are eager training's."""
+    tried = []
+
+    def failing(body, device, stream):
+        tried.append(body)
+        raise RuntimeError("operation not permitted when stream is capturing\nmore detail")
+
+    monkeypatch.setattr(step_graph, "_StepGraph", failing)
+    monkeypatch.setattr(graphs, "_capture_failed", False)
+    eager_results, graphed_results, eager, graphed = eager_and_graphed(tmp_path)
+    assert [figures(r) for r in graphed_results] == [figures(r) for r in eager_results]
+    for a, b in zip(state_of(eager), state_of(graphed), strict=True):
+        assert torch.equal(a, b)
+    assert len(tried) == 1 and graphs.capture_status()["failed"]
+    assert capsys.readouterr().err.splitlines() == [
+        "fbtrain: CUDA graph capture of the training step failed (operation not permitted "
+        "when stream is capturing); running it eagerly from now on"]

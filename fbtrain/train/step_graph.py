@@ -32,7 +32,8 @@ graphs where they apply): not CUDA, torch.distributed (DDP's all-reduces run bes
 backward), ``train.grad_accum`` > 1, fp16 loss scaling (the scaler decides on the host),
 carried memory (``train.context: carry``: the memory's shape and step count change between
 segments), a core that syncs with the host (the PyTorch core), an optimizer that is not
-fused AdamW. A capture that fails says so and runs the step eagerly from then on.
+fused AdamW. A capture that fails says so and runs the step eagerly from then on (and no
+core graph is captured after it).
 """
 
 from __future__ import annotations
@@ -220,6 +221,7 @@ class StepGraphs:
             self.key = key
         except (RuntimeError, UserWarning) as e:
             self.failed, self.graph = True, None
+            graphs.note_capture_failed()
             print(f"fbtrain: CUDA graph capture of the training step failed ({first_line(e)});"
                   " running it eagerly from now on", file=sys.stderr, flush=True)
         return stats

@@ -230,6 +230,13 @@ def release() -> None:
         torch.cuda.empty_cache()
 
 
+def note_capture_failed() -> None:
+    """A capture outside this module (a whole step's) failed: the core's graphs are not
+    tried after it either (it can leave the allocator's capture state behind it)."""
+    global _capture_failed
+    _capture_failed = True
+
+
 def capture_status() -> dict[str, int | bool]:
     """Graphs captured so far in this process, and whether a capture failed."""
     return {"captured": sum(len(g.graphs) for g in _graphed.values()),
