@@ -216,6 +216,9 @@ def test_step_graphs_say_in_one_line_why_they_cannot_run(tmp_path, monkeypatch, 
     monkeypatch.setenv("FBTRAIN_CORE", "python")
     assert step_graph.step_graph_problem(dataclasses.replace(run, ctx=cuda)) == (
         "the PyTorch core syncs with the host (it needs the C++ or the fused core)")
+    # A model that runs no core (the transformer) does not need a capturable one.
+    coreless = dataclasses.replace(run, ctx=cuda, raw_model=torch.nn.Linear(2, 2))
+    assert step_graph.step_graph_problem(coreless) == ""
 
 
 def test_the_trainer_trains_through_step_graphs_where_they_run(tmp_path, stand_in,
