@@ -41,6 +41,17 @@ the captured graph (:class:`ReplayStandIn`: the same copies, then the call itsel
 kernel, so ``launches`` (what the GPU runs) and ``host launches`` (what the host queues)
 differ there. Eager, the two are the same.
 
+Whole-step graphs (``--step-graph``): with ``FBTRAIN_CUDA_GRAPHS=step``
+(``fbtrain.train.step_graph.StepGraphs``, the trainer's own step function) one graph per shape
+holds the whole step - forward, loss, backward, clipping, AdamW - and the host queues the
+learning rate's fill, the batch's copies into the graph's inputs, one replay and the one
+read of the step's figures. The count runs StepGraphs itself with a stand-in for the
+captured step (:class:`StepReplayStandIn`: the step under GRAPH_REPLAY), and counts a
+replayed step (the third: the first of a shape runs eagerly and is captured). Not counted
+there: the sampler's one host-to-device copy of the batch (before the step, as eager), and
+what ``CUDAGraph.replay`` does inside (with dropout, two small fills of the generator's seed
+and offset per replay).
+
 The launch-bound floor printed is ``host launches x per-launch cost``: a model of a GPU
 whose host can queue one kernel every ``--us-per-launch`` microseconds, not a GPU
 measurement.
@@ -48,6 +59,7 @@ measurement.
     python scripts/launch_count.py                      # feedback_kv, B 16, T 64, D 128, L 4
     python scripts/launch_count.py --kind feedback --dropout 0.1 --json counts.json
     python scripts/launch_count.py --core fused --graphed
+    python scripts/launch_count.py --core fused --step-graph --tiny
     python scripts/launch_count.py --table              # both kinds, dropout, eager/graphed
 """
 
@@ -105,6 +117,10 @@ OWN_KERNEL = frozenset(f"aten::{n}" for n in (
 #   in cuBLASLt's epilogue (addmm_out_cuda_impl's Lt path: 1-D bias, contiguous output,
 #   more than one row, as the core's feed-forward matmul has at batch 2 and up).
 ONE_KERNEL = frozenset({"aten::baddbmm_", "aten::_addmm_activation"})
+# Ops whose CPU kernel reads scalars on the host (fused AdamW's CPU kernel reads each step
+# count, a tensor rate and found_inf with item()) where CUDA's reads them on the device
+# (aten/src/ATen/native/cuda/fused_adam_utils.cuh): syncs below them are not counted.
+DEVICE_READS = frozenset({"aten::_fused_adamw_", "aten::_fused_adam_"})
 # (aten::item calls aten::_local_scalar_dense: counting both would count each sync twice)
 SYNC_OPS = frozenset({"aten::_local_scalar_dense", "fbtrain::host_sync"})
 SECTIONS = ("forward sweep", "backward sweep", "core other", "rest")
@@ -146,10 +162,12 @@ def count_events(events) -> dict:
         if not replayed:
             host[section][event.name] += 1
 
-    def launching(event, inside: bool = False, replayed: bool = False) -> bool:
+    def launching(event, inside: bool = False, replayed: bool = False,
+                  device_reads: bool = False) -> bool:
         """Counts ``event``'s own launch where it has one; True if it or an op below does.
         ``inside``: the event runs inside one of ONE_KERNEL or a Triton kernel (not
-        counted); ``replayed``: inside a GRAPH_REPLAY (a kernel, but no host launch)."""
+        counted); ``replayed``: inside a GRAPH_REPLAY (a kernel, but no host launch);
+        ``device_reads``: inside one of DEVICE_READS (no sync counted)."""
         if inside:
             return True
         name = event.name
@@ -159,11 +177,13 @@ def count_events(events) -> dict:
         if name == GRAPH_REPLAY:
             host[section_of(event)][name] += 1
             replayed = True
+        device_reads |= name in DEVICE_READS
         below = False
         for child in event.cpu_children:
-            below |= launching(child, name in ONE_KERNEL, replayed)
+            below |= launching(child, name in ONE_KERNEL, replayed, device_reads)
         if name in SYNC_OPS:
-            syncs[section_of(event)][name] += 1
+            if not device_reads:
+                syncs[section_of(event)][name] += 1
             return below
         if not name.startswith("aten::") or name in NO_KERNEL:
             return below
@@ -193,6 +213,23 @@ class ReplayStandIn:
                 s.copy_(a)
         with torch.profiler.record_function(GRAPH_REPLAY):
             return self.fn(self.static)
+
+
+class StepReplayStandIn:
+    """``step_graph._StepGraph`` on a CPU, for counting: no capture; each replay runs the
+    captured step under GRAPH_REPLAY (the kernels one ``cudaGraphLaunch`` would run) and
+    writes its figures into the first replay's output, as a graph rewrites its own."""
+
+    def __init__(self, body, device, stream):
+        self.body, self.out = body, None
+
+    def replay(self) -> None:
+        with torch.profiler.record_function(GRAPH_REPLAY):
+            fresh = self.body()
+            if self.out is None:
+                self.out = fresh
+            else:
+                self.out.copy_(fresh)
 
 
 class MarkedCore:
@@ -240,10 +277,12 @@ def launch_marks() -> Iterator[None]:
 def core_setting(core: str, graphed: bool) -> Iterator[None]:
     """The core the count runs: the ATen path (``aten``: the C++ core with
     ``FBTRAIN_CORE_ATEN=1``) or the fused core in Triton's interpreter (``fused``), behind
-    GraphedCore with ReplayStandIn where ``graphed``. Its calls are marked CORE_MARK (the
+    GraphedCore with ReplayStandIn where ``graphed`` (and whole-step graphs, where used, with
+    StepReplayStandIn). Its calls are marked CORE_MARK (the
     graphs' copies are in it), and a core other than the C++ one (which marks its own
     sweeps) has its calls marked as the sweeps, inside any graph."""
     from fbtrain.models.core import autograd, graphs, native
+    from fbtrain.train import step_graph
 
     env = ({"FBTRAIN_CORE_ATEN": "1", "FBTRAIN_CORE": "auto"} if core == "aten" else
            {"FBTRAIN_CORE": "fused", "TRITON_INTERPRET": "1"})
@@ -258,21 +297,26 @@ def core_setting(core: str, graphed: bool) -> Iterator[None]:
         stack.enter_context(mock.patch.dict(os.environ, env))
         stack.enter_context(mock.patch.object(autograd, "maybe_graphed", wrap))
         stack.enter_context(mock.patch.object(graphs, "_Graph", ReplayStandIn))
+        stack.enter_context(mock.patch.object(step_graph, "_StepGraph", StepReplayStandIn))
         stack.enter_context(launch_marks())
         yield
 
 
 def count_step(kind: str = "feedback_kv", batch: int = 16, seq_len: int = 64,
                dropout: float = 0.0, sizes: dict | None = None,
-               optimizer: bool = True, core: str = "aten", graphed: bool = False) -> dict:
+               optimizer: bool = True, core: str = "aten", graphed: bool = False,
+               step_graph: bool = False) -> dict:
     """Profile one training step (forward, cross-entropy, backward, AdamW step) of ``kind``
     on ``core`` (:func:`core_setting`) after one warm-up step; :func:`count_events` of it,
-    plus the step's token-layer count under ``"token_layers"``."""
+    plus the step's token-layer count under ``"token_layers"``. ``step_graph``: the
+    trainer's whole-step graphs instead (:func:`whole_step`; the core ungraphed inside)."""
     sizes = {k: v for k, v in {**SIZES, **(sizes or {})}.items() if k != "dropout"}
+    if step_graph and (graphed or not optimizer):
+        raise ValueError("a whole-step graph holds the core and the optimizer step")
     if core == "fused" and not fused_compile.triton_interpreting():
         return _count_in_child(dict(kind=kind, batch=batch, seq_len=seq_len, dropout=dropout,
                                     sizes=sizes, optimizer=optimizer, core=core,
-                                    graphed=graphed))
+                                    graphed=graphed, step_graph=step_graph))
     saved = torch.get_num_threads()
     torch.set_num_threads(1)  # one shard, as on a GPU
     try:
@@ -292,7 +336,10 @@ def count_step(kind: str = "feedback_kv", batch: int = 16, seq_len: int = 64,
 
             from torch.profiler import ProfilerActivity, profile
 
-            step()  # warm-up (and, graphed, the stand-in's "captures")
+            if step_graph:
+                step = whole_step(model, opt, x)
+                step()  # the first step of the shape: eager, then "captured"
+            step()  # warm-up (graphed: the stand-in's "captures"; whole step: a replay)
             with profile(activities=[ProfilerActivity.CPU]) as prof:
                 step()
         counts = count_events(prof.events())
@@ -300,6 +347,20 @@ def count_step(kind: str = "feedback_kv", batch: int = 16, seq_len: int = 64,
         torch.set_num_threads(saved)
     counts["token_layers"] = seq_len * sizes["n_layers"]
     return counts
+
+
+def whole_step(model, opt, x):
+    """The trainer's whole-step graphs (``fbtrain.train.step_graph.StepGraphs``, clipping
+    at 1) over ``model`` and ``opt`` on inputs and targets ``x``, the captured step run by
+    :class:`StepReplayStandIn` (:func:`core_setting` patches it in): a function that
+    trains one step."""
+    from fbtrain.distributed import DistContext
+    from fbtrain.train import step_graph
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    graphs = step_graph.StepGraphs(model, opt, params, 1.0, None,
+                                   DistContext(torch.device("cpu")))
+    return lambda: graphs.step(x, x, 1e-4)
 
 
 def _count_in_child(kwargs: dict) -> dict:
@@ -396,6 +457,9 @@ def main() -> int:
                              "interpreted")
     parser.add_argument("--graphed", action="store_true",
                         help="host launches with one CUDA graph per shape (a replay: one)")
+    parser.add_argument("--step-graph", action="store_true",
+                        help="host launches with the whole step as one CUDA graph per shape "
+                             "(FBTRAIN_CUDA_GRAPHS=step: the trainer's StepGraphs)")
     parser.add_argument("--table", action="store_true",
                         help="both kinds, dropout 0 and 0.1, eager and graphed: one "
                              "markdown row each (--core all: both cores)")
@@ -416,6 +480,8 @@ def main() -> int:
         return _worker()
     if args.core == "all" and not args.table:
         parser.error("--core all is for --table; one count takes aten or fused")
+    if args.step_graph and (args.graphed or args.table):
+        parser.error("--step-graph counts one step; it is neither --graphed nor --table")
     sizes, batch = ({**SIZES, **TINY_WIDTHS}, 2) if args.tiny else (SIZES, args.batch)
     if args.table:
         print(f"batch {batch}, length {args.seq_len}, sizes {sizes}: one training step")
@@ -424,9 +490,10 @@ def main() -> int:
                        out=lambda line: print(line, flush=True))
     else:
         counts = count_step(args.kind, batch, args.seq_len, args.dropout, sizes,
-                            core=args.core, graphed=args.graphed)
+                            core=args.core, graphed=args.graphed, step_graph=args.step_graph)
         result = s = summary(counts, args.us_per_launch)
-        mode = "graphed (one replay per captured call)" if args.graphed else "eager"
+        mode = ("the whole step graphed (one replay per step)" if args.step_graph else
+                "graphed (one replay per captured call)" if args.graphed else "eager")
         where = ("the ATen path (FBTRAIN_CORE_ATEN=1, 1 shard)" if args.core == "aten" else
                  "the fused core (Triton's interpreter, FBTRAIN_CORE=fused)")
         print(f"{args.kind}, batch {batch}, length {args.seq_len}, dropout "
@@ -442,8 +509,13 @@ def main() -> int:
             top = ", ".join(f"{op.removeprefix('aten::')} {n}"
                             for op, n in list(s["by_op"][sec].items())[:args.top])
             print(f"  {sec}: {top}")
+        if args.graphed or args.step_graph:
+            for sec in SECTIONS:
+                queued = ", ".join(f"{op.removeprefix('aten::')} {n}"
+                                   for op, n in counts["host_launches"][sec].most_common())
+                print(f"  host queues, {sec}: {queued or 'nothing'}")
         print(f"MODEL, not a GPU measurement: at {args.us_per_launch:g} us per launch the "
-              f"host alone needs >= {s['launch_bound_floor_ms']:.1f} ms per step to queue "
+              f"host alone needs >= {s['launch_bound_floor_ms']:.3g} ms per step to queue "
               f"these kernels")
     if args.json:
         from fbtrain.io import atomic_write_text

@@ -45,6 +45,11 @@ BACKWARD_STEP = {"mm": 5, "copy_": 1, "addcmul": 1, "threshold_backward": 1,
                  "native_layer_norm_backward": 2, "add": 2, "bmm": 2, "addcmul_": 1,
                  "baddbmm_": 2, "_softmax_backward_data": 1}
 BUDGET = 37  # core launches per token-layer (see the budget test): 35.5 now
+# What the host queues for a whole-step graph (FBTRAIN_CUDA_GRAPHS=step), whatever the
+# sizes: the rate's fill, the batch's two copies into the graph, the replay, the figures'
+# copy to the host.
+STEP_GRAPH_HOST = {"aten::fill_": 1, "aten::copy_": 3, launch_count.GRAPH_REPLAY: 1}
+STEP_GRAPH_TARGET = 8  # issue 32: "at most a handful of launches a step"
 
 
 def sweep_counts(seq_len: int) -> dict[str, collections.Counter]:
@@ -236,3 +241,40 @@ def test_gpu_check_graphs_section_cpu_stand_in():
         assert row["eager_ms"] > 0 and row["eager_tokens_per_sec"] > 0
         assert row["eager_launches"] > 0
         assert "graphed_ms" not in row and "bitwise_equal" not in row
+
+
+def _queued(counts: dict, key: str) -> dict[str, collections.Counter]:
+    """The sections of ``counts[key]`` that hold anything."""
+    return {sec: c for sec, c in counts[key].items() if c}
+
+
+def test_whole_step_graph_queues_a_handful_of_launches_and_reads_once():
+    """The trainer's whole-step graphs (FBTRAIN_CUDA_GRAPHS=step, its StepGraphs with the CPU
+    stand-in of the captured step), with dropout: every kernel of the step - the core's
+    sweeps, embedding, loss, backward, clipping, AdamW - runs inside the one replay, and the
+    host queues 5 launches and reads the device once (the step's figures), at any length
+    and depth. (Fused AdamW's CPU kernel reads its step counts with item(); CUDA's does not,
+    so those are no syncs.)"""
+    for seq_len, n_layers in ((4, 1), (6, 2)):
+        counts = launch_count.count_step(batch=2, seq_len=seq_len,
+                                         sizes={**TINY, "n_layers": n_layers}, dropout=0.1,
+                                         step_graph=True)
+        assert _queued(counts, "host_launches") == {"rest": STEP_GRAPH_HOST}
+        assert _queued(counts, "syncs") == {"rest": {"fbtrain::host_sync": 1}}
+        for sec in ("forward sweep", "backward sweep"):
+            assert sum(counts["launches"][sec].values()) > 10 * seq_len * n_layers
+        assert counts["launches"]["rest"]["aten::_fused_adamw_"] == 2  # its two groups
+    s = launch_count.summary(counts, 5.0)
+    assert s["host_launches_total"] == sum(STEP_GRAPH_HOST.values()) <= STEP_GRAPH_TARGET
+
+
+def test_fused_core_whole_step_graph_queues_the_same_handful():
+    """The fused core (interpreted) inside a whole-step graph: its Triton kernels run in the
+    replay, and the host queues what it queues for the ATen path."""
+    _fused_or_skip()
+    counts = launch_count.count_step(batch=3, seq_len=4, sizes={**TINY, "n_layers": 2},
+                                     dropout=0.1, core="fused", step_graph=True)
+    assert _queued(counts, "host_launches") == {"rest": STEP_GRAPH_HOST}
+    assert _queued(counts, "syncs") == {"rest": {"fbtrain::host_sync": 1}}
+    assert any(op.startswith(launch_count.TRITON_PREFIX)
+               for op in counts["launches"]["forward sweep"])

@@ -54,6 +54,7 @@ from fbtrain.scoring import window_scores
 from fbtrain.train.setup import Progress, Run, checkpoint_payload, set_up
 from fbtrain.train.signals import EXIT_CODES, StopRequested, StopSignals
 from fbtrain.train.step import EXIT_NONFINITE, StepResult, TrainingError, train_step
+from fbtrain.train.step_graph import step_function
 
 EVAL_BATCH = 64  # validation windows per forward: no gradients, so wide batches are cheap
 
@@ -173,13 +174,15 @@ class Trainer:
         prev_seq_len = plan.seq_len_at(max(0, progress.step - 1)) if progress.step else None
         if progress.step == 0 and max_steps > 0:
             self._evaluate_untrained(signals)
+        # train_step, or its whole-step CUDA graphs where $FBTRAIN_CUDA_GRAPHS=step asks
+        step = step_function(self.run) if progress.step < max_steps else train_step
         while progress.step < max_steps:
             seq_len = plan.seq_len_at(progress.step)
             if prev_seq_len is not None and seq_len != prev_seq_len:
                 self.logger.info(report.curriculum_line(
                     prev_seq_len, seq_len, plan.batch_size_at(progress.step), progress.step))
             prev_seq_len = seq_len
-            result = train_step(self.run, progress.step, signals, self.manager.last_path)
+            result = step(self.run, progress.step, signals, self.manager.last_path)
             self.throughput.add(result.tokens, result.seconds)
             progress.step += 1
             progress.tokens += result.tokens

@@ -1,4 +1,6 @@
-"""CUDA graphs for the core's sweeps (off by default; ``FBTRAIN_CUDA_GRAPHS=1`` turns them on).
+"""CUDA graphs for the core's sweeps (off by default; ``FBTRAIN_CUDA_GRAPHS=1`` turns them on;
+``FBTRAIN_CUDA_GRAPHS=step`` captures the whole training step instead, see
+:mod:`fbtrain.train.step_graph`, and falls back to these where it cannot).
 
 Why: on a GPU a training step of the core is thousands of tiny kernels, and the host's cost
 of launching each (a few microseconds) is the step's cost whatever the GPU. A CUDA graph
@@ -21,15 +23,17 @@ state behind it, so no other shape is tried).
 Only the C++ core and the fused core (``capturable``) are captured (the PyTorch core reads
 the memory weights on the host), and not under torch.distributed (DDP's gradient all-reduces
 run alongside the backward's capture, which graph capture's global mode forbids); each says
-so once and runs eagerly.
+so once and runs eagerly. Inside a whole-step capture (:func:`suspended`) the core is not
+captured again: a capture cannot nest, and the step's graph already holds the core's kernels.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -40,12 +44,33 @@ from fbtrain.models.core.native import NativeCore
 from fbtrain.models.core.spec import BackwardInputs, Core, CoreInputs, CoreOutputs, CoreSpec
 
 GRAPHS_ENV = "FBTRAIN_CUDA_GRAPHS"
+STEP_VALUE = "step"  # $FBTRAIN_CUDA_GRAPHS asking for whole-step graphs (train/step_graph.py)
 WARMUP_CALLS = 2  # eager calls on the side stream before capture (allocator, cuBLAS handles)
 
 
 def graphs_requested() -> bool:
-    """Whether ``$FBTRAIN_CUDA_GRAPHS`` asks for CUDA graphs (``1``, ``true``, ``yes``)."""
-    return os.environ.get(GRAPHS_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+    """Whether ``$FBTRAIN_CUDA_GRAPHS`` asks for CUDA graphs (``1``, ``true``, ``yes``, or
+    ``step``: where a whole step cannot be captured, its core still is)."""
+    value = os.environ.get(GRAPHS_ENV, "").strip().lower()
+    return value in ("1", "true", "yes", "on", STEP_VALUE)
+
+
+def step_graphs_requested() -> bool:
+    """Whether ``$FBTRAIN_CUDA_GRAPHS`` is ``step``: one CUDA graph per shape for the whole
+    training step (:mod:`fbtrain.train.step_graph`)."""
+    return os.environ.get(GRAPHS_ENV, "").strip().lower() == STEP_VALUE
+
+
+@contextlib.contextmanager
+def suspended() -> Iterator[None]:
+    """While the block runs, :func:`maybe_graphed` hands out the plain core: the whole step
+    is being run or captured as one graph, and a CUDA graph capture cannot nest."""
+    global _suspended
+    before, _suspended = _suspended, True
+    try:
+        yield
+    finally:
+        _suspended = before
 
 
 def _signature(tensors: Sequence[Any]) -> tuple:
@@ -167,6 +192,7 @@ _said: set[str] = set()  # notices printed (once per process each)
 # A capture failed in this process: every call runs eagerly from then on, whatever
 # release() forgets (torch can leave a failed capture's allocator state behind).
 _capture_failed = False
+_suspended = False  # inside a whole-step graph's run or capture (suspended())
 
 
 def _eager_because(why: str) -> None:
@@ -181,8 +207,8 @@ def maybe_graphed(core: Core, like: Tensor) -> Core:
     """``core`` itself unless ``$FBTRAIN_CUDA_GRAPHS`` is on and ``like`` is a CUDA tensor;
     then its :class:`GraphedCore` (one per core, so graphs are captured once per process).
     Only the C++ core and cores marked ``capturable`` are captured, and not under
-    torch.distributed (module docstring)."""
-    if not (like.is_cuda and graphs_requested()):
+    torch.distributed (module docstring), nor inside a whole-step graph (:func:`suspended`)."""
+    if _suspended or not (like.is_cuda and graphs_requested()):
         return core
     if core is not NativeCore and not getattr(core, "capturable", False):
         _eager_because("CUDA graphs need the C++ core (the PyTorch core syncs with the host)")
@@ -202,6 +228,13 @@ def release() -> None:
     _graphed.clear()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+def note_capture_failed() -> None:
+    """A capture outside this module (a whole step's) failed: the core's graphs are not
+    tried after it either (it can leave the allocator's capture state behind it)."""
+    global _capture_failed
+    _capture_failed = True
 
 
 def capture_status() -> dict[str, int | bool]:
