@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import sys
 import types
 from pathlib import Path
 from typing import Any
@@ -27,29 +28,30 @@ from fbtrain.train.setup import Run, set_up
 from fbtrain.train.signals import StopSignals
 from fbtrain.train.step import TrainingError, train_step
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+from step_graph_check import ReplayStandIn  # noqa: E402  (scripts/: the check's stand-in)
+
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: tiny models, one thread
 
 STEPS = 6  # three at length 8, three at length 12: a capture each, two replays each
 LR = 2.0 ** -8  # and its warm-up fractions 1/4 .. 4/4: all float32 numbers
 
 
-class ReplayingStepGraph:
-    """A CPU stand-in for ``step_graph._StepGraph``: the capture runs nothing; each replay
-    runs the captured step on the static inputs and writes its result into the first
-    replay's output tensor, so later replays overwrite what earlier ones returned."""
+class ReplayingStepGraph(ReplayStandIn):
+    """scripts/step_graph_check.py's CPU stand-in for ``step_graph._StepGraph`` (each
+    replay runs the captured step on the static inputs and writes its result into the
+    first replay's output tensor, so later replays overwrite what earlier ones returned),
+    counting its instances and replays."""
 
     made: list[ReplayingStepGraph] = []
 
     def __init__(self, body, device, stream):
-        self.body, self.out, self.replays = body, None, 0
+        super().__init__(body, device, stream)
+        self.replays = 0
         ReplayingStepGraph.made.append(self)
 
     def replay(self) -> None:
-        fresh = self.body()
-        if self.out is None:
-            self.out = fresh
-        else:
-            self.out.copy_(fresh)
+        super().replay()
         self.replays += 1
 
 
