@@ -169,6 +169,15 @@ def test_the_memory_is_made_by_the_split_that_reads_it(use_core):
         assert bool((kv[:, :, :, slot] == 7.0).any()) != writes  # every head's, whole
 
 
+def test_key_value_buffers_past_32_bit_offsets_are_refused():
+    """The kernels' offsets into the whole key/value buffer are 32-bit: a call that would
+    need more is refused in one line (no device: the host side on meta tensors)."""
+    spec = CoreSpec(n_layers=6, n_heads=8, shared_kv=False, window=1024, dropout=0.0)
+    with pytest.raises(fused_core.CoreError, match="past its 32-bit offsets"):
+        fused.kernels_per_step(spec, batch=1024, steps=1024, d_model=512, d_ff=64)
+    fused.kernels_per_step(spec, batch=16, steps=4, d_model=64, d_ff=64)  # (well within)
+
+
 def test_fused_tape_holds_the_masks_the_python_core_draws(use_core):
     """The test mode for dropout: the tape of a forward holds the masks its kernels read,
     and they are the PyTorch core's (same generator, shapes and order)."""

@@ -233,6 +233,7 @@ def _forward(spec: CoreSpec, inputs: CoreInputs, keep_tape: bool) -> CoreOutputs
     params = _per_layer(flat_layers)
     F, n_pos = params[0]["w1_t"].shape[1], params[0]["rt"].shape[-1]
     new = x0.new_empty
+    _check_offsets(2 * n_kv * B * H * S * dk)
     kv = new(2, n_kv, B * H, S, dk)
     kv[0, :, :, :n0] = mem_k
     kv[1, :, :, :n0] = mem_v
@@ -316,6 +317,14 @@ def _forward(spec: CoreSpec, inputs: CoreInputs, keep_tape: bool) -> CoreOutputs
     if keep_tape and first_att:
         tape.y[:, 0] = hidden[0, :L]  # step 0 did not attend: y is x (LN2's backward reads it)
     return CoreOutputs(hidden, memory, kv[0], kv[1], list(tape) if keep_tape else [])
+
+
+def _check_offsets(elements: int) -> None:
+    """The kernels index the whole key/value buffer with 32-bit offsets (Triton's ints):
+    refuse sizes past that in one line rather than write out of bounds."""
+    if elements >= 2 ** 31:
+        raise CoreError(f"the fused core's key/value buffer would hold {elements:,} elements, "
+                        "past its 32-bit offsets (2**31); use a smaller batch or window")
 
 
 def _ln_backward(d: Tensor, x: Tensor, mu: Tensor, rs: Tensor, w: Tensor) -> Tensor:
