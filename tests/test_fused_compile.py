@@ -201,3 +201,19 @@ def test_fused_core_kernels_compile_without_spills_within_shared_memory(config, 
     for name, fn, signature, constexprs, grid in cases:
         u = fused_compile.usage(name, fn, signature, constexprs, arch, grid)
         assert u.problems() == [], f"{config} sm_{arch}: {u}"
+
+
+@pytest.mark.parametrize("kernel", ["attend", "att_back"])
+@pytest.mark.parametrize("arch", fused_compile.ARCHS)
+def test_attention_kernels_compile_without_spills_at_head_width_128(arch, kernel):
+    """The attention kernels hold the most registers (248-255) and their tiles follow the
+    head width: at gpu.yaml's sizes with 4 heads of 128 (a [16, 2, 128] window tile) they
+    still must not spill."""
+    sizes = {**fused_compile.run_sizes(fused_compile.CONFIGS["gpu.yaml"]), "n_heads": 4}
+    cases = [c for c in _fused_cases_or_skip(sizes, shared_kv=True) if c[0] == kernel]
+    assert cases
+    for name, fn, signature, constexprs, grid in cases:
+        assert constexprs["BDK"] == 128
+        u = fused_compile.usage(name, fn, signature, constexprs, arch, grid)
+        assert u.problems() == [], f"d_k 128 sm_{arch}: {u}"
+

@@ -176,6 +176,12 @@ class StepGraphs:
     :meth:`step` is called with each step's batch and learning rate; on a new shape it runs
     the step eagerly and captures it (the previous shape's graph is dropped: the curriculum
     only lengthens, and each graph holds a pool of the step's activations).
+
+    A graph is baked to the tensors it was captured on: the parameters, their gradients
+    and AdamW's state. Replacing any of them in place of a shape's graph (loading an
+    optimizer state, moving the model) would leave the graph updating the old ones, so
+    the trainer does all of that before its first step. Evaluation's core calls still use
+    the core's own graphs (``FBTRAIN_CUDA_GRAPHS=step`` asks for those too).
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer,

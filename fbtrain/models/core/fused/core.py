@@ -1,6 +1,6 @@
-""":class:`FusedCore`: the core's two sweeps as Triton kernels (``kernels``), one launch
-per layer and step each way plus one per step for the memory, and the weight gradients as a
-few batched matmuls after the sweep (see the package docstring for the design).
+""":class:`FusedCore`: the core's two sweeps as Triton kernels (``kernels``), four launches
+per layer and step each way (the memory folded into layer 0's), and the weight gradients as
+a few batched matmuls after the sweep (see the package docstring for the design).
 
 Host code here only allocates buffers, slices them and launches: no host syncs and no
 data-dependent control flow (every launch and its arguments follow from the input shapes),
@@ -191,7 +191,7 @@ class FusedCore:
 
     def core_forward(self, spec: CoreSpec, inputs: CoreInputs, keep_tape: bool = False
                      ) -> CoreOutputs:
-        """``Core.core_forward``: T steps, L + 1 launches a step. The tape is a
+        """``Core.core_forward``: T steps, 4 launches a layer and step. The tape is a
         :class:`FusedTape` as a list (empty unless ``keep_tape``)."""
         if (other := self._other(inputs.x0)) is not None:
             return other.core_forward(spec, inputs, keep_tape)
@@ -200,7 +200,7 @@ class FusedCore:
 
     def core_backward(self, spec: CoreSpec, d_top: Tensor, outputs: CoreOutputs, mix: Tensor,
                       wkv: Tensor, layers: Sequence[Tensor]) -> CoreInputs:
-        """``Core.core_backward``: L + 1 launches a step, then the weight gradients."""
+        """``Core.core_backward``: 4 launches a layer and step, then the weight gradients."""
         if (other := self._other(d_top)) is not None:
             return other.core_backward(spec, d_top, outputs, mix, wkv, layers)
         with torch.inference_mode():

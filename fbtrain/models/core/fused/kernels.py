@@ -1,13 +1,16 @@
 """The fused core's Triton kernels: a token-layer is four kernels each way, each spread over
 the GPU by batch tile and by head or column tile (see ``fused/__init__.py``).
 
-Forward, for one layer at one step (grid: batch tiles x heads, or x column tiles):
+Forward, for one layer at one step (grid: batch tiles x heads x window splits, or batch
+tiles x column tiles):
 
-- :func:`attend` (x heads): LN1, the head's query, window attention with the position terms
-  (two passes: scores with their running max and sum, then probabilities and the weighted
-  sum) -> the head's share of o. On layer 0 it first makes the previous step's memory
-  vector and the head's keys and values of it in every key/value set (``mem``).
-- :func:`out_proj` (x column tiles of D): y = x + Drop(o Wo + bo).
+- :func:`attend` (x heads x splits of the window): LN1, the head's query, attention over
+  the split's window slots with the position terms (two passes: scores with their running
+  max and sum, then the weighted sum) -> the split's partial sums. On layer 0 the last
+  split first makes the previous step's memory vector and the head's keys and values of
+  it in every key/value set (``mem``).
+- :func:`out_proj` (x column tiles of D): o from the splits' partial sums (recorded, with
+  the log-sum-exp), y = x + Drop(o Wo + bo).
 - :func:`ff_in` (x column tiles of F): h = Drop(relu(LN2(y) W1 + b1)).
 - :func:`ff_out` (x column tiles of D): out = y + Drop(h W2 + b2).
 
@@ -17,8 +20,9 @@ Backward, activation gradients only (the weight gradients are batched matmuls af
   the layer above's records (its dy, the LN1 backward of its attention input gradient, the
   memory's gradient) -> dh.
 - :func:`ffi_back` (x column tiles of D): dc = dh W1^T.
-- :func:`att_back` (x heads): LN2 backward (dy), the head's dz Wo^T, the attention
-  backward (the window's key/value gradients of the head, owned by this program) -> dqu.
+- :func:`att_back` (x heads x splits): LN2 backward (dy), the head's dz Wo^T, the
+  attention backward over the split's slots (their key/value gradients of the head, owned
+  by this program) -> the split's share of dqu.
 - :func:`q_back` (x column tiles of D): da = dqu Wq^T; on layer 0 also the previous step's
   memory gradient from its keys'/values' gradients (before the memory norm's backward,
   which the next kernels apply: it needs whole rows).
@@ -27,8 +31,9 @@ Why this split: a LayerNorm needs whole rows and a matmul's output columns can b
 over programs, so each kernel is a row prologue (statistics over whole rows, recomputed by
 every program of the row tile: cheap) followed by one matmul over its own output columns,
 the inner dimension in chunks of ``BK``. No program needs another's results within a
-launch, so there are no atomics and no grid barriers, the results do not depend on the
-tiling, and the register footprint is a few [16, 32] tiles whatever the width. A record
+launch, so there are no atomics and no grid barriers, results are deterministic for given
+tiles (the window split sets the order of some sums: another ``SPLIT`` changes low bits),
+and the register footprint is a few [16, 32] tiles whatever the width. A record
 that every program of a tile computes alike is written by the first program of the tile
 (``wrows``: a row mask made by arithmetic, as the interpreter takes no scalar in a mask).
 
@@ -103,7 +108,8 @@ def attend(
         if NORM:  # LayerNorm without affine (folded into wkv/bkv by the model)
             mean_m = s1 / D
             s2 = tl.full([BLOCK_B], 0.0, mem_ptr.dtype.element_ty)
-            for k0 in range(0, BD, BK):  # (each thread reads back what it wrote)
+            tl.debug_barrier()  # (not relying on a load's layout matching the store's)
+            for k0 in range(0, BD, BK):
                 ks = k0 + tl.arange(0, BK)
                 rkd = rmask[:, None] & (ks < D)[None, :]
                 m_k = tl.load(scr + rows[:, None] * D + ks[None, :], mask=rkd, other=0.0)
@@ -112,6 +118,7 @@ def attend(
             rstd_m = 1.0 / tl.sqrt(s2 / D + eps)
             tl.store(mu_rec + rows, mean_m, mask=mrows)
             tl.store(rs_rec + rows, rstd_m, mask=mrows)
+            tl.debug_barrier()
             for k0 in range(0, BD, BK):
                 ks = k0 + tl.arange(0, BK)
                 kd = ks < D
