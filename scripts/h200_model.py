@@ -25,9 +25,9 @@ the slower of the two sets the pace). ``host = host launches x 5 us + replays x 
 Device, ATen path: ``kernels x 2 us + max(FLOPs / peak, HBM bytes / 4.8 TB/s)``, the work
 assumed spread over the whole GPU (generous to the ATen path: its kernels are tiny).
 Device, fused core: a token-layer is eight Triton kernels (fbtrain/models/core/fused/
-kernels.py), each a grid of ``ceil(B / 16)`` batch tiles by heads or by column tiles of 32
-(:func:`fused_kernels` gives each one's programs, FLOPs and bytes for one launch, averaged
-over a call), so a launch can use ``a = min(1, programs / 132)`` of the GPU:
+forward.py and backward.py), each a grid of ``ceil(B / 16)`` batch tiles by heads or by
+column tiles of 32 (:func:`fused_kernels` gives each one's programs, FLOPs and bytes for
+one launch, averaged over a call), so a launch can use ``a = min(1, programs / 132)`` of the GPU:
 ``max(2 us, FLOPs / (67 TFLOP/s x a), L2 bytes / (10 TB/s x a), HBM bytes / 4.8 TB/s)``.
 Every batch tile reads the kernel's weight matrix from L2 (from HBM once a launch when the
 weights cannot stay in L2) and every column program its rows' inputs; the step's records

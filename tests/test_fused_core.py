@@ -27,6 +27,7 @@ from fbtrain.config import ModelConfig  # noqa: E402
 from fbtrain.models import build_model  # noqa: E402
 from fbtrain.models.core import fused, native, python, select  # noqa: E402
 from fbtrain.models.core.fused import core as fused_core  # noqa: E402
+from fbtrain.models.core.fused import launch as fused_launch  # noqa: E402
 from fbtrain.models.core.masks import draw_masks  # noqa: E402
 from fbtrain.models.core.spec import CoreSpec  # noqa: E402
 
@@ -155,7 +156,7 @@ def test_the_memory_is_made_by_the_split_that_reads_it(use_core):
     inputs = CoreInputs(torch.randn(2, 3, 16, dtype=torch.float64), empty, empty,
                         model.memory_weights().detach(), wkv.detach(), bkv,
                         [t.detach() for t in flatten_layers(layers)])
-    with fused_core.recording() as launches:
+    with fused_launch.recording() as launches:
         fused_core._forward(spec, inputs, keep_tape=True)
     launch = next(x for x in launches if x.name == "attend" and x.args["mem"])
     args = {**launch.args, "ell": 0}  # the memory alone
@@ -163,7 +164,7 @@ def test_the_memory_is_made_by_the_split_that_reads_it(use_core):
     kv, slot = args["kv_ptr"], args["slot"]
     for n_split, writes in ((2, False), (1, True)):
         kv.fill_(7.0)
-        fused_core._INTERPRETED["attend"][(1, 2, 1)](**{**args, "n_split": n_split},
+        fused_launch._INTERPRETED["attend"][(1, 2, 1)](**{**args, "n_split": n_split},
                                                     **launch.constexprs)
         assert bool((kv[:, :, :, slot] != 7.0).any()) == writes, n_split
         assert bool((kv[:, :, :, slot] == 7.0).any()) != writes  # every head's, whole
@@ -315,8 +316,8 @@ def test_compile_cases_name_every_kernel_with_its_whole_signature():
     assert [c[0] for c in cases] == ["ff_in", "ff_out", "attend", "out_proj",
                                      "ffo_back", "ffi_back", "att_back", "q_back"]
     for name, fn, signature, constexprs, _ in cases:
-        assert fn is fused_core._JIT[name]
-        params = list(inspect.signature(fused_core.KERNELS[name]).parameters)
+        assert fn is fused_launch._JIT[name]
+        params = list(inspect.signature(fused_launch.KERNELS[name]).parameters)
         assert list(signature) == params, name
         assert {k for k, v in signature.items() if v == "constexpr"} == set(constexprs)
         assert all(v == "*fp32" for k, v in signature.items() if k.endswith("_ptr")), name

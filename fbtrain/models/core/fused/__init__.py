@@ -4,9 +4,10 @@ docs/design.md ("The fused core").
 
 A token-layer is four kernels forward (``attend``, ``out_proj``, ``ff_in``, ``ff_out``)
 and four backward (``ffo_back``, ``ffi_back``, ``att_back``, ``q_back``), each a grid of
-batch tiles by heads or by column tiles (``kernels.py``); the memory of a step is made by
-the next step's first ``attend`` and its gradient by the next step's last ``q_back``, and
-the last step's memory is one more ``attend``. The weight gradients are a few batched
+batch tiles by heads or by column tiles (``forward.py``, ``backward.py``; run or recorded
+by ``launch.py``); the memory of a step is made by the next step's first ``attend`` and
+its gradient by the next step's last ``q_back``, and the last step's memory is one more
+``attend``. The weight gradients are a few batched
 matmuls over all steps after the sweep. Dropout masks are drawn before the sweep exactly
 as the PyTorch core draws them (``masks.draw_masks``), and the kernels read them.
 
@@ -32,15 +33,8 @@ from typing import Any
 
 import torch
 
-from fbtrain.models.core.fused.core import (
-    _JIT,
-    FusedCore,
-    Launch,
-    core_launches,
-    interpreting,
-    launch_options,
-    recording,
-)
+from fbtrain.models.core.fused.core import FusedCore, core_launches, interpreting
+from fbtrain.models.core.fused.launch import _JIT, Launch, launch_options, recording
 from fbtrain.models.core.spec import LAYER_PARAMS, CoreInputs, CoreSpec
 
 __all__ = ["FusedCore", "Launch", "compile_cases", "interpreting", "kernels_per_step",

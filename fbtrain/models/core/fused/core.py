@@ -1,6 +1,7 @@
-""":class:`FusedCore`: the core's two sweeps as Triton kernels (``kernels``), four launches
-per layer and step each way (the memory folded into layer 0's), and the weight gradients as
-a few batched matmuls after the sweep (see the package docstring for the design).
+""":class:`FusedCore`: the core's two sweeps as Triton kernels (``forward``, ``backward``,
+run by ``launch``), four launches per layer and step each way (the memory folded into
+layer 0's), and the weight gradients as a few batched matmuls after the sweep (see the
+package docstring for the design).
 
 Host code here only allocates buffers, slices them and launches: no host syncs and no
 data-dependent control flow (every launch and its arguments follow from the input shapes),
@@ -15,10 +16,10 @@ from typing import Any, NamedTuple
 import torch
 import triton
 from torch import Tensor
-from triton.runtime.interpreter import InterpretedFunction
-from triton.runtime.jit import JITFunction
 
-from fbtrain.models.core.fused import kernels
+from fbtrain.models.core.fused.grads import ln_backward, weight_grads
+from fbtrain.models.core.fused.launch import Launch, recording
+from fbtrain.models.core.fused.launch import launch as _launch
 from fbtrain.models.core.masks import draw_masks, prob_offsets, window_of
 from fbtrain.models.core.spec import (
     LAYER_PARAMS,
@@ -36,79 +37,6 @@ BN = 32  # output columns per program of the column-split kernels
 BK = 32  # inner-dimension chunk of every matmul
 WINDOW_TILE = 256  # window slots x head width per chunk of the attention ([BLOCK_B, BW, d_k])
 SPLIT = 32  # window slots per attention program (a step's window split over programs)
-# Launch options, as compiled for the resource check (scripts/fused_compile.py). No
-# software pipelining: the inner loops are a few chunks long, and its staged copies of the
-# chunks spilled registers. The attention kernels' window tiles want 8 warps' registers;
-# q_back at 4 warps kept a 24-byte stack frame on sm_90 at D 128 (80 registers: not
-# pressure; at 8 it has none).
-NUM_STAGES = 1
-WARPS = {"attend": 8, "att_back": 8, "q_back": 8}  # else 4
-
-
-def launch_options(name: str) -> dict[str, int]:
-    """The Triton launch options kernel ``name`` runs with (``num_warps``, ``num_stages``)."""
-    return {"num_warps": WARPS.get(name, 4), "num_stages": NUM_STAGES}
-
-
-FORWARD_KERNELS = ("attend", "out_proj", "ff_in", "ff_out")
-BACKWARD_KERNELS = ("ffo_back", "ffi_back", "att_back", "q_back")
-KERNELS = {name: getattr(kernels, name) for name in FORWARD_KERNELS + BACKWARD_KERNELS}
-
-
-def _runtime_ints(fn: Any) -> list[str]:
-    """The kernel's integer arguments that change from launch to launch (not the pointers,
-    not the constants): Triton would otherwise compile a variant for each value that is 1 or
-    a multiple of 16, so new compiles would come at random steps (and inside a capture)."""
-    names = fn.__code__.co_varnames[:fn.__code__.co_argcount]
-    ints = {"B", "S", "lo", "ell", "n_split", "n_pos", "slot", "mem", "has_ln", "mix_at",
-            "src_stride"}
-    return [n for n in names if n in ints]
-
-
-_JIT = {name: JITFunction(fn, do_not_specialize=_runtime_ints(fn))
-        for name, fn in KERNELS.items()}
-_INTERPRETED = {name: InterpretedFunction(fn) for name, fn in KERNELS.items()}
-
-
-class Launch(NamedTuple):
-    """One kernel launch as the core makes it: which kernel, its grid, its arguments (in
-    the kernel's order, tensors for pointers) and its compile-time constants."""
-
-    name: str
-    grid: tuple[int, ...]
-    args: dict[str, Any]
-    constexprs: dict[str, Any]
-
-
-# Where launches go: None runs them; a list collects them instead (compile_cases, counting).
-_recording: list[Launch] | None = None
-
-
-def _launch(name: str, grid: tuple[int, ...], args: dict[str, Any],
-            constexprs: dict[str, Any]) -> None:
-    """Run kernel ``name`` (compiled on CUDA tensors, interpreted on CPU ones under
-    ``TRITON_INTERPRET``), or record it while :func:`recording`."""
-    if _recording is not None:
-        _recording.append(Launch(name, grid, args, constexprs))
-        return
-    if next(iter(args.values())).is_cuda:
-        _JIT[name][grid](**args, **constexprs, **launch_options(name))
-    else:
-        _INTERPRETED[name][grid](**args, **constexprs)
-
-
-class recording:
-    """Context manager: launches are collected (``with recording() as launches:``), not
-    run; with meta tensors the whole host side runs without a device."""
-
-    def __enter__(self) -> list[Launch]:
-        global _recording
-        self._outer, _recording = _recording, []
-        return _recording
-
-    def __exit__(self, *exc: object) -> None:
-        global _recording
-        _recording = self._outer
 
 
 class FusedTape(NamedTuple):
@@ -327,15 +255,6 @@ def _check_offsets(elements: int) -> None:
                         "past its 32-bit offsets (2**31); use a smaller batch or window")
 
 
-def _ln_backward(d: Tensor, x: Tensor, mu: Tensor, rs: Tensor, w: Tensor) -> Tensor:
-    """A LayerNorm's input gradient from its output's gradient ``d`` (rows of x [..., D],
-    statistics mu and rs = 1/std [...], weight w [D]); as the kernels compute it."""
-    g = d * w
-    xhat = (x - mu.unsqueeze(-1)) * rs.unsqueeze(-1)
-    return rs.unsqueeze(-1) * (g - g.mean(-1, keepdim=True)
-                               - xhat * (g * xhat).mean(-1, keepdim=True))
-
-
 def _backward(spec: CoreSpec, d_top: Tensor, outputs: CoreOutputs, mix: Tensor, wkv: Tensor,
               flat_layers: Sequence[Tensor]) -> CoreInputs:
     hidden, memory, keys, values, tape_list = outputs
@@ -419,13 +338,13 @@ def _backward(spec: CoreSpec, d_top: Tensor, outputs: CoreOutputs, mix: Tensor, 
     # embedding's gradient (layer 0's input), the mix and the memory projection's.
     d_memory = dm_raw
     if spec.memory_norm:
-        d_memory = _ln_backward(dm_raw, memory, tape.mu_m, tape.rs_m,
+        d_memory = ln_backward(dm_raw, memory, tape.mu_m, tape.rs_m,
                                 torch.ones_like(memory[0, 0]))  # the norm has no affine
     d_x0 = g_dy[0] + mix[0] * d_memory  # [T, B, D]
     a = first_att
-    d_x0[a:] += _ln_backward(g_da[0, a:], hidden[a:, 0], tape.mu1[0, a:], tape.rs1[0, a:],
+    d_x0[a:] += ln_backward(g_da[0, a:], hidden[a:, 0], tape.mu1[0, a:], tape.rs1[0, a:],
                              params[0]["ln1_w"])
-    grads = _weight_grads(spec, hidden, memory, tape, params, first_att,
+    grads = weight_grads(spec, hidden, memory, tape, params, first_att,
                           (g_dz, g_dqu, g_da, g_df, g_dh, g_dc, g_ds))
     d_mix = torch.einsum("tbd,tlbd->l", d_memory, hidden)
     kv_in = tape.m_hat if spec.memory_norm else memory
@@ -433,43 +352,6 @@ def _backward(spec: CoreSpec, d_top: Tensor, outputs: CoreOutputs, mix: Tensor, 
     d_wkv = torch.mm(kv_in.reshape(T * B, D).t(), d_flat)
     return CoreInputs(d_x0.transpose(0, 1).contiguous(), d_kv[0, :, :, :n0],
                       d_kv[1, :, :, :n0], d_mix, d_wkv, d_flat.sum(0), grads)
-
-
-def _weight_grads(spec: CoreSpec, hidden: Tensor, memory: Tensor, tape: FusedTape,
-                  params: list[dict[str, Tensor]], first_att: int, g: tuple[Tensor, ...]
-                  ) -> list[Tensor]:
-    """Every layer weight's gradient, batched over layers: one bmm per weight over all steps
-    and rows (steps from ``first_att`` on for the attention block, which earlier steps skip)."""
-    g_dz, g_dqu, g_da, g_df, g_dh, g_dc, g_ds = g
-    L, T, B, D = g_df.shape
-    H = g_ds.shape[3]
-
-    def rows(x: Tensor, start: int = 0) -> Tensor:  # [L, T', B, n] -> [L, T'*B, n]
-        x = x[:, start:]
-        return x.reshape(L, -1, x.shape[-1])
-
-    def bmm_t(x: Tensor, y: Tensor) -> Tensor:  # sum over rows of x^T y: [L, n, m]
-        return torch.bmm(x.transpose(1, 2), y)
-
-    def ln_affine(d: Tensor, x: Tensor, mu: Tensor, rs: Tensor) -> tuple[Tensor, Tensor]:
-        return (d * (x - mu.unsqueeze(-1)) * rs.unsqueeze(-1)).sum((1, 2)), d.sum((1, 2))
-
-    h_used = tape.h  # after dropout
-    out: dict[str, Tensor] = {
-        "w2_t": bmm_t(rows(h_used), rows(g_df)), "b2": g_df.sum((1, 2)),
-        "w1_t": bmm_t(rows(tape.c), rows(g_dh)), "b1": g_dh.sum((1, 2)),
-    }
-    out["ln2_w"], out["ln2_b"] = ln_affine(g_dc, tape.y, tape.mu2, tape.rs2)
-    a = first_att
-    out["wo_t"], out["bo"] = bmm_t(rows(tape.o, a), rows(g_dz, a)), g_dz[:, a:].sum((1, 2))
-    out["wq"], out["uq"] = bmm_t(rows(tape.a, a), rows(g_dqu, a)), g_dqu[:, a:].sum((1, 2))
-    x_att = hidden[a:, :L].transpose(0, 1)  # [L, T', B, D] each attending layer's input
-    out["ln1_w"], out["ln1_b"] = ln_affine(g_da[:, a:], x_att, tape.mu1[:, a:], tape.rs1[:, a:])
-    qu = tape.qu[:, a:].reshape(L, -1, B, H, D // H)
-    ds = g_ds[:, a:]
-    out["rt"] = torch.einsum("ltbhd,ltbhp->lhdp", qu, ds)
-    out["c"] = ds.sum((1, 2)).unsqueeze(2)  # [L, H, 1, P]
-    return [out[name][li] for li in range(L) for name in LAYER_PARAMS]
 
 
 def core_launches(spec: CoreSpec, inputs: CoreInputs, backward: bool = True
