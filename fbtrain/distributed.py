@@ -66,6 +66,21 @@ def _env_int(name: str, default: int) -> int:
     return int(value) if value not in (None, "") else default
 
 
+def _import_before_the_group() -> None:
+    """Import ``torch._dynamo``, which DistributedDataParallel imports when it is built, before
+    the process group exists.
+
+    Among the modules it pulls in, ``torch.distributed.nn.functional`` takes ``group.WORLD`` as
+    default arguments: imported once a group exists, it holds that group for good, so
+    ``destroy_process_group`` cannot free it and the group's gloo threads outlive the session.
+    At exit such a thread, dropping a tensor that Python already let go of, reaches for the GIL
+    of an interpreter that is shutting down, and the rank aborts ("terminate called without an
+    active exception", SIGABRT): about one two-rank run in 60 here (tests/test_step.py's).
+    Imported first, the defaults hold nothing and the group ends with the session.
+    """
+    import torch._dynamo  # noqa: F401
+
+
 @contextlib.contextmanager
 def session(device_name: str) -> Iterator[DistContext]:
     """Yield the :class:`DistContext` for this process; joins/leaves the process group.
@@ -85,6 +100,7 @@ def session(device_name: str) -> Iterator[DistContext]:
         torch.cuda.set_device(device)
     owns_group = not dist.is_initialized()
     if owns_group:
+        _import_before_the_group()
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
     try:
         yield DistContext(device=device, world_size=world_size, rank=rank, local_rank=local_rank)

@@ -84,6 +84,10 @@ DDP_DRIVER = textwrap.dedent("""
             out = one_step(raw, ctx, Path(sys.argv[2]) / f"{name}-rank{ctx.rank}",
                            [(x[rows], y[rows])])
             torch.save(out, f"{sys.argv[2]}/{name}-rank{ctx.rank}.pt")
+    # The threads left once the session is over (Linux): none of the group's may outlive it.
+    tasks = Path("/proc/self/task")
+    names = [(t / "comm").read_text().strip() for t in tasks.iterdir()] if tasks.exists() else []
+    Path(f"{sys.argv[2]}/threads-rank{ctx.rank}.json").write_text(json.dumps(names))
 """)
 
 
@@ -182,3 +186,6 @@ def test_two_gloo_ranks_equal_one_process_on_the_global_batch(tmp_path: Path) ->
         rank0, rank1 = (torch.load(tmp_path / f"{name}-rank{r}.pt") for r in (0, 1))
         assert_same_step(rank0, whole)
         assert_same_step(rank1, rank0)
+    for r in (0, 1):  # fbtrain.distributed._import_before_the_group: the group really ended
+        threads = json.loads((tmp_path / f"threads-rank{r}.json").read_text())
+        assert not [name for name in threads if "gloo" in name], threads
