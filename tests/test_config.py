@@ -587,6 +587,9 @@ def test_parameter_count_is_the_models_but_for_the_vocabulary(kind: str, memory_
     assert parameter_count(cfg) == sum(p.numel() for p in model.parameters()) - by_vocabulary
 
 
+ESTIMATE_FLOOR = 0.73  # of the bytes kept; measured 0.741 at the lowest (feedback, 2 heads)
+
+
 def kept_bytes(model: torch.nn.Module, x: torch.Tensor) -> int:
     """Bytes a forward keeps for its backward, parameters aside: what autograd saves, and
     what the feedback core's autograd node holds itself (its buffers and tape)."""
@@ -629,7 +632,9 @@ def test_activation_estimate_is_a_lower_bound(monkeypatch: pytest.MonkeyPatch, k
                                               heads: int, seq_len: int, window: int):
     """Never refuse what fits: the estimate of one micro-batch's activations stays below what
     a forward really keeps for its backward (the PyTorch core's tape: the C++ core keeps
-    the same tensors)."""
+    the same tensors). And it is no loose bound: it counts 74-85% of those bytes at these
+    sizes (the rest is small tensors it leaves out), so a term dropped from it or halved
+    falls below the floor."""
     from fbtrain.config.budget import estimate
     from fbtrain.models import build_model
     from fbtrain.models.core.select import CORE_ENV
@@ -643,7 +648,8 @@ def test_activation_estimate_is_a_lower_bound(monkeypatch: pytest.MonkeyPatch, k
     torch.manual_seed(0)
     model = build_model(cfg.model, 5)
     x = torch.randint(0, 5, (3, seq_len))
-    assert 0 < estimate(cfg).activations <= kept_bytes(model, x)
+    kept = kept_bytes(model, x)
+    assert ESTIMATE_FLOOR * kept <= estimate(cfg).activations <= kept
 
 
 # ----------------------------------------------------------------------------- YAML limits
