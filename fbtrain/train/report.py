@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from fbtrain.config.kinds import model_kind
 from fbtrain.evaluate import LN2
 from fbtrain.metrics.console import fit_parts, format_duration
 from fbtrain.models import count_parameters
@@ -136,7 +137,7 @@ def step_metrics(run: Run, result: StepResult, tokens: int, rate: float | None
     if result.accuracy is not None:
         metrics["accuracy"] = result.accuracy
     model, device = run.raw_model, run.ctx.device
-    if hasattr(model, "memory_weights"):
+    if model_kind(run.cfg.model.kind).memory_mix:
         with torch.no_grad():
             weights = model.memory_weights().float().tolist()
         metrics.update({f"mem_weight/{i}": w for i, w in enumerate(weights)})
