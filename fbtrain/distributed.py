@@ -73,9 +73,10 @@ def _import_before_the_group() -> None:
     Among the modules it pulls in, ``torch.distributed.nn.functional`` takes ``group.WORLD`` as
     default arguments: imported once a group exists, it holds that group for good, so
     ``destroy_process_group`` cannot free it and the group's gloo threads outlive the session.
-    At exit such a thread, dropping a tensor that Python already let go of, reaches for the GIL
-    of an interpreter that is shutting down, and the rank aborts ("terminate called without an
-    active exception", SIGABRT): about one two-rank run in 60 here (tests/test_step.py's).
+    At exit such a thread can still be freeing a tensor Python let go of: it reaches for the GIL
+    of an interpreter that is shutting down and the rank aborts ("terminate called without an
+    active exception", SIGABRT; the failure pytorch/pytorch#179291 describes for a group never
+    destroyed): once in 58 runs here of tests/test_step.py's two-rank driver.
     Imported first, the defaults hold nothing and the group ends with the session.
     """
     import torch._dynamo  # noqa: F401
