@@ -22,8 +22,9 @@ from typing import Annotated, Any
 import typer
 
 from fbtrain import __version__
-from fbtrain.cli_errors import OneLineErrors, user_errors
+from fbtrain.cli_errors import OneLineErrors, fail, user_errors
 from fbtrain.config.schema import CONTEXTS, SPLITS  # light: no torch
+from fbtrain.errors import ArgumentError
 from fbtrain.messages import format_bytes
 from fbtrain.startup import prepare_process
 
@@ -98,7 +99,7 @@ def _rule(module: str, checker: str, name: str) -> Callable[[Any], Any]:
             rule = getattr(importlib.import_module(f"fbtrain.{module}"), checker)
             try:
                 rule(name, value)
-            except ValueError as e:
+            except ArgumentError as e:
                 raise typer.BadParameter(str(e)) from None
         return value
 
@@ -214,9 +215,6 @@ def train(
                        f"{cfg.run.out_dir}/{cfg.run.name}", err=True)
         try:
             trainer.run(cfg, resume=resume, quiet=quiet)
-        except trainer.TrainingError as e:
-            typer.echo(str(e), err=True)
-            raise typer.Exit(e.exit_code) from None
         except (ConfigError, CheckpointError) as e:  # a refusal about the run directory
             if config is None:
                 from fbtrain.rundir_names import CONFIG
@@ -282,7 +280,7 @@ def sample(
 
     The text is streamed to stdout as it is produced.
     """
-    with user_errors(value_errors=True):
+    with user_errors():
         from fbtrain import sample as sampler
 
         sampler.run(
@@ -338,7 +336,7 @@ def evaluate(
 
     Loss is the mean cross-entropy in nats per character; bpc = loss / ln 2.
     """
-    with user_errors(value_errors=True):
+    with user_errors():
         from fbtrain import evaluate as evaluator
 
         result = evaluator.run(
@@ -383,11 +381,8 @@ def main() -> None:
     prepare_process()  # closed standard streams, SIGTERM / SIGHUP: before anything else
     try:
         app(prog_name="fbtrain")
-    except BrokenPipeError:  # a result printed after the reader left (eval | true)
-        from fbtrain.metrics.console import silence_stdout
-
-        silence_stdout()
-        sys.exit(0)
+    except BrokenPipeError as e:  # a result printed after the reader left (eval | true)
+        fail(e)
 
 
 if __name__ == "__main__":

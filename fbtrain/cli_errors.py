@@ -1,8 +1,12 @@
-"""How the command line reports what went wrong: one ``error:`` line, a known exit code.
+"""How the command line reports what went wrong: the exit code of every failure, decided in
+one function (:func:`exit_code_for`), and the line(s) it prints (:func:`report`).
 
-Exit codes: 0 done; 1 training failed (e.g. a non-finite loss); 2 bad input (config, data,
-checkpoint, device or flag); 129 / 130 / 143 stopped by SIGHUP / SIGINT / SIGTERM; a closed
-stdout (``| head``) ends quietly with 0.
+Exit codes: 0 done, or stdout's reader left (``| head``: ends quietly); 1 training stopped
+(:class:`~fbtrain.errors.TrainingError`: a non-finite loss or gradient norm); 2 bad input
+(every :class:`~fbtrain.errors.UserError`: config, data, checkpoint, device or a command's
+argument; an OSError, whose message names the file; click's usage errors: an unknown flag,
+a value out of range, a missing option); 129 / 130 / 143 stopped by SIGHUP / SIGINT /
+SIGTERM. Anything else is a bug: it keeps its traceback (exit 1, Python's).
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ import contextlib
 import re
 import sys
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NoReturn
 
 import typer
 from typer.core import TyperGroup
@@ -21,8 +25,63 @@ try:  # newer typer vendors click; older releases use the click package
 except ImportError:  # pragma: no cover
     import click  # type: ignore[no-redef]
 
-from fbtrain.errors import EXIT_USAGE, UserError
+from fbtrain.errors import EXIT_USAGE, FbtrainError, TrainingError
 from fbtrain.startup import Stopped, exit_code
+
+
+def exit_code_for(error: BaseException) -> int | None:
+    """The exit code the command line ends with for ``error``; None for a bug, which keeps
+    its traceback. The one place exit codes are decided (see the module's docstring)."""
+    if isinstance(error, BrokenPipeError):  # `fbtrain sample | head`: the reader has enough
+        return 0
+    if isinstance(error, FbtrainError):  # UserError 2, TrainingError 1 or 128 + signal
+        return error.exit_code
+    if isinstance(error, click.exceptions.ClickException):  # usage errors: click's own 2
+        return error.exit_code
+    if isinstance(error, OSError):  # a folder that cannot be made, a full disk: bad input
+        return EXIT_USAGE
+    if isinstance(error, (KeyboardInterrupt, typer.Abort)):
+        return exit_code(_interrupt(error))
+    return None
+
+
+def report(error: BaseException) -> None:
+    """Print what the user sees for ``error`` (one of :func:`exit_code_for`'s, not a bug)
+    on stderr: ``error:`` lines, training's own stop line, or 'interrupted'."""
+    if isinstance(error, BrokenPipeError):
+        from fbtrain.metrics.console import silence_stdout
+
+        silence_stdout()
+    elif isinstance(error, TrainingError):  # 'step 5: loss is nan; ...': a sentence of its own
+        typer.echo(str(error), err=True)
+    elif isinstance(error, click.exceptions.UsageError) and \
+            not isinstance(error, click.exceptions.NoArgsIsHelpError):
+        message = error.format_message().rstrip(".")
+        where = f"{error.ctx.command_path}: " if error.ctx is not None else ""
+        error_line(f"{where}{message[:1].lower()}{message[1:]}{_config_hint(error)}")
+    elif isinstance(error, click.exceptions.ClickException):  # `fbtrain` alone: the help
+        error.show()
+    elif isinstance(error, (KeyboardInterrupt, typer.Abort)):
+        typer.echo(interrupted_line(_interrupt(error)), err=True)
+    else:
+        error_line(str(error))  # a ConfigError: one line per problem
+
+
+def fail(error: BaseException) -> NoReturn:
+    """End the command as :func:`exit_code_for` says, after :func:`report`; a bug is
+    raised again as it was (its traceback kept)."""
+    code = exit_code_for(error)
+    if code is None:
+        raise error
+    report(error)
+    raise SystemExit(code)
+
+
+def _interrupt(error: BaseException) -> KeyboardInterrupt | None:
+    """The KeyboardInterrupt behind ``error`` (itself, or the cause of click's Abort)."""
+    if isinstance(error, KeyboardInterrupt):
+        return error
+    return error.__cause__ if isinstance(error.__cause__, KeyboardInterrupt) else None
 
 
 class OneLineErrors(TyperGroup):
@@ -37,21 +96,8 @@ class OneLineErrors(TyperGroup):
             return super().main(args, prog_name, complete_var, standalone_mode, **extra)
         try:
             code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
-        except click.exceptions.NoArgsIsHelpError as e:
-            e.show()
-            sys.exit(e.exit_code)
-        except click.exceptions.UsageError as e:
-            message = e.format_message().rstrip(".")
-            where = f"{e.ctx.command_path}: " if e.ctx is not None else ""
-            error_line(f"{where}{message[:1].lower()}{message[1:]}{_config_hint(e)}")
-            sys.exit(EXIT_USAGE)
-        except click.exceptions.ClickException as e:
-            e.show()
-            sys.exit(e.exit_code)
-        except typer.Abort as e:  # Ctrl-C (or SIGTERM, SIGHUP) while click itself was running
-            interrupt = e.__cause__ if isinstance(e.__cause__, KeyboardInterrupt) else None
-            typer.echo(interrupted_line(interrupt), err=True)
-            sys.exit(exit_code(interrupt))
+        except (click.exceptions.ClickException, typer.Abort) as e:
+            fail(e)  # Abort: Ctrl-C (or SIGTERM, SIGHUP) while click itself was running
         # Without standalone mode click returns a command's result, or the code it exited
         # with; fbtrain's commands return None.
         sys.exit(code if isinstance(code, int) else 0)
@@ -81,30 +127,15 @@ def error_line(message: str) -> None:
 
 
 @contextlib.contextmanager
-def user_errors(*, value_errors: bool = False) -> Iterator[None]:
-    """Turn the errors a user can cause into ``error: ...`` lines and an exit code: every
-    :class:`~fbtrain.errors.UserError` (config, data, checkpoint, RNG state, device, core)
-    with its own code, the one place they are mapped.
-
-    OSError (a folder that cannot be created, a full disk; its message names the file) is
-    bad input too, exit 2. ``value_errors``: also treat ValueError as bad input (sample/eval
-    check their arguments with it); train leaves it alone, so a bug there keeps its
-    traceback.
-    """
-    bad_input: tuple[type[Exception], ...] = (OSError, ValueError) if value_errors else (OSError,)
+def user_errors() -> Iterator[None]:
+    """Run a command's work, ending every failure :func:`exit_code_for` knows with its line
+    and code (:func:`fail`); a bug passes through with its traceback."""
     try:
         yield
-    except BrokenPipeError:  # `fbtrain sample | head`: the reader has all it wanted
-        quit_on_closed_stdout()
-    except UserError as e:
-        error_line(str(e))  # a ConfigError: one line per problem
-        raise typer.Exit(e.exit_code) from None
-    except bad_input as e:
-        error_line(str(e))
-        raise typer.Exit(EXIT_USAGE) from None
-    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM / SIGHUP (fbtrain.startup)
-        typer.echo(interrupted_line(e), err=True)
-        raise typer.Exit(exit_code(e)) from None
+    except (Exception, KeyboardInterrupt) as e:
+        if exit_code_for(e) is None:
+            raise  # a bug: its traceback, as it was
+        fail(e)
 
 
 def interrupted_line(interrupt: KeyboardInterrupt | None) -> str:
@@ -112,9 +143,6 @@ def interrupted_line(interrupt: KeyboardInterrupt | None) -> str:
     return f"interrupted ({interrupt})" if isinstance(interrupt, Stopped) else "interrupted"
 
 
-def quit_on_closed_stdout() -> None:
+def quit_on_closed_stdout() -> NoReturn:
     """Exit quietly (code 0) when stdout's reader has gone, as `head` does to a pipe."""
-    from fbtrain.metrics.console import silence_stdout
-
-    silence_stdout()
-    raise typer.Exit(0)
+    fail(BrokenPipeError())

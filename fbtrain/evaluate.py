@@ -12,6 +12,7 @@ from fbtrain.config import INT64_MAX
 from fbtrain.config.fields import int_bound
 from fbtrain.config.schema import CONTEXTS, SPLITS
 from fbtrain.data.streams import IGNORE_INDEX, Stream, as_stream, window
+from fbtrain.errors import ArgumentError
 from fbtrain.inference import inference, saved_precision
 from fbtrain.progress import Progress
 from fbtrain.scoring import Scores, window_scores
@@ -31,9 +32,11 @@ def loss_figures(loss: float) -> dict[str, float]:
 
 def mean_loss(model: nn.Module, x: Tensor, y: Tensor, batch_size: int) -> float:
     """Mean cross-entropy in nats over the scored targets of windows x, y: [N, T] (each
-    window from empty memory; targets equal to IGNORE_INDEX are not scored). Runs in eval
-    mode and restores the model's mode afterwards."""
-    return window_scores(model, x, y, batch_size).loss
+    window from empty memory; targets equal to IGNORE_INDEX are not scored), in the one
+    inference context at fp32 on the model's device; the model's mode is put back."""
+    device = next(model.parameters(), torch.empty(0)).device
+    with inference(model, "fp32", device):
+        return window_scores(model, x, y, batch_size).loss
 
 
 
@@ -77,7 +80,7 @@ def evaluate_split(
     inputs, targets = (t.to(device) for t in as_stream(ids))
     n = len(targets)
     if n < 1:
-        raise ValueError("need at least one prediction to score, got an empty split")
+        raise ArgumentError("need at least one prediction to score, got an empty split")
     scores = Scores()
     shown = Progress(-(-n // seq_len), desc=f"eval ({context})", unit="windows") \
         if show_progress else None
@@ -115,32 +118,32 @@ def evaluate_split(
 
 
 def check_window_args(seq_len: int | None, batch_size: int, context: str) -> None:
-    """ValueError (one line) for a window length, batch size or context that cannot work;
+    """ArgumentError (one line) for a window length, batch size or context that cannot work;
     ``seq_len`` None: the checkpoint's own (checked later)."""
     if context not in CONTEXTS:
-        raise ValueError(f"context = {context!r}: must be one of {', '.join(CONTEXTS)}")
+        raise ArgumentError(f"context = {context!r}: must be one of {', '.join(CONTEXTS)}")
     if seq_len is not None:
         check_count("seq_len", seq_len)
     check_count("batch_size", batch_size)
 
 
 def check_count(name: str, value: Any) -> None:
-    """ValueError (one line) unless ``value`` is an integer in [1, 2^63 - 1]; the CLI's
+    """ArgumentError (one line) unless ``value`` is an integer in [1, 2^63 - 1]; the CLI's
     ``--seq-len`` and ``--batch-size`` are checked with it too."""
     if not (isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= INT64_MAX):
-        raise ValueError(f"{name} = {value!r}: must be {int_bound(value) or 'an integer >= 1'}")
+        raise ArgumentError(f"{name} = {value!r}: must be {int_bound(value) or 'an integer >= 1'}")
 
 
 def _check_split_args(ids: Tensor | Stream, seq_len: int, batch_size: int, context: str,
                       history: int) -> None:
-    """ValueError naming the first argument of :func:`evaluate_split` that cannot work."""
+    """ArgumentError naming the first argument of :func:`evaluate_split` that cannot work."""
     if seq_len is None:
-        raise ValueError("seq_len = None: must be an integer >= 1")
+        raise ArgumentError("seq_len = None: must be an integer >= 1")
     check_window_args(seq_len, batch_size, context)
     if not isinstance(history, int) or history < 0:
-        raise ValueError(f"history = {history!r}: must be an integer >= 0")
+        raise ArgumentError(f"history = {history!r}: must be an integer >= 0")
     if not isinstance(ids, Stream) and (ids.dim() != 1 or len(ids) < 2):
-        raise ValueError(f"need a 1-D tensor of at least 2 token ids, got shape "
+        raise ArgumentError(f"need a 1-D tensor of at least 2 token ids, got shape "
                          f"{tuple(ids.shape)}")
 
 
@@ -187,7 +190,7 @@ def run(
     defaults to the last curriculum stage's. ``precision`` (``auto``, ``fp32``, ``bf16``,
     ``fp16``) defaults to the run's own ``run.precision``, the one its validation line was
     scored at, so the same windows give that line's loss. Returns :func:`evaluate_split`'s dict plus
-    ``split``, ``checkpoint`` (the file used) and ``step``. Raises ValueError, DataError,
+    ``split``, ``checkpoint`` (the file used) and ``step``. Raises ArgumentError, DataError,
     CheckpointError or DeviceError with one line (the CLI turns them into exit code 2).
     """
     from fbtrain.checkpoint import CheckpointError, load_model
@@ -198,7 +201,7 @@ def run(
     from fbtrain.device import resolve_device
 
     if split not in SPLITS:
-        raise ValueError(f"split = {split!r}: must be {', '.join(SPLITS[:-1])} or {SPLITS[-1]}")
+        raise ArgumentError(f"split = {split!r}: must be {', '.join(SPLITS[:-1])} or {SPLITS[-1]}")
     check_window_args(seq_len, batch_size, context)
     target = resolve_device(device)
     file = resolve_model(checkpoint, prefer="best")  # a run, a checkpoint or an export
@@ -217,7 +220,7 @@ def run(
         raise CheckpointError(f"{file}: bad data config: {e}") from None
     if data_path is not None:
         if data_cfg.dataset == "algorithmic":  # its programs are generated, never read
-            raise ValueError(f"--data-path {data_path}: {file} was trained on generated "
+            raise ArgumentError(f"--data-path {data_path}: {file} was trained on generated "
                              "programs (data.dataset: algorithmic), which are not read from "
                              "a file; leave --data-path out")
         data_cfg.path = str(data_path)
@@ -242,8 +245,8 @@ def run(
         raise DataError(str(e).replace(f"data.path {data_cfg.path}", where)) from None
     try:
         stream = corpus.stream(split)
-    except ValueError as e:
-        raise ValueError(f"{e} ({where})") from None
+    except ArgumentError as e:
+        raise ArgumentError(f"{e} ({where})") from None
     if precision is None:
         precision = saved_precision(payload)
     result = evaluate_split(model, stream, seq_len, batch_size, context=context,

@@ -24,6 +24,7 @@ from fbtrain.config.fields import int_bound
 from fbtrain.config.kinds import model_kind
 from fbtrain.data.errors import DataError
 from fbtrain.data.tokenizers import Tokenizer
+from fbtrain.errors import ArgumentError
 from fbtrain.inference import inference, saved_precision
 from fbtrain.messages import format_bytes
 from fbtrain.progress import Progress, isatty, note
@@ -49,11 +50,11 @@ SAMPLING_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
 
 
 def check_argument(name: str, value: Any) -> None:
-    """ValueError (one line) when ``value`` breaks :data:`SAMPLING_RULES`' rule for ``name``
+    """ArgumentError (one line) when ``value`` breaks :data:`SAMPLING_RULES`' rule for ``name``
     (integers also at most 2^63 - 1, what torch can index)."""
     ok, allowed = SAMPLING_RULES[name]
     if not ok(value):
-        raise ValueError(f"{name} = {value!r}: must be {int_bound(value) or allowed}")
+        raise ArgumentError(f"{name} = {value!r}: must be {int_bound(value) or allowed}")
 
 
 def check_sampling_args(
@@ -64,10 +65,10 @@ def check_sampling_args(
     num_samples: int = 1,
     prompt: str | None = None,
 ) -> None:
-    """Raise ValueError (one line) for arguments :func:`generate` cannot honour (``prompt``
+    """Raise ArgumentError (one line) for arguments :func:`generate` cannot honour (``prompt``
     None: not given; an empty one is refused)."""
     if prompt is not None and not prompt:
-        raise ValueError("prompt is empty: give at least one character (e.g. a newline)")
+        raise ArgumentError("prompt is empty: give at least one character (e.g. a newline)")
     for name, value in (("length", length), ("temperature", temperature), ("top_k", top_k),
                         ("top_p", top_p), ("num_samples", num_samples)):
         check_argument(name, value)
@@ -182,7 +183,7 @@ def memory_bytes(device: torch.device | str = "cpu") -> int | None:
 
 def check_memory(model: nn.Module, tokenizer: Tokenizer, prompt_tokens: int,
                  num_samples: int, length: int, device: torch.device | str) -> None:
-    """Raise ValueError (one line) when ``num_samples x length`` tokens cannot fit in memory.
+    """Raise ArgumentError (one line) when ``num_samples x length`` tokens cannot fit in memory.
 
     The bound is physical memory (of the machine for the output, of the model's device for
     its state; both the machine's on a CPU), not what happens to be free: a request over it
@@ -196,7 +197,7 @@ def check_memory(model: nn.Module, tokenizer: Tokenizer, prompt_tokens: int,
                  (on_model, memory_bytes(device), str(device))]
     for need, have, where in needs:
         if have is not None and need > have:
-            raise ValueError(
+            raise ArgumentError(
                 f"num_samples = {num_samples} x length = {length}: sampling needs about "
                 f"{format_bytes(need)} of memory, more than the {format_bytes(have)} of {where}; "
                 "lower num_samples or length"
@@ -236,7 +237,7 @@ def generate(
     (:func:`fbtrain.inference.inference`: eval mode, autocast at ``precision``, no autograd,
     frozen weights, the global RNG untouched); the model's train/eval mode is restored.
 
-    Raises ValueError for bad arguments, an empty prompt (the CLI's default prompt is a
+    Raises ArgumentError for bad arguments, an empty prompt (the CLI's default prompt is a
     newline) or more samples than memory holds (:func:`check_memory`), DataError when the
     prompt holds characters outside the vocabulary and :class:`NonFiniteLogits` when the
     model predicts NaN or inf.
@@ -269,13 +270,13 @@ def generate(
 
 def encode_prompt(tokenizer: Tokenizer, prompt: str) -> Tensor:
     """The prompt's ids ``[P]``, P >= 1; DataError for tokens outside the vocabulary,
-    ValueError for a prompt without a token (e.g. only spaces for a word vocabulary)."""
+    ArgumentError for a prompt without a token (e.g. only spaces for a word vocabulary)."""
     try:
         ids = tokenizer.encode(prompt)
     except DataError as e:
         raise DataError(f"prompt: {e}") from None
     if len(ids) == 0:
-        raise ValueError(f"prompt {prompt!r} holds no {tokenizer.unit}; give at least one "
+        raise ArgumentError(f"prompt {prompt!r} holds no {tokenizer.unit}; give at least one "
                          f"(e.g. {tokenizer.start!r})")
     return ids
 
@@ -305,7 +306,7 @@ def run(
     ``precision``: the autocast to sample at (``auto``, ``fp32``, ``bf16``, ``fp16``); None:
     the run's own ``run.precision``, as its training validated and sampled at.
     Returns the continuations.
-    Raises ValueError (bad arguments; more samples than memory holds), DataError,
+    Raises ArgumentError (bad arguments; more samples than memory holds), DataError,
     CheckpointError (also for a model whose predictions overflow to NaN/inf) or DeviceError
     with one line (the CLI turns them into exit code 2).
     """

@@ -63,18 +63,15 @@ class Scores:
         return self.correct / self.count if self.count else float("nan")
 
 
-@torch.no_grad()
 def window_scores(model: nn.Module, x: Tensor, y: Tensor, batch_size: int) -> Scores:
     """Loss and accuracy over the scored targets of windows x, y ``[N, T]``, each window from
-    empty memory, ``batch_size`` windows per forward. Runs in eval mode and restores the
-    model's mode afterwards."""
-    was_training = model.training
-    model.eval()
+    empty memory, ``batch_size`` windows per forward.
+
+    Runs the model as it finds it: the caller holds :func:`fbtrain.inference.inference`
+    (validation, ``fbtrain eval``, :func:`fbtrain.evaluate.mean_loss`), which owns eval
+    mode, autograd and precision, so they are set in one place."""
     scores = Scores()
-    try:
-        for start in range(0, x.shape[0], batch_size):
-            logits, _ = model(x[start:start + batch_size])
-            scores.add(logits, y[start:start + batch_size])
-    finally:
-        model.train(was_training)
+    for start in range(0, x.shape[0], batch_size):
+        logits, _ = model(x[start:start + batch_size])
+        scores.add(logits, y[start:start + batch_size])
     return scores

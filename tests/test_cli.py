@@ -24,6 +24,7 @@ from fbtrain.checkpoint import CheckpointError
 from fbtrain.cli import app
 from fbtrain.data.errors import DataError
 from fbtrain.device import DeviceError
+from fbtrain.errors import ArgumentError
 from fbtrain.models.core.native import CoreBuildError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -277,7 +278,7 @@ def test_sample_defaults_match_sample_run(fake_sample: dict[str, Any]):
         k: v for k, v in defaults.items() if k != "stream"}
 
 
-@pytest.mark.parametrize("error", [ValueError("top_p = 0.0: must be in (0, 1] (or unset)"),
+@pytest.mark.parametrize("error", [ArgumentError("top_p = 0.0: must be in (0, 1] (or unset)"),
                                    DataError("prompt: 1 character(s) not in the vocabulary"),
                                    CheckpointError("runs/x: no such checkpoint"),
                                    DeviceError("device 'cuda:3': only 1 CUDA device(s) here")])
@@ -296,10 +297,16 @@ def test_sample_interrupt_exits_130(fake_sample: dict[str, Any]):
     assert "Traceback" not in result.output
 
 
-def test_sample_bug_is_not_hidden(fake_sample: dict[str, Any]):
-    fake_sample["raise"] = RuntimeError("a bug")
-    result = invoke("sample", "--checkpoint", "runs/x")
-    assert isinstance(result.exception, RuntimeError)
+@pytest.mark.parametrize("bug", [RuntimeError("a bug"), ValueError("a bug, not bad input")])
+@pytest.mark.parametrize("command", ["sample", "eval"])
+def test_sample_and_eval_bugs_are_not_hidden(fake_sample: dict[str, Any],
+                                             fake_eval: dict[str, Any], command: str,
+                                             bug: Exception):
+    """A ValueError is not bad input by its type: only fbtrain's named UserErrors are."""
+    (fake_sample if command == "sample" else fake_eval)["raise"] = bug
+    result = invoke(command, "--checkpoint", "runs/x")
+    assert result.exit_code == 1 and result.exception is bug
+    assert "error:" not in result.stderr
 
 
 @pytest.mark.parametrize("args", [["--length", "0"], ["--num-samples", "0"], ["--top-k", "0"],
@@ -385,7 +392,7 @@ def test_eval_flag_validation_exits_2(fake_eval: dict[str, Any], args: list[str]
     assert result.stdout == ""
 
 
-@pytest.mark.parametrize("error", [ValueError("seq_len = 0: must be an integer >= 1"),
+@pytest.mark.parametrize("error", [ArgumentError("seq_len = 0: must be an integer >= 1"),
                                    CheckpointError("runs/x: no checkpoint found"),
                                    DataError("t.txt: no such file")])
 def test_eval_user_errors_exit_2(fake_eval: dict[str, Any], error: Exception):

@@ -1,9 +1,12 @@
-"""Errors a user can cause: one base class (fbtrain.errors.UserError) with its exit code,
-mapped to one ``error:`` line in one place (cli_errors.user_errors), for every command."""
+"""fbtrain's exception hierarchy (fbtrain.errors): a user's errors (UserError, exit 2) and
+training's stops (TrainingError), each with its exit code, mapped with everything else the
+CLI reports (OSError, Ctrl-C, click's usage errors, a closed pipe) in one function
+(cli_errors.exit_code_for), for every command; anything else keeps its traceback."""
 
 from __future__ import annotations
 
 import json
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -11,15 +14,18 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+import fbtrain.train
 from fbtrain.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from fbtrain.cli import app
+from fbtrain.cli_errors import click, exit_code_for
 from fbtrain.config import ConfigError, config_from_dict
 from fbtrain.data.errors import DataError, VocabularyError
 from fbtrain.device import DeviceError
-from fbtrain.errors import EXIT_USAGE, UserError
+from fbtrain.errors import EXIT_USAGE, ArgumentError, FbtrainError, TrainingError, UserError
 from fbtrain.models.core.native import CoreBuildError
 from fbtrain.models.core.spec import CoreError
 from fbtrain.rng import RngStateError
+from fbtrain.startup import Stopped
 from fbtrain.train import run
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: tiny models, one thread
@@ -29,6 +35,25 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: tiny models, 
                                  DeviceError, RngStateError, CoreError, CoreBuildError])
 def test_every_user_facing_error_is_a_user_error_with_exit_code_2(cls: type) -> None:
     assert issubclass(cls, UserError) and cls.exit_code == EXIT_USAGE
+
+
+@pytest.mark.parametrize(("error", "code"), [
+    (ConfigError(["a", "b"]), 2), (ArgumentError("length = 0"), 2),
+    (TrainingError("step 5: loss is nan"), 1), (TrainingError("interrupted", 143), 143),
+    (OSError("out/x: read-only file system"), 2), (BrokenPipeError(), 0),
+    (KeyboardInterrupt(), 130), (Stopped(signal.SIGTERM), 143), (Stopped(signal.SIGHUP), 129),
+    (click.exceptions.UsageError("no such option: --steps"), 2),
+    (ValueError("a bug"), None), (RuntimeError("a bug"), None), (KeyError("a bug"), None)])
+def test_every_exit_code_is_decided_in_one_function(error: BaseException,
+                                                    code: int | None) -> None:
+    assert exit_code_for(error) == code
+
+
+def test_training_stops_and_user_errors_are_one_hierarchy() -> None:
+    assert issubclass(TrainingError, FbtrainError) and issubclass(UserError, FbtrainError)
+    assert issubclass(ArgumentError, UserError) and issubclass(ArgumentError, ValueError)
+    assert not issubclass(TrainingError, UserError)  # training stopped: not the user's input
+    assert fbtrain.train.TrainingError is TrainingError
 
 
 @pytest.mark.parametrize("command", [["train", "--config", "configs/tiny.yaml"],

@@ -320,3 +320,26 @@ def test_cli_eval_precision_flag_overrides_the_runs(bf16_run: Path) -> None:
     assert figures["bf16 (default)"] == figures["bf16"] != figures["fp32"]
     refused = CliRunner().invoke(app, ["eval", "-c", last, "--precision", "fp8"])
     assert refused.exit_code == 2 and "fp8" in refused.stderr
+
+
+def test_cli_eval_user_mistakes_one_line_a_bug_its_traceback(
+        run_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A split the data lacks is the user's mistake (ArgumentError: one line, exit 2); a
+    ValueError from anywhere else in eval is a bug and keeps its traceback (exit 1)."""
+    from typer.testing import CliRunner
+
+    from fbtrain.cli import app
+
+    args = ["eval", "-c", str(run_dir), "--device", "cpu"]
+    result = CliRunner().invoke(app, [*args, "--split", "test"])
+    assert result.exit_code == 2 and result.stdout == ""
+    assert result.stderr.splitlines() == ["error: split = 'test': this data has the splits "
+                                          f"train, val (data.path {run_dir.parent / 'text.txt'})"]
+
+    def bug(*args: object, **kwargs: object) -> None:
+        raise ValueError("a bug in eval, not bad input")
+
+    monkeypatch.setattr(evaluate, "evaluate_split", bug)
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 1 and isinstance(result.exception, ValueError)
+    assert "error:" not in result.stderr

@@ -107,3 +107,31 @@ def test_sample_and_the_trainers_samples_run_at_the_runs_precision(
     sample.run(str(run_dir), length=3, device="cpu", stream=io.StringIO())
     sample.run(str(run_dir), length=3, device="cpu", stream=io.StringIO(), precision="fp32")
     assert seen[2:] == ["bf16", "fp32"]
+
+
+class _Spy(torch.nn.Module):
+    """A model that records the mode and autograd state each forward ran in."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(len(VOCAB)))
+        self.seen: list[tuple[bool, bool, bool]] = []
+
+    def forward(self, x: torch.Tensor, state: object = None) -> tuple[torch.Tensor, None]:
+        self.seen.append((self.training, torch.is_grad_enabled(),
+                          torch.is_inference_mode_enabled()))
+        return self.weight.expand(*x.shape, -1), None
+
+
+def test_window_scores_leaves_the_context_to_its_caller() -> None:
+    """scoring.window_scores sets neither eval mode nor no_grad: the caller's inference()
+    is the one place they are set (validation, eval, mean_loss hold it)."""
+    from fbtrain.evaluate import mean_loss
+    from fbtrain.scoring import window_scores
+
+    spy = _Spy().train()
+    window_scores(spy, TOKENS, TOKENS, batch_size=1)
+    assert spy.seen == [(True, True, False)] * 2  # as it found them: no second context
+    spy.seen.clear()
+    mean_loss(spy, TOKENS, TOKENS, batch_size=2)  # mean_loss: through inference()
+    assert spy.seen == [(False, False, True)] and spy.training

@@ -487,3 +487,34 @@ def test_cli_sample_extremes(tmp_path: Path) -> None:
                                           f"error: {huge}: cannot sample from it: the model's "
                                           "predictions are NaN or inf (its weights are so "
                                           "large that the logits overflow)"]
+
+
+@pytest.mark.parametrize(("args", "line"), [
+    (["--prompt", ""], "error: prompt is empty: give at least one character (e.g. a newline)"),
+    (["--num-samples", str(2**62), "-n", "4"], "error: num_samples = 4611686018427387904 x "
+                                               "length = 4: sampling needs about"),
+])
+def test_cli_sample_user_mistakes_are_one_line_exit_2(tmp_path: Path, args: list[str],
+                                                      line: str) -> None:
+    """fbtrain's own checks raise a named UserError (ArgumentError) where they check: one
+    line, exit 2, nothing on stdout."""
+    result = _cli("-c", str(write_run(tmp_path / "run", tiny_model())), "--device", "cpu",
+                  *args)
+    assert result.exit_code == 2 and result.stdout == "", result.output
+    assert len(result.stderr.splitlines()) == 1 and result.stderr.startswith(line)
+
+
+def test_cli_a_bug_inside_sample_keeps_its_traceback(tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ValueError raised inside sampling that no check of fbtrain's raised (here the
+    top-k/top-p filter failing) is a bug: it escapes with its traceback (exit 1), never
+    'error: ...' and exit 2 as if the user had typed something wrong."""
+    ckpt = str(write_run(tmp_path / "run", tiny_model()))
+
+    def bug(*args: object, **kwargs: object) -> None:
+        raise ValueError("a bug in sampling, not bad input")
+
+    monkeypatch.setattr(sample, "filter_logits", bug)
+    result = _cli("-c", ckpt, "-n", "3", "--device", "cpu")
+    assert result.exit_code == 1 and isinstance(result.exception, ValueError)
+    assert "error:" not in result.stderr

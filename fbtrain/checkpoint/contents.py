@@ -30,6 +30,7 @@ from fbtrain.checkpoint.state import (
 from fbtrain.config import ModelConfig
 from fbtrain.data.errors import DataError
 from fbtrain.data.tokenizers import make_tokenizer
+from fbtrain.errors import ArgumentError
 from fbtrain.models import build_model
 
 # What a warm start (transformer -> feedback, on purpose) must agree on: the weights' shapes.
@@ -168,7 +169,7 @@ def load_model(
     try:
         cfg = ModelConfig(**raw_cfg)
         model = build_model(cfg, tokenizer.vocab_size)
-    except (TypeError, ValueError) as e:
+    except (TypeError, ArgumentError) as e:  # a key ModelConfig lacks; a value it refuses
         raise CheckpointError(f"{file}: bad 'model_config': {e}") from None
     state = strip_wrapper_prefixes(state)
     problem = state_dict_mismatch(model.state_dict(), state)

@@ -9,18 +9,35 @@ a memory mix to log). A new kind is its module under ``fbtrain/models/`` and one
 
 The class is named by its import path, resolved by :func:`fbtrain.models.build_model`:
 config is the layer below the models (they import ModelConfig from it), so the registry
-cannot import them. tests/test_models.py checks every entry against the model it names
-(its class, parameter count, memory mix, key/value sets and carried sources). Torch-free.
+cannot import them. It sits below the schema too (which takes the kinds and their help
+from it), so it reads a model config through :class:`ModelShape`, the fields it uses,
+which ``ModelConfig`` has. tests/test_models.py checks every entry against the model it
+names (its class, parameter count, memory mix, key/value sets and carried sources).
+Torch-free.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from fbtrain.config.schema import ModelConfig
+from fbtrain.errors import ArgumentError
+
+
+class ModelShape(Protocol):
+    """The fields of ``model:`` (config.schema.ModelConfig) that the registry reads."""
+
+    kind: str
+    d_model: int
+    n_heads: int
+    d_ff: int
+    n_layers: int
+    max_rel_pos: int
+    memory_norm: str
+
+    @property
+    def memory_window(self) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -37,14 +54,14 @@ class ModelKind:
     fp32_activations: bool
     # Vectors kept per carried memory slot, re-projected with the current weights when
     # carried (MemoryState.sources): m_t alone (1), or every layer's input (n_layers).
-    carried_sources: Callable[[ModelConfig], int]
+    carried_sources: Callable[[ModelShape], int]
     # Trainable parameters but the embedding and the output head (vocabulary-sized).
-    parameters: Callable[[ModelConfig], int]
+    parameters: Callable[[ModelShape], int]
     # Floats one micro-batch of (batch, seq_len) keeps for its backward on `carried`
     # slots of memory from the previous segment: a lower bound (config/budget.py).
-    activations: Callable[[ModelConfig, int, int, int], int]
+    activations: Callable[[ModelShape, int, int, int], int]
 
-    def key_value_sets(self, cfg: ModelConfig) -> int:
+    def key_value_sets(self, cfg: ModelShape) -> int:
         """Key/value sets of the memory state ([n_sets, B*H, slots, d_k])."""
         return 1 if self.shared_kv else cfg.n_layers
 
@@ -52,7 +69,7 @@ class ModelKind:
 # ----------------------------------------------------------------------------- estimates
 
 
-def _layers(cfg: ModelConfig, own_kv: bool) -> int:
+def _layers(cfg: ModelShape, own_kv: bool) -> int:
     """Parameters of the layer stack and the final LayerNorm (layers.py): per layer query
     D*D, u D, r rows*D, b rows*H, out D*D + D, two LayerNorms 4D, ff1 D*F + F, ff2 F*D + D,
     and with ``own_kv`` its key D*D and value D*D + D."""
@@ -62,17 +79,17 @@ def _layers(cfg: ModelConfig, own_kv: bool) -> int:
     return cfg.n_layers * (layer + own) + 2 * d
 
 
-def _feedback_parameters(cfg: ModelConfig) -> int:
+def _feedback_parameters(cfg: ModelShape) -> int:
     return _layers(cfg, own_kv=True) + cfg.n_layers + 1  # + the memory-mix logits w
 
 
-def _feedback_kv_parameters(cfg: ModelConfig) -> int:
+def _feedback_kv_parameters(cfg: ModelShape) -> int:
     d = cfg.d_model
     shared = 2 * d * d + (2 * d if cfg.memory_norm == "layernorm" else 0)  # key, value, norm
     return _layers(cfg, own_kv=False) + shared + cfg.n_layers + 1
 
 
-def _transformer_parameters(cfg: ModelConfig) -> int:
+def _transformer_parameters(cfg: ModelShape) -> int:
     return _layers(cfg, own_kv=True)
 
 
@@ -85,7 +102,7 @@ def sum_window(carried: int, steps: int, window: int) -> int:
     return growing * carried + growing * (growing - 1) // 2 + full * window
 
 
-def _feedback_activations(cfg: ModelConfig, batch: int, seq_len: int, carried: int) -> int:
+def _feedback_activations(cfg: ModelShape, batch: int, seq_len: int, carried: int) -> int:
     """The feedback core (models/core/native.py / python.py): every layer's output at every
     step, the memory keys/values of all slots, and per layer and step the tape (a, q, o, y,
     LN2(y): 5 D; the FF hidden: F; the attention weights over the step's window: H *
@@ -101,7 +118,7 @@ def _feedback_activations(cfg: ModelConfig, batch: int, seq_len: int, carried: i
     return batch * per_row
 
 
-def _transformer_activations(cfg: ModelConfig, batch: int, seq_len: int, carried: int) -> int:
+def _transformer_activations(cfg: ModelShape, batch: int, seq_len: int, carried: int) -> int:
     """transformer.py: per layer and position the same D- and F-sized tensors, keys and
     values, and the scores over all ``carried + seq_len`` slots (counted twice, though the
     scores, their sum with the position term, the masked scores and the softmax are each
@@ -115,11 +132,11 @@ def _transformer_activations(cfg: ModelConfig, batch: int, seq_len: int, carried
 # ----------------------------------------------------------------------------- the registry
 
 
-def _one(cfg: ModelConfig) -> int:
+def _one(cfg: ModelShape) -> int:
     return 1
 
 
-def _every_layer(cfg: ModelConfig) -> int:
+def _every_layer(cfg: ModelShape) -> int:
     return cfg.n_layers
 
 
@@ -143,12 +160,12 @@ def find_kind(name: object) -> ModelKind | None:
 
 
 def model_kind(name: object) -> ModelKind:
-    """The registry's entry for ``name``; ValueError (one line, the kinds named) for any
-    other value, wherever it came from (a checkpoint's raw dict included: its ``null`` or
-    list, which the config's field checks pass over as the wrong type, too)."""
+    """The registry's entry for ``name``; ArgumentError (one line, the kinds named) for
+    any other value, wherever it came from (a checkpoint's raw dict included: its ``null``
+    or list, which the config's field checks pass over as the wrong type, too)."""
     kind = find_kind(name)
     if kind is None:
-        raise ValueError(f"model.kind = {name!r}: must be one of {', '.join(KINDS)}")
+        raise ArgumentError(f"model.kind = {name!r}: must be one of {', '.join(KINDS)}")
     return kind
 
 

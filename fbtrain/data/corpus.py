@@ -31,6 +31,7 @@ from fbtrain.data.sources import SOURCES
 from fbtrain.data.streams import IGNORE_INDEX, Stream, next_token_stream, split
 from fbtrain.data.text import load_text, read_local
 from fbtrain.data.tokenizers import ByteTokenizer, CharTokenizer, Tokenizer, WordTokenizer
+from fbtrain.errors import ArgumentError
 
 ALGORITHMIC = "algorithmic"
 
@@ -48,9 +49,9 @@ class Corpus:
     history: int = 0
 
     def stream(self, name: str) -> Stream:
-        """The split ``name``; a ValueError naming the splits there are otherwise."""
+        """The split ``name``; an ArgumentError naming the splits there are otherwise."""
         if name not in self.splits:
-            raise ValueError(f"split = {name!r}: this data has the splits "
+            raise ArgumentError(f"split = {name!r}: this data has the splits "
                              f"{', '.join(self.splits)}")
         return self.splits[name]
 

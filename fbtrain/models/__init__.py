@@ -12,6 +12,7 @@ from torch import nn
 
 from fbtrain.config import ModelConfig
 from fbtrain.config.kinds import ModelKind, model_kind
+from fbtrain.errors import ArgumentError
 from fbtrain.models.feedback import FeedbackTransformer
 from fbtrain.models.state import MemoryState
 from fbtrain.models.transformer import Transformer
@@ -27,13 +28,14 @@ def model_class(kind: ModelKind) -> type[nn.Module]:
 
 
 def build_model(cfg: ModelConfig, vocab_size: int) -> nn.Module:
-    """Build the model ``cfg.kind`` names in the registry; raises ValueError (one line per
-    problem) on an invalid config, an unknown kind included (whatever made ``cfg``)."""
+    """Build the model ``cfg.kind`` names in the registry; raises ArgumentError (a
+    ValueError; one line, its problems joined by "; ") on an invalid config, an unknown kind
+    included (whatever made ``cfg``)."""
     problems = cfg.problems()
     if vocab_size < 1:
         problems.append(("vocab_size", vocab_size, "must be >= 1"))
     if problems:
-        raise ValueError("; ".join(f"model.{k} = {v!r}: {msg}" for k, v, msg in problems))
+        raise ArgumentError("; ".join(f"model.{k} = {v!r}: {msg}" for k, v, msg in problems))
     return model_class(model_kind(cfg.kind))(cfg, vocab_size)
 
 

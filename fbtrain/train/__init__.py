@@ -9,7 +9,7 @@
     optim.py    AdamW's parameter groups and the learning-rate schedule
 """
 
-from fbtrain.train.step import TrainingError
+from fbtrain.errors import TrainingError
 from fbtrain.train.trainer import Trainer, run
 
 __all__ = ["Trainer", "TrainingError", "run"]

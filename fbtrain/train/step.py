@@ -19,19 +19,12 @@ from torch import Tensor
 
 from fbtrain.device import autocast
 from fbtrain.distributed import DistContext
+from fbtrain.errors import EXIT_FAILED, TrainingError
 from fbtrain.scoring import count_scored, score_sums
 from fbtrain.train.setup import Run
 from fbtrain.train.signals import EXIT_CODES, STOP_PRIORITY, StopSignals
 
-EXIT_NONFINITE = 1
-
-
-class TrainingError(Exception):
-    """Training stopped; ``exit_code`` is what the CLI exits with (1, 129, 130 or 143)."""
-
-    def __init__(self, message: str, exit_code: int = EXIT_NONFINITE):
-        super().__init__(message)
-        self.exit_code = exit_code
+EXIT_NONFINITE = EXIT_FAILED  # a non-finite loss or gradient norm
 
 
 @dataclass

@@ -11,7 +11,7 @@ so a whole call can be captured in one CUDA graph per shape.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import triton
@@ -20,6 +20,7 @@ from torch import Tensor
 from fbtrain.models.core.fused.grads import ln_backward, weight_grads
 from fbtrain.models.core.fused.launch import Launch, recording
 from fbtrain.models.core.fused.launch import launch as _launch
+from fbtrain.models.core.fused.tape import FusedTape
 from fbtrain.models.core.masks import draw_masks, prob_offsets, window_of
 from fbtrain.models.core.spec import (
     LAYER_PARAMS,
@@ -37,35 +38,6 @@ BN = 32  # output columns per program of the column-split kernels
 BK = 32  # inner-dimension chunk of every matmul
 WINDOW_TILE = 256  # window slots x head width per chunk of the attention ([BLOCK_B, BW, d_k])
 SPLIT = 32  # window slots per attention program (a step's window split over programs)
-
-
-class FusedTape(NamedTuple):
-    """What the forward keeps for the backward, all full-call buffers (a list of tensors, so
-    graphs.py can capture a call). [L, T, B, ...] per layer and step unless said; the masks
-    are empty without dropout. ``score`` holds step t's attention scores at their position
-    rows (window slot j at row P - ell + j), and ``lse`` their log-sum-exp per head, so
-    the probabilities are exp(score - lse). Attention records of steps that do not attend
-    are not written (the backward never reads them); ``y`` there is x."""
-
-    a: Tensor  # [L, T, B, D] LN1(x)
-    mu1: Tensor  # [L, T, B]
-    rs1: Tensor  # [L, T, B]
-    qu: Tensor  # [L, T, B, D]
-    score: Tensor  # [L, T, B, H, P]
-    lse: Tensor  # [L, T, B, H]
-    o: Tensor  # [L, T, B, D] the attention's output (after dropout on its probabilities)
-    y: Tensor  # [L, T, B, D] x + attention: the feed-forward's input
-    mu2: Tensor  # [L, T, B]
-    rs2: Tensor  # [L, T, B]
-    c: Tensor  # [L, T, B, D] LN2(y)
-    h: Tensor  # [L, T, B, F] relu output, after dropout
-    m_hat: Tensor  # [T, B, D] norm(m_t) (memory norm only)
-    mu_m: Tensor  # [T, B]
-    rs_m: Tensor  # [T, B]
-    mask_att: Tensor  # as masks.Masks
-    mask_prob: Tensor
-    mask_h: Tensor
-    mask_ff: Tensor
 
 
 def _blocks(D: int, H: int) -> dict[str, int]:

@@ -4,15 +4,11 @@ rows), and the LayerNorm backward the post-sweep gradients use."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import Tensor
 
+from fbtrain.models.core.fused.tape import FusedTape
 from fbtrain.models.core.spec import LAYER_PARAMS, CoreSpec
-
-if TYPE_CHECKING:  # (core.py imports this module)
-    from fbtrain.models.core.fused.core import FusedTape
 
 
 def ln_backward(d: Tensor, x: Tensor, mu: Tensor, rs: Tensor, w: Tensor) -> Tensor:
