@@ -202,6 +202,10 @@ def train(
 
         cfg = load_config(config, overrides)
         if print_config:
+            if cfg.run.device not in ("auto", "cpu"):  # refused here as train refuses it
+                from fbtrain.device import resolve_device
+
+                resolve_device(cfg.run.device)
             import yaml
 
             typer.echo(yaml.safe_dump(cfg.to_dict(), sort_keys=False), nl=False)
@@ -360,10 +364,11 @@ def export(
         "--out", "-o", metavar="DIR", help="Folder to write into (created if needed; the "
         "three files are replaced if there).")],
 ) -> None:
-    """Export a model's weights to share: safetensors, no optimizer state.
+    """Export a model's weights to share, as safetensors.
 
-    Writes DIR/model.safetensors (the weights), DIR/config.json (the model config) and
-    DIR/vocab.json. fbtrain sample and fbtrain eval accept DIR as they accept a run.
+    Writes DIR/model.safetensors (the weights; no optimizer state), DIR/config.json (the
+    model config) and DIR/vocab.json. fbtrain sample and fbtrain eval accept DIR as they
+    accept a run.
     """
     with user_errors():
         from fbtrain.checkpoint.contents import export_model

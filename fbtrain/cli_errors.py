@@ -45,9 +45,10 @@ def exit_code_for(error: BaseException) -> int | None:
     return None
 
 
-def report(error: BaseException) -> None:
+def report(error: BaseException, argv: list[str] | None = None) -> None:
     """Print what the user sees for ``error`` (one of :func:`exit_code_for`'s, not a bug)
-    on stderr: ``error:`` lines, training's own stop line, or 'interrupted'."""
+    on stderr: ``error:`` lines, training's own stop line, or 'interrupted'. ``argv``: the
+    command line's words, which a usage error's suggestion may quote."""
     if isinstance(error, BrokenPipeError):
         from fbtrain.metrics.console import silence_stdout
 
@@ -56,9 +57,11 @@ def report(error: BaseException) -> None:
         typer.echo(str(error), err=True)
     elif isinstance(error, click.exceptions.UsageError) and \
             not isinstance(error, click.exceptions.NoArgsIsHelpError):
-        message = error.format_message().rstrip(".")
+        hint = _usage_hint(error, argv or [])
+        # click's own suggestion ("Possible options: ...") gives way to a better one
+        message = (error.message if hint else error.format_message()).rstrip(".")
         where = f"{error.ctx.command_path}: " if error.ctx is not None else ""
-        error_line(f"{where}{message[:1].lower()}{message[1:]}{_config_hint(error)}")
+        error_line(f"{where}{message[:1].lower()}{message[1:]}{hint}")
     elif isinstance(error, click.exceptions.ClickException):  # `fbtrain` alone: the help
         error.show()
     elif isinstance(error, (KeyboardInterrupt, typer.Abort)):
@@ -67,13 +70,13 @@ def report(error: BaseException) -> None:
         error_line(str(error))  # a ConfigError: one line per problem
 
 
-def fail(error: BaseException) -> NoReturn:
+def fail(error: BaseException, argv: list[str] | None = None) -> NoReturn:
     """End the command as :func:`exit_code_for` says, after :func:`report`; a bug is
     raised again as it was (its traceback kept)."""
     code = exit_code_for(error)
     if code is None:
         raise error
-    report(error)
+    report(error, argv)
     raise SystemExit(code)
 
 
@@ -96,8 +99,9 @@ class OneLineErrors(TyperGroup):
             return super().main(args, prog_name, complete_var, standalone_mode, **extra)
         try:
             code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        # Abort: Ctrl-C (or SIGTERM, SIGHUP) while click itself was running
         except (click.exceptions.ClickException, typer.Abort) as e:
-            fail(e)  # Abort: Ctrl-C (or SIGTERM, SIGHUP) while click itself was running
+            fail(e, list(args) if args is not None else sys.argv[1:])
         # Without standalone mode click returns a command's result, or the code it exited
         # with; fbtrain's commands return None.
         sys.exit(code if isinstance(code, int) else 0)
@@ -112,13 +116,47 @@ class OneLineErrors(TyperGroup):
             quit_on_closed_stdout()
 
 
-def _config_hint(error: click.exceptions.UsageError) -> str:
-    """``; did you mean --config FILE?`` for ``fbtrain train FILE`` (a config given as an
-    argument: train takes none), else ""."""
-    extra = re.match(r"Got unexpected extra arguments?(?:\(s\))? \((.+)\)$", error.message)
-    if extra is None or error.ctx is None or error.ctx.command.name != "train":
+def _usage_hint(error: click.exceptions.UsageError, argv: list[str]) -> str:
+    """What ``fbtrain train`` was most likely meant to be, as ``; did you mean ...?``, or "":
+
+    - ``--set train.max_steps 100`` (a space for the ``=``): ``--set train.max_steps=100``;
+    - ``train configs/tiny.yaml`` (a config as an argument: train takes none): ``--config``;
+    - ``--steps 100`` (a config key as a flag; click has no one flag to suggest):
+      ``--set train.max_steps=100``.
+    """
+    ctx = error.ctx
+    if ctx is None or ctx.command.name != "train":
         return ""
-    return f"; did you mean --config {extra.group(1).split()[0]}?"
+    extra = re.match(r"Got unexpected extra arguments?(?:\(s\))? \((.+)\)$", error.message)
+    if extra is not None:
+        value = extra.group(1).split()[0]
+        at = argv.index(value) if value in argv else -1
+        if at >= 2 and argv[at - 2] in ("--set", "-s") and "=" not in argv[at - 1]:
+            return f"; did you mean --set {argv[at - 1]}={value}?"
+        return f"; did you mean --config {value}?"
+    if isinstance(error, click.exceptions.NoSuchOption):
+        from fbtrain.config.tree import closest_keys
+
+        flag = error.option_name
+        keys = closest_keys(flag.lstrip("-"))
+        exact = any(key.endswith("." + flag.lstrip("-").replace("-", "_")) for key in keys)
+        # A flag click can name (--devic: --device) is the better guess, unless the word
+        # is a key's very name (--seed: run.seed, though click would say --set).
+        if keys and (exact or len(error.possibilities or ()) != 1):
+            sets = [f"--set {key}={_flag_value(flag, argv) or 'VALUE'}" for key in keys]
+            return f"; did you mean {' or '.join(sets)}?"
+    return ""
+
+
+def _flag_value(flag: str, argv: list[str]) -> str:
+    """The value given to ``flag`` on the command line (``--steps 100``, ``--steps=100``),
+    or "" when none is there."""
+    for i, word in enumerate(argv):
+        if word.startswith(flag + "="):
+            return word[len(flag) + 1:]
+        if word == flag and i + 1 < len(argv) and not argv[i + 1].startswith("-"):
+            return argv[i + 1]
+    return ""
 
 
 def error_line(message: str) -> None:

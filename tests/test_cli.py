@@ -181,6 +181,93 @@ def test_print_config_without_config_uses_defaults():
     assert yaml.safe_load(result.stdout) == load_config(None).to_dict()
 
 
+# ----------------------------------------------------------------------------- suggestions
+# Each slip a newcomer makes gets the command they meant, in the one error line.
+
+
+@pytest.mark.parametrize(("args", "meant"), [
+    (["--set", "train.max_steps", "100"], "--set train.max_steps=100"),
+    (["-s", "train.lr=1e-3", "-s", "train.max_steps", "100"], "--set train.max_steps=100"),
+    ([TINY], f"--config {TINY}"),  # a config given as an argument (train takes none)
+])
+def test_an_extra_argument_suggests_what_it_was_meant_for(args: list[str], meant: str):
+    result = invoke("train", *args)
+    assert result.exit_code == 2
+    assert error_lines(result)[-1].endswith(f"; did you mean {meant}?"), result.stderr
+    assert len(error_lines(result)) == 1
+
+
+def test_a_key_without_its_section_suggests_the_key():
+    result = invoke("train", "--set", "max_steps=100")
+    assert result.exit_code == 2
+    assert error_lines(result) == ["error: --set 'max_steps=100': key must be section.key (or "
+                                   "curriculum); did you mean train.max_steps=100?"]
+
+
+def test_a_missing_config_suggests_the_close_file_in_its_folder(tmp_path: Path):
+    (tmp_path / "tiny_shakespeare.yaml").write_text("run: {}\n")
+    result = invoke("train", "--config", str(tmp_path / "tinyshakespeare.yaml"))
+    assert result.exit_code == 2
+    assert error_lines(result) == [f"error: {tmp_path / 'tinyshakespeare.yaml'}: config file "
+                                   f"not found; did you mean {tmp_path / 'tiny_shakespeare.yaml'}?"]
+
+
+@pytest.mark.parametrize(("args", "meant"), [
+    (["--steps", "100"], "--set train.max_steps=100"),
+    (["--steps=100"], "--set train.max_steps=100"),
+    (["--max-steps", "5"], "--set train.max_steps=5"),
+    (["--batch-size"], "--set train.batch_size=VALUE"),
+    (["--seed", "4"], "--set run.seed=4 or --set data.seed=4"),
+])
+def test_a_config_key_given_as_a_flag_suggests_set(args: list[str], meant: str):
+    result = invoke("train", *args)
+    assert result.exit_code == 2
+    assert error_lines(result) == [f"error: fbtrain train: no such option: {args[0].split('=')[0]}"
+                                   f"; did you mean {meant}?"]
+
+
+def test_a_misspelt_flag_keeps_clicks_suggestion():
+    result = invoke("train", "--devic", "cpu")  # a flag's typo: the flag, not run.device
+    assert error_lines(result) == ["error: fbtrain train: no such option: --devic (Possible "
+                                   "options: --device)"]
+
+
+def test_help_shows_every_commands_summary_whole():
+    """``fbtrain --help`` lists each command's first docstring line uncut (click cuts a long
+    one with '...' at 80 columns)."""
+    result = invoke("--help")
+    for name, command in app_commands().items():
+        summary = command.help.strip().splitlines()[0]
+        assert f"  {name}  " in result.stdout and summary in result.stdout, summary
+
+
+def app_commands() -> dict[str, Any]:
+    import typer.main
+
+    group = typer.main.get_command(app)
+    return dict(group.commands)
+
+
+def test_list_keys_fits_80_columns():
+    result = invoke("train", "--list-keys")
+    assert result.exit_code == 0
+    assert max(len(line) for line in result.stdout.splitlines()) <= 80
+
+
+def test_print_config_refuses_a_device_that_is_not_there_as_train_does(
+        monkeypatch: pytest.MonkeyPatch):
+    import torch
+
+    from fbtrain.device import DeviceError, resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(DeviceError) as refusal:  # what train's setup says
+        resolve_device("cuda")
+    result = invoke("train", "--config", TINY, "--device", "cuda", "--print-config")
+    assert result.exit_code == 2 and result.stdout == ""
+    assert error_lines(result) == [f"error: {refusal.value}"]
+
+
 # ----------------------------------------------------------------------------- train: dispatch
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import difflib
 import os
 import re
 import typing
@@ -19,7 +20,7 @@ import yaml
 
 from fbtrain.config.errors import ConfigError, cut, show
 from fbtrain.config.fields import allowed_types, yaml_copy
-from fbtrain.config.tree import SECTIONS, Config
+from fbtrain.config.tree import SECTIONS, Config, closest_keys
 from fbtrain.config.validate import config_from_dict
 from fbtrain.io import NotRegularFileError, atomic_write_text, open_regular
 from fbtrain.messages import first_line, format_bytes
@@ -64,7 +65,7 @@ def _config_text(path: Path) -> str:
             size = os.fstat(f.fileno()).st_size
             raw = f.read(MAX_CONFIG_BYTES + 1) if size <= MAX_CONFIG_BYTES else b""
     except FileNotFoundError:
-        raise ConfigError([f"{path}: config file not found"]) from None
+        raise ConfigError([f"{path}: config file not found{_close_file_hint(path)}"]) from None
     except NotRegularFileError as e:
         raise ConfigError([f"{path}: is {e.kind}, not a config file; --config takes a YAML "
                            "file"]) from None
@@ -79,6 +80,17 @@ def _config_text(path: Path) -> str:
     except UnicodeDecodeError as e:
         raise ConfigError([f"{path}: cannot read config file: not UTF-8 text (byte "
                            f"{e.start})"]) from None
+
+
+def _close_file_hint(path: Path) -> str:
+    """``; did you mean configs/tiny_shakespeare.yaml?`` for a name close to a file in
+    ``path``'s folder (configs/tinyshakespeare.yaml), else ""."""
+    try:
+        names = [p.name for p in path.parent.iterdir() if p.is_file()]
+    except OSError:  # the folder is missing or unreadable too
+        return ""
+    close = difflib.get_close_matches(path.name, names, n=1)
+    return f"; did you mean {path.parent / close[0]}?" if close else ""
 
 
 class _YAMLTooBig(Exception):
@@ -271,7 +283,10 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
             raw["curriculum"] = value
             continue
         if len(parts) != 2:
-            problems.append(f"--set {show(item)}: key must be section.key (or curriculum)")
+            meant = closest_keys(parts[-1]) if len(parts) == 1 else []
+            hint = f"; did you mean {' or '.join(f'{k}={text}' for k in meant)}?" if meant else ""
+            problems.append(f"--set {show(item)}: key must be section.key (or curriculum)"
+                            f"{hint}")
             continue
         section = raw.setdefault(parts[0], {})
         if not isinstance(section, dict):

@@ -76,7 +76,7 @@ def markdown_table() -> str:
     return "\n".join(lines)
 
 
-def text_table(width: int = 100) -> str:
+def text_table(width: int = 80) -> str:
     """The same keys for a terminal: ``key = default`` and the help below it, indented."""
     out = []
     for key in config_keys():
