@@ -38,7 +38,7 @@ app = typer.Typer(
     name="fbtrain",
     cls=OneLineErrors,
     epilog=_examples(
-        "# the main job: 1.5M tokens, ~5 min idle on 2 cores, more when busy",
+        "# the main job: 1.5M tokens; its status line shows the ETA",
         "fbtrain train --config configs/tiny_shakespeare.yaml   # download, train",
         "fbtrain sample --checkpoint runs/tiny_shakespeare      # generate text",
         "fbtrain eval --checkpoint runs/tiny_shakespeare        # bits per character",

@@ -349,3 +349,58 @@ def test_a_headline_figure_is_stated_with_its_machine_and_tolerance(page: Path, 
         f"table: {sorted(figures - in_table)}")
     assert CPU_KIND.search(body), f"{page.name} {heading}: no CPU kind named"
     assert re.search(r"± ?0\.\d+", body), f"{page.name} {heading}: no ± tolerance"
+
+
+# ----------------------------------------------------------------------------- figures
+
+
+# A measurement in words: milliseconds, "3-5x faster", "took 112 s", "0.3 s for", "20% of a
+# step", a rate, "measured ... 42". An example inside ``...`` (a status line's format) is
+# not one.
+MEASURED = re.compile(
+    r"\b\d[\d.,]*\s?(?:ms|us|µs)\b|\b\d[\d.]*(?:-\d[\d.]*)?x (?:faster|slower)\b|\btook \d|"
+    r"\b\d[\d.]*\s?s (?:for|a step|per)\b|\b\d[\d.]*%\s+of (?:a|the) step\b|"
+    r"\b\d[\d,.]*\s?(?:tokens|tok|bytes|characters)/s\b|\bmeasured\b[^.\n]{0,40}\d", re.I)
+
+
+def comments_and_docstrings(path: Path) -> Iterator[tuple[int, str]]:
+    """``(line, text)`` of every comment and docstring of a Python file."""
+    import ast
+    import io
+    import tokenize
+
+    source = path.read_text(encoding="utf-8")
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type == tokenize.COMMENT:
+            yield token.start[0], token.string
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            doc = ast.get_docstring(node, clean=False)
+            if doc:
+                yield node.body[0].lineno, doc
+
+
+def test_code_carries_no_measured_figures():
+    """A figure goes stale in a comment: it belongs in docs/ with its command
+    (docs/performance.md, "Figures the code rests on"); the code says what and why."""
+    found = [f"{path.relative_to(ROOT)}:{line}: {match.group(0)!r}"
+             for path in sorted((ROOT / "fbtrain").rglob("*.py"))
+             for line, text in comments_and_docstrings(path)
+             for match in MEASURED.finditer(re.sub(r"``.*?``", "", text, flags=re.S))]
+    assert not found, found
+
+
+def test_the_figure_check_sees_comments_and_docstrings(tmp_path: Path):
+    sample = tmp_path / "m.py"
+    sample.write_text('"""Fast: 3-5x faster than the loop."""\nX = 1  # 1346 vs 481 ms a step\n'
+                      'def f():\n    """``12,345 tok/s`` is an example."""\n')
+    hits = [m.group(0) for _, text in comments_and_docstrings(sample)
+            for m in MEASURED.finditer(re.sub(r"``.*?``", "", text, flags=re.S))]
+    assert sorted(hits) == ["3-5x faster", "481 ms"]
+
+
+def test_the_pytorch_core_notice_quotes_the_documented_figure():
+    from fbtrain.models.core.select import PYTHON_CORE_SLOWDOWN
+
+    page = (DOCS / "performance.md").read_text(encoding="utf-8")
+    assert f"about {PYTHON_CORE_SLOWDOWN} slower" in " ".join(page.split())

@@ -29,8 +29,8 @@ from fbtrain.messages import first_line, format_bytes
 # of nine strings are 400 bytes and 387 million strings. No config comes near this.
 MAX_YAML_VALUES = 100_000
 # The largest shipped config is under 3 KiB; 1 MiB is hundreds of configs' worth, and
-# PyYAML (pure Python) parses about 1 MB a second, so a bigger file is refused at once
-# rather than after minutes of parsing (a 100 MB text took 112 s to be refused).
+# PyYAML (pure Python) is slow enough that a file much bigger would parse for minutes
+# (docs/performance.md), so a bigger file is refused at once.
 MAX_CONFIG_BYTES = 1 << 20
 
 

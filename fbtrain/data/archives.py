@@ -111,9 +111,10 @@ def _cached(entry: Path, source: Source, expected: str | None, warn: bool
 
     Usable: :data:`SIZE` bytes, only ``source``'s alphabet (an older fbtrain cached text8
     archives it then refused), and, only when a sha256 is ``expected``, unzipped from that
-    archive by its record and unchanged since (the file is hashed: about 0.3 s for 100 MB,
-    paid only when asked for). A record naming another archive is the user's to resolve:
-    DataError naming the file, the expected and the actual sha256.
+    archive by its record and unchanged since (the file is hashed, a fraction of a second
+    for the 100 MB (docs/performance.md), paid only when asked for). A record naming
+    another archive is the user's to resolve: DataError naming the file, the expected and
+    the actual sha256.
     """
     def stale(reason: str) -> None:
         if warn:

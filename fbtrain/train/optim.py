@@ -43,8 +43,9 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
     """AdamW over :func:`param_groups`, fused (one kernel over all tensors) on the CPU and
-    CUDA: on the CPU it is 3-5x faster than the per-tensor loop, which matters because the
-    relative-position tables make up most of a feedback model's parameters."""
+    CUDA: on the CPU it is several times faster than the per-tensor loop
+    (docs/performance.md), which matters because the relative-position tables make up most
+    of a feedback model's parameters."""
     return torch.optim.AdamW(
         param_groups(model, cfg.weight_decay),
         lr=cfg.lr,

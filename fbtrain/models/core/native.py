@@ -82,10 +82,10 @@ def _core_recipe() -> tuple[str, Path, list[str], list[str]]:
     # unless the extension itself is built with it); on Linux the extension then shares
     # torch's own libgomp. Elsewhere the shards run one after another.
     openmp = ["-fopenmp"] if sys.platform.startswith("linux") else []
-    # The attention loops are written for the compiler to vectorise: built for AVX2 where
-    # torch itself runs AVX2 kernels (about 20% of a step at length 64), under a name of
-    # its own, so a cache shared with an older CPU never loads instructions it lacks. Also
-    # where torch runs AVX-512: a build for it was no faster (docs/performance.md) and
+    # The attention loops (a fair share of a step: docs/performance.md) are written for the
+    # compiler to vectorise: built for AVX2 where torch itself runs AVX2 kernels, under a
+    # name of its own, so a cache shared with an older CPU never loads instructions it
+    # lacks. Also where torch runs AVX-512: a build for it was no faster (docs/performance.md) and
     # sums in another order, so the same run would give other numbers there.
     capability = torch.backends.cpu.get_cpu_capability()
     avx2 = capability.startswith(("AVX2", "AVX512"))
@@ -335,7 +335,7 @@ def native_ops():
     """The ``torch.ops.fbtrain`` namespace, compiling the C++ core on first use.
 
     Its ops run in inference mode, which skips version-counter and view bookkeeping on
-    every small op of the loops (8-10% of a step), so what they return are inference
+    every small op of the loops (docs/performance.md), so what they return are inference
     tensors: fine to read and decode with, but to reach autograd they must be cloned.
 
     The build is cached (in ``$TORCH_EXTENSIONS_DIR``, default ``~/.cache/

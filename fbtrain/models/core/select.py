@@ -20,10 +20,9 @@ from fbtrain.models.core.spec import Core, CoreError, interpreting
 
 CORE_ENV = "FBTRAIN_CORE"
 CORE_CHOICES = ("auto", "native", "python", "fused")
-# How much slower a training step is on the PyTorch core than on the C++ one, for the
-# fallback notice: feedback_kv at the benchmark sizes (d_model 128, 4 layers, batch 16) on
-# a busy 2-core CPU, two interleaved runs: 2.8x and 3.9x at length 64 (1346 vs 481 ms a
-# step in the first), 4.5x and 4.7x at 256 (8562 vs 1889 ms).
+# How much slower a training step is on the PyTorch core than on the C++ one, as the
+# fallback notice says it: the rounded range of the measurement in docs/performance.md
+# ("Figures the code rests on", with its command), which tests/test_docs.py holds to it.
 PYTHON_CORE_SLOWDOWN = "3-5x"
 
 
