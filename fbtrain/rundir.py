@@ -268,14 +268,14 @@ def identity_problem(path: Path, payload: dict[str, Any], run_id: str | None) ->
     id is ``run_id``, else why not: it holds another step than its ``step-N.pt`` name says
     (a file's name is not its step), or it was saved by another run. A checkpoint saved
     before checkpoints carried a run id passes (it cannot be told)."""
-    named, step = numbered_step(path.name), payload.get("step")
-    if named is not None and is_int(step) and step != named:
-        return (f"{path} holds the state of step {step}, not of step {named} as its name "
-                "says")
     theirs = _run_id_of(payload)
     if theirs and run_id and theirs != run_id:
         return (f"{path} belongs to another run (run id {theirs}; this run's, in its "
                 f"history.jsonl and checkpoints, is {run_id})")
+    named, step = numbered_step(path.name), payload.get("step")
+    if named is not None and is_int(step) and step != named:
+        return (f"{path} holds the state of step {step}, not of step {named} as its name "
+                "says")
     return ""
 
 
