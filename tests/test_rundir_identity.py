@@ -264,3 +264,16 @@ def test_a_save_that_fails_names_the_real_file(tmp_path: Path) -> None:
         f"{ckpts / 'last.pt'}: cannot write: operation not permitted (an attribute forbids "
         "it: see lsattr -d on the file and its folder; chattr -i lifts an immutable one)")
     assert json.loads((ckpts.parent / "history.jsonl").read_text())["start_step"] == 0
+
+
+def test_a_rename_onto_a_folder_names_the_file_and_what_to_do(tmp_path: Path) -> None:
+    """A folder made where best.pt goes after the start's checks: the rename failed with
+    "[Errno 21] Is a directory: '.best.pt.<random>.tmp' -> '.../best.pt'"."""
+    from fbtrain.io import atomic_write_text
+
+    (tmp_path / "best.pt").mkdir()
+    with pytest.raises(FileWriteError) as info:
+        atomic_write_text(tmp_path / "best.pt", "x")
+    assert str(info.value) == (f"{tmp_path / 'best.pt'}: cannot write: is a directory (a "
+                               "folder is in its place: move it away)")
+    assert [p.name for p in tmp_path.iterdir()] == ["best.pt"]  # no temp file left
