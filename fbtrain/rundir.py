@@ -37,6 +37,7 @@ from fbtrain.rundir_names import (
     BEST,
     CHECKPOINT_DIR,
     CONFIG,
+    HISTORY,
     LAST,
     LOCK,
     METRICS,
@@ -234,7 +235,7 @@ def choose_resume(resume: str | None, manager: CheckpointManager) -> ResumeChoic
                 "continue it with --resume auto, or start anew under another run.name "
                 "(--set run.name=NEW) or after deleting that folder"])
         return ResumeChoice(run_id=new_run_id())
-    recorded = recorded_run_id(run_dir)
+    recorded = recorded_run_id(run_dir) or _only_run_id(run_dir, held.checkpoints)
     if resume == "auto":
         if not held.checkpoints:
             if held.metrics is None:
@@ -302,6 +303,25 @@ def _check_entries(manager: CheckpointManager, entries: list[Path], run_id: str 
             _refuse_if_alien(manager, path, payload, run_id)
 
 
+def _only_run_id(run_dir: Path, entries: list[Path]) -> str | None:
+    """The run id the checkpoints in ``entries`` carry, for a run directory whose
+    history.jsonl (which names it) is missing; None when none carries one. Checkpoints of
+    two runs are refused: without the history nothing tells which is this run's."""
+    found: dict[str, list[str]] = {}
+    for path in entries:
+        payload = peek_checkpoint(path) if path.is_file() else None
+        theirs = _run_id_of(payload) if payload is not None else None
+        if theirs:
+            found.setdefault(theirs, []).append(path.name)
+    if len(found) > 1:
+        runs = "; ".join(f"run id {k}: {', '.join(v)}" for k, v in found.items())
+        raise CheckpointError(
+            f"{run_dir / CHECKPOINT_DIR} holds checkpoints of {len(found)} runs ({runs}) and "
+            f"{run_dir / HISTORY}, which names this run's, is missing; move the other runs' "
+            "files out, then resume again. Nothing was moved or written")
+    return next(iter(found), None)
+
+
 def _run_id_of(payload: dict[str, Any]) -> str | None:
     theirs = payload.get("run_id")
     return theirs if isinstance(theirs, str) and theirs else None
@@ -314,7 +334,8 @@ def _newest_loadable(manager: CheckpointManager, entries: list[Path], recorded: 
     is loaded first when ``last.pt`` fails, and wins over every step-N.pt below it. A
     checkpoint that loads but is another run's, or holds another step than its name says,
     is refused (:func:`identity_problem`), as is every other one in the folder; the run's
-    id is ``recorded`` (its history's), else the first loaded checkpoint's."""
+    id is ``recorded`` (its history's, or the one its checkpoints carry), else the first
+    loaded checkpoint's."""
     run_dir = manager.run_dir
     problems: list[str] = []
     loaded: dict[str, dict[str, Any]] = {}

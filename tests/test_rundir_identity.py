@@ -277,3 +277,27 @@ def test_a_rename_onto_a_folder_names_the_file_and_what_to_do(tmp_path: Path) ->
     assert str(info.value) == (f"{tmp_path / 'best.pt'}: cannot write: is a directory (a "
                                "folder is in its place: move it away)")
     assert [p.name for p in tmp_path.iterdir()] == ["best.pt"]  # no temp file left
+
+
+def test_without_history_checkpoints_of_two_runs_are_refused(tmp_path: Path) -> None:
+    """history.jsonl (which names the run) deleted too: the checkpoints' own run ids show
+    two runs, and nothing tells which is this one's."""
+    raw, ckpts = _trained(tmp_path)
+    other = run(config_from_dict(make_raw(tmp_path, "other", train={"max_steps": 6})),
+                quiet=True)
+    (ckpts.parent / "history.jsonl").unlink()
+    (ckpts / "last.pt").unlink()
+    shutil.copy(other / "checkpoints" / "last.pt", ckpts / "step-00000009.pt")
+    before = _files(ckpts.parent)
+    raw["train"]["max_steps"] = 10
+    with pytest.raises(Exception, match=(
+            rf"^{ckpts} holds checkpoints of 2 runs \(run id \w+: step-00000009\.pt; run id "
+            r"\w+: step-00000006\.pt, step-00000003\.pt, best\.pt\) and .*history\.jsonl, "
+            "which names this run's, is missing")):
+        run(config_from_dict(raw), resume="auto", quiet=True)
+    assert _files(ckpts.parent) == before
+    # Only the run's own files left: it goes on, and its history starts again.
+    (ckpts / "step-00000009.pt").unlink()
+    run(config_from_dict(raw), resume="auto", quiet=True)
+    assert load_checkpoint(ckpts / "last.pt")["run_id"] == read_history(ckpts.parent)[0][
+        "run_id"] == load_checkpoint(ckpts / "best.pt")["run_id"]
