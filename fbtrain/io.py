@@ -42,7 +42,25 @@ class FileWriteError(OSError):
             reason = "the disk is full (no space left on device)"
         else:
             reason = (self.strerror or "write failed").lower()
-        return f"{self.filename}: cannot write: {reason}"
+        return f"{self.filename}: cannot write: {reason}{_ADVICE.get(self.errno, '')}"
+
+
+# What to do, for the errors of a folder or file the user can fix.
+_ADVICE = {
+    errno.EPERM: " (an attribute forbids it: see lsattr -d on the file and its folder; "
+                 "chattr -i lifts an immutable one)",
+    errno.EACCES: " (no permission: see ls -ld on the file and its folder; chmod u+w)",
+    errno.EISDIR: " (a folder is in its place: move it away)",
+    errno.ENAMETOOLONG: " (the path is longer than the system allows: use a shorter one)",
+}
+
+
+def _about(path: Path, error: OSError) -> FileWriteError:
+    """An error of the temp file's creation or rename (so of the file system, whatever
+    its errno) as a FileWriteError about the real file ``path``: the temp file's own name
+    (".last.pt.cueq0wj9.tmp") would tell the user nothing."""
+    return write_error(path, error) or FileWriteError(error.errno, error.strerror or str(error),
+                                                      str(path))
 
 
 def write_error(path: str | Path, error: BaseException) -> FileWriteError | None:
@@ -72,9 +90,8 @@ def atomic_write(path: str | Path, write: Callable[[IO[bytes]], None]) -> None:
         os.replace(tmp, path)
     except BaseException as e:
         tmp.unlink(missing_ok=True)
-        failed = write_error(path, e) if isinstance(e, Exception) else None
-        if failed is not None:
-            raise failed from None
+        if isinstance(e, OSError):
+            raise _about(path, e) from None
         raise
     fsync_dir(path.parent)
 
@@ -89,10 +106,7 @@ def write_temp(path: str | Path, write: Callable[[IO[bytes]], None]) -> Path:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     except OSError as e:  # a full disk or read-only folder: one line about the target
-        failed = write_error(path, e)
-        if failed is not None:
-            raise failed from None
-        raise
+        raise _about(path, e) from None
     try:
         with os.fdopen(fd, "wb") as f:
             _set_default_mode(f.fileno())

@@ -10,6 +10,9 @@ found then are leftovers of a killed save and are removed.
 What the directory holds decides how a run may start there (:func:`choose_resume`): one
 that holds a run's checkpoints or metrics is never a fresh start, and ``--resume auto``
 continues from the newest checkpoint that loads, saying so when that is not ``last.pt``.
+A checkpoint of another run copied into ``checkpoints/`` (another ``run_id``, see
+:mod:`fbtrain.runhistory`) or a ``step-N.pt`` that holds another step is refused, naming the
+file, before anything is moved or written.
 """
 
 from __future__ import annotations
@@ -23,12 +26,24 @@ from fbtrain.checkpoint import (
     CheckpointManager,
     resolve_checkpoint,
 )
+from fbtrain.checkpoint.files import peek_checkpoint
 from fbtrain.checkpoint.state import read_checkpoint, resumable_problem
 from fbtrain.config import Config, ConfigError, save_config
 from fbtrain.filelock import LockHeld, PidLock, describe_holder
 from fbtrain.io import FileWriteError, remove_stale_temps, write_error
+from fbtrain.messages import is_int
 from fbtrain.metrics.tensorboard import event_files
-from fbtrain.rundir_names import BEST, CHECKPOINT_DIR, CONFIG, LAST, LOCK, METRICS
+from fbtrain.rundir_names import (
+    BEST,
+    CHECKPOINT_DIR,
+    CONFIG,
+    HISTORY,
+    LAST,
+    LOCK,
+    METRICS,
+    numbered_step,
+)
+from fbtrain.runhistory import new_run_id, recorded_run_id
 
 _LISTED = 3  # checkpoints named in a refusal; more are counted
 
@@ -196,6 +211,8 @@ class ResumeChoice:
     path: Path | None = None
     payload: dict[str, Any] | None = None
     note: str | None = None
+    run_id: str = ""  # the run's id from here on (the directory's, or a new run's)
+    new_run: bool = True  # the directory held no checkpoint: its history starts anew
 
 
 def choose_resume(resume: str | None, manager: CheckpointManager) -> ResumeChoice:
@@ -217,17 +234,19 @@ def choose_resume(resume: str | None, manager: CheckpointManager) -> ResumeChoic
                 f"run directory {run_dir} already holds a run ({held.describe(run_dir)}); "
                 "continue it with --resume auto, or start anew under another run.name "
                 "(--set run.name=NEW) or after deleting that folder"])
-        return ResumeChoice()
+        return ResumeChoice(run_id=new_run_id())
+    recorded = recorded_run_id(run_dir) or _only_run_id(run_dir, held.checkpoints)
     if resume == "auto":
         if not held.checkpoints:
             if held.metrics is None:
-                return ResumeChoice()
+                return ResumeChoice(run_id=new_run_id())
             return ResumeChoice(note=f"no checkpoint in {run_dir} to resume from: starting "
                                 "afresh (replacing the metrics and TensorBoard events of an "
-                                "earlier start that saved none)")
-        return _newest_loadable(run_dir, held.checkpoints)
+                                "earlier start that saved none)", run_id=new_run_id())
+        return _newest_loadable(manager, held.checkpoints, recorded)
     path = resolve_checkpoint(resume, prefer="last")
-    if held.checkpoints and not path.resolve().is_relative_to(run_dir.resolve()):
+    inside = path.resolve().is_relative_to(run_dir.resolve())
+    if held.checkpoints and not inside:
         # Resuming writes last.pt, best.pt and metrics.jsonl here: another run's would
         # be overwritten. (A checkpoint of this run itself, say step-N.pt, is fine.)
         raise ConfigError([
@@ -236,16 +255,94 @@ def choose_resume(resume: str | None, manager: CheckpointManager) -> ResumeChoic
             f"into another run.name (--set run.name=NEW), or use --resume auto to continue "
             f"{run_dir.name}"
         ])
-    return ResumeChoice(path, read_checkpoint(path))
+    payload = read_checkpoint(path)
+    if not held.checkpoints:  # a new run that goes on from another's weights
+        return ResumeChoice(path, payload, run_id=new_run_id())
+    ours = recorded or _run_id_of(payload) or new_run_id()
+    _refuse_if_alien(manager, path, payload, ours)
+    _check_entries(manager, held.checkpoints, ours, {path.name: payload})
+    return ResumeChoice(path, payload, run_id=ours, new_run=False)
 
 
-def _newest_loadable(run_dir: Path, entries: list[Path]) -> ResumeChoice:
+def identity_problem(path: Path, payload: dict[str, Any], run_id: str | None) -> str:
+    """'' when the checkpoint ``payload`` read from ``path`` may be resumed in a run whose
+    id is ``run_id``, else why not: it holds another step than its ``step-N.pt`` name says
+    (a file's name is not its step), or it was saved by another run. A checkpoint saved
+    before checkpoints carried a run id passes (it cannot be told)."""
+    theirs = _run_id_of(payload)
+    if theirs and run_id and theirs != run_id:
+        return (f"{path} belongs to another run (run id {theirs}; this run's, in its "
+                f"history.jsonl and checkpoints, is {run_id})")
+    named, step = numbered_step(path.name), payload.get("step")
+    if named is not None and is_int(step) and step != named:
+        return (f"{path} holds the state of step {step}, not of step {named} as its name "
+                "says")
+    return ""
+
+
+def _refuse_if_alien(manager: CheckpointManager, path: Path, payload: dict[str, Any],
+                     run_id: str | None) -> None:
+    problem = identity_problem(path, payload, run_id)
+    if problem:
+        raise CheckpointError(
+            f"{problem}; move it out of {manager.dir} (or rename it), then resume again. "
+            "Nothing was moved or written")
+
+
+def _check_entries(manager: CheckpointManager, entries: list[Path], run_id: str | None,
+                   loaded: dict[str, dict[str, Any]]) -> None:
+    """:func:`identity_problem` of every checkpoint in ``entries`` that can be read (those
+    in ``loaded`` already were; the others are read memory-mapped): a resume may move
+    any of them aside (a rewind) or delete it (keep_last), so none may be another run's
+    or carry a name that lies about its step."""
+    for path in entries:
+        payload = loaded.get(path.name)
+        if payload is None:
+            payload = peek_checkpoint(path) if path.is_file() else None
+        if payload is not None:
+            _refuse_if_alien(manager, path, payload, run_id)
+
+
+def _only_run_id(run_dir: Path, entries: list[Path]) -> str | None:
+    """The run id the checkpoints in ``entries`` carry, for a run directory whose
+    history.jsonl (which names it) is missing; None when none carries one. Checkpoints of
+    two runs are refused: without the history nothing tells which is this run's."""
+    found: dict[str, list[str]] = {}
+    for path in entries:
+        payload = peek_checkpoint(path) if path.is_file() else None
+        theirs = _run_id_of(payload) if payload is not None else None
+        if theirs:
+            found.setdefault(theirs, []).append(path.name)
+    if len(found) > 1:
+        runs = "; ".join(f"run id {k}: {', '.join(v)}" for k, v in found.items())
+        raise CheckpointError(
+            f"{run_dir / CHECKPOINT_DIR} holds checkpoints of {len(found)} runs ({runs}) and "
+            f"{run_dir / HISTORY}, which names this run's, is missing; move the other runs' "
+            "files out, then resume again. Nothing was moved or written")
+    return next(iter(found), None)
+
+
+def _run_id_of(payload: dict[str, Any]) -> str | None:
+    theirs = payload.get("run_id")
+    return theirs if isinstance(theirs, str) and theirs else None
+
+
+def _newest_loadable(manager: CheckpointManager, entries: list[Path], recorded: str | None
+                     ) -> ResumeChoice:
     """The checkpoint of the highest step among ``entries`` (newest first by name) that
     loads and passes the resume checks. ``best.pt`` only says its step once loaded, so it
-    is loaded first when ``last.pt`` fails, and wins over every step-N.pt below it."""
+    is loaded first when ``last.pt`` fails, and wins over every step-N.pt below it. A
+    checkpoint that loads but is another run's, or holds another step than its name says,
+    is refused (:func:`identity_problem`), as is every other one in the folder; the run's
+    id is ``recorded`` (its history's, or the one its checkpoints carry), else the first
+    loaded checkpoint's."""
+    run_dir = manager.run_dir
     problems: list[str] = []
+    loaded: dict[str, dict[str, Any]] = {}
+    expected = recorded
 
     def load(path: Path) -> dict[str, Any] | None:
+        nonlocal expected
         try:
             payload = read_checkpoint(path)
             problem = resumable_problem(payload)
@@ -254,25 +351,29 @@ def _newest_loadable(run_dir: Path, entries: list[Path]) -> ResumeChoice:
         except CheckpointError as e:
             problems.append(str(e))
             return None
+        expected = expected or _run_id_of(payload)
+        _refuse_if_alien(manager, path, payload, expected)
+        loaded[path.name] = payload
         return payload
 
     by_name = {p.name: p for p in entries}
     last = run_dir / CHECKPOINT_DIR / LAST
+    chosen = None
     if LAST not in by_name:
         problems.append(f"{last} is missing")
     elif (payload := load(last)) is not None:
-        return ResumeChoice(last, payload)  # the usual case: nothing to say
-    best = by_name.get(BEST)
-    best_payload = load(best) if best is not None else None
-    chosen = None
-    for path in (p for p in entries if p.name not in (LAST, BEST)):  # highest step first
-        if best_payload is not None and best_payload["step"] > _step_of(path):
-            break
-        if (payload := load(path)) is not None:
-            chosen = (path, payload)
-            break
-    if chosen is None and best is not None and best_payload is not None:
-        chosen = (best, best_payload)
+        chosen = (last, payload)  # the usual case: nothing to say
+    if chosen is None:
+        best = by_name.get(BEST)
+        best_payload = load(best) if best is not None else None
+        for path in (p for p in entries if p.name not in (LAST, BEST)):  # highest step first
+            if best_payload is not None and best_payload["step"] > _step_of(path):
+                break
+            if (payload := load(path)) is not None:
+                chosen = (path, payload)
+                break
+        if chosen is None and best is not None and best_payload is not None:
+            chosen = (best, best_payload)
     if chosen is None:
         afresh = "to start afresh, train under another run.name (--set run.name=NEW) or delete"
         if len(entries) == 1:
@@ -281,9 +382,12 @@ def _newest_loadable(run_dir: Path, entries: list[Path]) -> ResumeChoice:
             f"run directory {run_dir} holds checkpoints, but none can be resumed from "
             f"({'; '.join(problems)}); {afresh} that folder")
     path, payload = chosen
-    return ResumeChoice(path, payload, note=(
+    expected = expected or new_run_id()
+    _check_entries(manager, entries, expected, loaded)
+    note = None if path == last else (
         f"resuming from {path.name} (step {payload['step']}), the newest checkpoint that "
-        f"loads: {'; '.join(problems)}"))
+        f"loads: {'; '.join(problems)}")
+    return ResumeChoice(path, payload, note=note, run_id=expected, new_run=False)
 
 
 def _step_of(path: Path) -> int:

@@ -5,7 +5,7 @@ directory's lock, the config and vocabulary writers, the metrics logger, checkpo
 the rewind of a resume) without an import cycle::
 
     runs/<name>/
-      config.yaml  vocab.json  metrics.jsonl  .lock
+      config.yaml  vocab.json  metrics.jsonl  history.jsonl  .lock
       checkpoints/  last.pt  best.pt  step-00000250.pt ...
 """
 
@@ -16,6 +16,7 @@ import re
 CONFIG = "config.yaml"  # the resolved config
 VOCAB = "vocab.json"  # the vocabulary (also in an export folder)
 METRICS = "metrics.jsonl"  # one JSON object per log step
+HISTORY = "history.jsonl"  # one JSON object per training segment (fbtrain.runhistory)
 LOCK = ".lock"  # held by the training process (its pid inside)
 CHECKPOINT_DIR = "checkpoints"
 LAST = "last.pt"  # the newest state

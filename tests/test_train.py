@@ -38,7 +38,7 @@ REPO = Path(__file__).resolve().parents[1]
 WORDS = ["the", "king", "queen", "and", "to", "of", "my", "lord", "thou", "art", "good",
          "night", "sweet", "prince", "ROMEO:", "JULIET:"]
 PAYLOAD_KEYS = {"model", "optimizer", "progress", "sampler", "rng", "model_config", "vocab",
-                "tokenizer", "config", "data", "world_size", "step", "format"}
+                "tokenizer", "config", "data", "world_size", "step", "format", "run_id"}
 TRAIN_KEYS = {"step", "loss", "bpc", "lr", "grad_norm", "tokens_per_sec", "seq_len",
               "batch_size", "tokens", "memory_rms", "mem_weight/0", "mem_weight/1",
               "mem_weight/2"}

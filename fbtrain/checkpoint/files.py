@@ -97,6 +97,19 @@ def load_checkpoint(path: Path, map_location: Any = "cpu") -> dict[str, Any]:
     return data
 
 
+def peek_checkpoint(path: Path) -> dict[str, Any] | None:
+    """A checkpoint's entries read cheaply (memory-mapped: the tensors are not read), for
+    its ``step`` and ``run_id``; None when it cannot be read that way (then
+    :func:`load_checkpoint` says why, if it matters)."""
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Detected pickle protocol")
+            data = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:  # unreadable in any way: not this function's to explain
+        return None
+    return data if isinstance(data, dict) and "format" in data else None
+
+
 def _why_unreadable(path: Path, head: bytes, error: Exception) -> str:
     """Turn whatever torch.load raised into a short explanation, judged from the file's bytes."""
     if isinstance(error, pickle.UnpicklingError) and "Weights only load failed" in str(error):

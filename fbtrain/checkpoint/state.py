@@ -14,7 +14,8 @@ the global RNG streams). A checkpoint (format v2) is then::
     model, optimizer, scaler, progress,      one entry per part: its state_dict()
     sampler, streams, rng, data
     model_config, vocab, tokenizer           what rebuilds the model (sample, eval, export)
-    config, world_size                       the run it came from
+    config, world_size, run_id               the run it came from (run_id: see
+                                             :mod:`fbtrain.runhistory`; absent before)
     step                                     the step of the weights (progress.step), for
                                              readers that need nothing else
 
@@ -67,8 +68,8 @@ def expect_dict(state: Any) -> str:
 
 
 def make_checkpoint(parts: Mapping[str, Stateful], *, model_cfg: ModelConfig, tokenizer: Any,
-                    step: int, config: dict[str, Any] | None = None, world_size: int = 1
-                    ) -> dict[str, Any]:
+                    step: int, config: dict[str, Any] | None = None, world_size: int = 1,
+                    run_id: str | None = None) -> dict[str, Any]:
     """A checkpoint's contents: every part's state under its name, and what describes the
     model and the run (see the module docstring). ``parts`` may hold only ``model``: that
     is a checkpoint ``sample`` and ``eval`` read, but not one to resume from."""
@@ -76,6 +77,8 @@ def make_checkpoint(parts: Mapping[str, Stateful], *, model_cfg: ModelConfig, to
     payload.update(model_config=dataclasses.asdict(model_cfg), vocab=list(tokenizer.tokens),
                    tokenizer=tokenizer.kind, config=config or {}, world_size=world_size,
                    step=step)
+    if run_id:
+        payload["run_id"] = run_id
     return payload
 
 

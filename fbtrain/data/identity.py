@@ -80,6 +80,16 @@ class DataIdentity:
                 "Resume with the checkpoint's data settings, or start a new run from its "
                 "weights: --set train.init_from=<checkpoint> --set run.name=NEW")
 
+    def unchecked_note(self, state: Any, path: Any) -> str | None:
+        """The line a resume prints when checkpoint ``path``'s ``state`` (its ``data``
+        entry) holds no digest of its splits (format v1): the data cannot be checked, only
+        its settings (:meth:`state_problem` compared those); None when it can."""
+        if isinstance(state, dict) and isinstance(state.get("sha256"), dict):
+            return None
+        return (f"{path}: this checkpoint (format v1) holds no digest of the data it was "
+                f"trained on, so fbtrain cannot check that {self._source()} is that data; "
+                "if it is not, its validation loss and best.pt are judged on other text")
+
     def load_state_dict(self, state: Any) -> None:
         """Nothing to restore: the data is the config's (checked by :meth:`state_problem`)."""
 

@@ -43,6 +43,7 @@ from fbtrain.messages import is_int, is_number
 from fbtrain.models import build_model
 from fbtrain.rng import GlobalRng, rank_seed, seed_everything
 from fbtrain.rundir import choose_resume
+from fbtrain.runhistory import Segment, changed_settings, describe_changes
 from fbtrain.train.batches import CarriedStreams, RandomWindows
 from fbtrain.train.optim import LRSchedule, build_optimizer
 from fbtrain.train.rewind import set_aside_abandoned
@@ -112,8 +113,9 @@ class Run:
     batches: CarriedStreams | RandomWindows
     warm_report: WarmStart | None
     # Lines set-up has to say: why the run resumes from where it does (if not plain),
-    # a rewind's files moved aside.
+    # a rewind's files moved aside, settings changed, data that cannot be checked.
     notes: tuple[str, ...] = ()
+    segment: Segment = Segment()  # the run's id and what history.jsonl records of this start
 
 
 def set_up(cfg: Config, ctx: DistContext, manager: CheckpointManager, resume: str | None
@@ -148,14 +150,23 @@ def set_up(cfg: Config, ctx: DistContext, manager: CheckpointManager, resume: st
               amp_dtype=amp_dtype, sampler=sampler, batches=batches, warm_report=warm_report)
     progress = Progress()
     notes = (choice.note,) if choice.note else ()
+    changed: dict[str, list[Any]] = {}
     if payload is not None and resume_path is not None:
         restore(run, progress, payload, resume_path)
+        saved = payload.get("config")
+        changed = changed_settings(saved, cfg.to_dict()) if isinstance(saved, dict) else {}
+        if changed:
+            notes += (describe_changes(changed, progress.step),)
+        unchecked = data.identity.unchecked_note(payload.get("data"), resume_path)
+        notes += (unchecked,) if unchecked else ()
         rewound = set_aside_abandoned(manager, resume_path, progress.step) if ctx.is_main \
             else None
         notes += (rewound,) if rewound else ()
     model = ctx.wrap(raw_model)  # after the restore: DDP broadcasts rank 0's weights
     model.train()
-    return dataclasses.replace(run, model=model, notes=notes), progress, resume_path
+    segment = Segment(choice.run_id, choice.new_run, changed)
+    return (dataclasses.replace(run, model=model, notes=notes, segment=segment), progress,
+            resume_path)
 
 
 # ----------------------------------------------------------------------------- what to resume
@@ -295,7 +306,8 @@ def checkpoint_payload(run: Run, progress: Progress) -> dict[str, Any]:
     the run (:func:`fbtrain.checkpoint.state.make_checkpoint`)."""
     return make_checkpoint(state_parts(run, progress), model_cfg=run.cfg.model,
                            tokenizer=run.data.tokenizer, step=progress.step,
-                           config=run.cfg.to_dict(), world_size=run.ctx.world_size)
+                           config=run.cfg.to_dict(), world_size=run.ctx.world_size,
+                           run_id=run.segment.run_id)
 
 
 def restore(run: Run, progress: Progress, payload: dict[str, Any], path: Path) -> None:

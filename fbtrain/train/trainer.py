@@ -50,6 +50,8 @@ from fbtrain.metrics.logger import MetricsLogger, text_block
 from fbtrain.metrics.tensorboard import hparams_of
 from fbtrain.rng import sample_generator, sample_seed
 from fbtrain.rundir import RunDirLock, write_run_files
+from fbtrain.rundir_checks import check_path_length, check_writable
+from fbtrain.runhistory import record_segment
 from fbtrain.scoring import window_scores
 from fbtrain.train.setup import Progress, Run, checkpoint_payload, set_up
 from fbtrain.train.signals import EXIT_CODES, StopRequested, StopSignals
@@ -110,10 +112,13 @@ class Trainer:
         start that fails before it wrote anything leaves no directory behind.
         """
         if self.ctx.is_main:
+            check_path_length(self.run_dir)  # before mkdir: its error would print it whole
             self.run_lock.create_and_acquire()
         self.ctx.barrier()  # other ranks read the directory once rank 0 owns it
         wrote = False
         try:
+            if self.ctx.is_main:  # what a save would fail on, refused before training
+                check_writable(self.run_dir)
             started = time.perf_counter()
             self.run, self.progress, resume_path = set_up(self.cfg, self.ctx, self.manager,
                                                           resume)
@@ -124,6 +129,9 @@ class Trainer:
             if self.ctx.is_main and (resume_path is None or trains):
                 write_run_files(self.run_dir, self.cfg, self.run.data.tokenizer,
                                 fresh=resume_path is None)
+                record_segment(self.run_dir, self.run.segment, start_step=self.progress.step,
+                               resumed_from=None if resume_path is None else str(resume_path),
+                               config=self.cfg.to_dict())
             self.ctx.barrier()
             self.logger = MetricsLogger(
                 self.run_dir, tensorboard=self.cfg.logging.tensorboard,
