@@ -348,3 +348,18 @@ def test_non_finite_figures_are_written_as_null(tmp_path: Path) -> None:
     assert json.loads(line) == {"step": 5, "val/loss": None, "val/perplexity": None,
                                 "bpc": 1.5}
     assert "NaN" not in line and "Infinity" not in line
+
+
+def test_the_docs_say_what_each_entry_is_and_link_the_unsmoothed_views() -> None:
+    """docs/commands.md names the two entries a run has and what each holds, and gives the
+    addresses that open TensorBoard unsmoothed (Time Series on the loss card, and Custom
+    Scalars), as the README's TensorBoard section does."""
+    from fbtrain.metrics.tensorboard import LOSS_URL, UNSMOOTHED_URL
+
+    root = Path(__file__).resolve().parents[1]
+    page = (root / "docs" / "commands.md").read_text(encoding="utf-8")
+    section = page.split("## TensorBoard", 1)[1]
+    assert LOSS_URL in section and UNSMOOTHED_URL in section
+    assert "- `<run>` (the run directory)" in section
+    assert "- `<run>/val` (the sub-run in `val/`)" in section
+    assert LOSS_URL in (root / "README.md").read_text(encoding="utf-8")
