@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -122,8 +123,10 @@ def _first_build_reason(build_dir: Path, base: str, made_from: dict[str, Any]) -
     """Why a folder with no build yet is built: the first use, or what differs from the
     newest other build of ``base`` from the same source file in the same cache (the
     source's text, the compiler flags, or torch)."""
+    # Only ``base`` and its hash: fbtrain_core_* would also take fbtrain_core_avx2_*.
+    named = re.compile(rf"{re.escape(base)}_[0-9a-f]{{8}}")
     others = sorted((d for d in build_dir.parent.glob(f"{base}_*")
-                     if d != build_dir and (d / RECORD).is_file()),
+                     if d != build_dir and named.fullmatch(d.name) and (d / RECORD).is_file()),
                     key=lambda d: d.stat().st_mtime, reverse=True)
     records = [r for r in map(_read_record, others)
                if r is not None and r.get("source") == made_from["source"]]
