@@ -288,6 +288,8 @@ class Trainer:
         best is saved as best.pt, and last.pt is saved with the figure."""
         record: dict[str, Any] = {}
         improved = False
+        self.logger.info(f"step {self.progress.step}: its evaluation was cut short by the "
+                         "stop; evaluating it now")
         try:
             improved = self._evaluate(record, signals)
             if record:
@@ -296,8 +298,9 @@ class Trainer:
                 self._log_sample(signals)
         except StopRequested:
             pass  # stopped again: the loop's first step saves and stops
-        if record:
-            self._save(numbered=False, best=improved)
+        if record:  # step-N.pt too where the stop's save wrote one
+            self._save(numbered=self.progress.step % self.cfg.checkpoint.every == 0,
+                       best=improved)
 
     def _evaluate(self, record: dict[str, Any], signals: StopSignals,
                   candidate: bool = True) -> bool:
