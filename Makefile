@@ -44,8 +44,9 @@ $(DEV_STAMP): $(STAMP)
 	$(PIP) -e '.[dev]'
 	touch $@
 
+# FBTRAIN_MAKE_TARGET: an interrupted run then says to run `make train` again to resume.
 train: install
-	$(BIN)/fbtrain train --config $(CONFIG) --resume auto $(if $(DATA),--set data.path=$(DATA))
+	FBTRAIN_MAKE_TARGET=train $(BIN)/fbtrain train --config $(CONFIG) --resume auto $(if $(DATA),--set data.path=$(DATA))
 
 # The tests whose assertions depend on floating-point results (model, cores, training,
 # evaluation, sampling, checkpoints): `make test` runs them a second time with torch's
@@ -65,7 +66,7 @@ AVX2 := ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2
 # See it work: the main job's model and data for 600 of its 1,500 steps (614,400 tokens),
 # into runs/quick; it ends with a sample.
 quick: install
-	$(BIN)/fbtrain train --config configs/tiny_shakespeare.yaml --set train.max_steps=600 \
+	FBTRAIN_MAKE_TARGET=quick $(BIN)/fbtrain train --config configs/tiny_shakespeare.yaml --set train.max_steps=600 \
 	    --set run.name=quick --resume auto $(if $(DATA),--set data.path=$(DATA))
 
 test: dev

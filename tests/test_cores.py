@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.utils import cpp_extension
 
 from fbtrain.config import ModelConfig
 from fbtrain.errors import UserError
@@ -93,19 +92,6 @@ def test_native_choice_fails_loudly(monkeypatch, broken_build, capsys):
 def test_auto_takes_the_native_core_where_it_builds(monkeypatch, fresh_resolution):
     monkeypatch.setenv("FBTRAIN_CORE", "auto")
     assert select.core() is native.NativeCore
-
-
-def test_ninja_from_pypi_is_found_without_an_activated_environment(monkeypatch, tmp_path):
-    """torch looks for ninja on PATH; with the environment not activated (``.venv/bin/fbtrain``)
-    the PyPI ninja is not there, so the build puts its folder on PATH itself."""
-    ninja = pytest.importorskip("ninja")
-    monkeypatch.setenv("PATH", str(tmp_path))  # nothing here, not even a system ninja
-    assert not cpp_extension.is_ninja_available()
-    native._put_ninja_on_path()
-    assert os.environ["PATH"].split(os.pathsep) == [str(tmp_path), ninja.BIN_DIR]
-    assert cpp_extension.is_ninja_available()
-    native._put_ninja_on_path()  # found now: PATH stays as it is
-    assert os.environ["PATH"].split(os.pathsep) == [str(tmp_path), ninja.BIN_DIR]
 
 
 def _no_compiler_env(tmp_path: Path, core: str) -> dict[str, str]:

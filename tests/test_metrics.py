@@ -71,8 +71,9 @@ def test_tensorboard_scalars_and_text_read_back(tmp_path: Path) -> None:
                          "mem_weight/0": 0.1 * step, "note": "not a number"})
         m.log(3, {"loss": 0.5}, prefix="val/")
         m.log_text(3, "sample", "ROMEO:\nO, she doth teach the torches to burn bright!")
-    # Two sub-runs with the same tags: TensorBoard draws train and val on one card.
-    train, val = _events(tmp_path / "train"), _events(tmp_path / "val")
+    # The run and its val sub-run, with the same tags: TensorBoard draws train and val on
+    # one card.
+    train, val = _events(tmp_path), _events(tmp_path / "val")
     scalars = set(train.Tags()["scalars"])
     assert {"loss", "train/tokens_per_sec", "mem_weight/0"} <= scalars
     assert set(val.Tags()["scalars"]) == {"loss"}
@@ -84,7 +85,7 @@ def test_tensorboard_scalars_and_text_read_back(tmp_path: Path) -> None:
     assert "softmax(w)" in train.SummaryMetadata("mem_weight/0").summary_description
     assert "validation windows" in val.SummaryMetadata("loss").summary_description
     assert "training batch" in train.SummaryMetadata("loss").summary_description
-    acc = _events(tmp_path)  # the samples: in the run directory itself
+    acc = train  # the samples: in the run directory itself
     text_tags = [t for t in acc.Tags()["tensors"] if t.startswith("sample")]
     assert text_tags, acc.Tags()["tensors"]
     event = acc.Tensors(text_tags[0])[0]
@@ -113,7 +114,7 @@ def test_resume_purges_later_tensorboard_steps(tmp_path: Path) -> None:
         m.truncate_after(3)
         for step in (4, 5):
             m.log(step, {"loss": 10.0 * step})
-    events = _events(tmp_path / "train").Scalars("loss")
+    events = _events(tmp_path).Scalars("loss")
     assert [(e.step, e.value) for e in events] == [
         (1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0), (5, 50.0)]
     assert [(r["step"], r["loss"]) for r in _records(tmp_path)] == [
@@ -159,7 +160,7 @@ def test_hparams_and_layout_written_and_readable(tmp_path: Path) -> None:
     assert experiment and start and end and end.status == api_pb2.STATUS_SUCCESS
     # The metrics are the sub-runs' scalar tags themselves: no one-point hparam/* copies.
     assert [(mi.name.group, mi.name.tag) for mi in experiment.metric_infos] == list(
-        HPARAM_METRICS) == [("val", "loss"), ("val", "bpc"), ("train", "loss")]
+        HPARAM_METRICS) == [("val", "loss"), ("val", "bpc"), ("", "loss")]
     assert not [t for t in acc.Tags()["scalars"] if t.startswith("hparam")]
     names = [info.name for info in experiment.hparam_infos]
     # The keys runs are compared by lead; TensorBoard sorts `differs` first, then by name.
@@ -200,9 +201,10 @@ def test_hparams_and_layout_written_and_readable(tmp_path: Path) -> None:
         (regex,) = chart.multiline.tag
         assert [t for t in (f"mem_weight/{j}" for j in range(8)) if re.match(regex, t)] == [
             f"mem_weight/{i}"]
-    # One writer each, one events file each: the run directory, train/, val/.
-    for folder in (tmp_path, tmp_path / "train", tmp_path / "val"):
+    # One writer each, one events file each: the run directory and val/ (no train/).
+    for folder in (tmp_path, tmp_path / "val"):
         assert len(list(folder.glob("events.out.tfevents.*"))) == 1
+    assert not (tmp_path / "train").exists()
 
 
 def test_bookkeeping_stays_out_of_tensorboard(tmp_path: Path) -> None:
@@ -210,7 +212,7 @@ def test_bookkeeping_stays_out_of_tensorboard(tmp_path: Path) -> None:
     draw ramps that never happened. They stay in metrics.jsonl."""
     with MetricsLogger(tmp_path, console=False) as m:
         m.log(1, {"loss": 1.0, "lr": 1e-3, "batch_size": 16, "tokens": 1024})
-    assert set(_events(tmp_path / "train").Tags()["scalars"]) == {"loss", "train/lr"}
+    assert set(_events(tmp_path).Tags()["scalars"]) == {"loss", "train/lr"}
     assert _records(tmp_path) == [{"step": 1, "loss": 1.0, "lr": 1e-3, "batch_size": 16,
                                    "tokens": 1024}]
 
@@ -224,7 +226,7 @@ def test_event_files_appear_only_with_something_to_show(tmp_path: Path) -> None:
     assert event_files(run) == []
     with MetricsLogger(run, console=False) as m:
         m.log(1, {"loss": 1.0})
-    assert [f.parent.name for f in event_files(run)] == ["train"]
+    assert [f.parent for f in event_files(run)] == [run]
     assert not (run / "val").exists()
 
 
@@ -346,3 +348,18 @@ def test_non_finite_figures_are_written_as_null(tmp_path: Path) -> None:
     assert json.loads(line) == {"step": 5, "val/loss": None, "val/perplexity": None,
                                 "bpc": 1.5}
     assert "NaN" not in line and "Infinity" not in line
+
+
+def test_the_docs_say_what_each_entry_is_and_link_the_unsmoothed_views() -> None:
+    """docs/commands.md names the two entries a run has and what each holds, and gives the
+    addresses that open TensorBoard unsmoothed (Time Series on the loss card, and Custom
+    Scalars), as the README's TensorBoard section does."""
+    from fbtrain.metrics.tensorboard import LOSS_URL, UNSMOOTHED_URL
+
+    root = Path(__file__).resolve().parents[1]
+    page = (root / "docs" / "commands.md").read_text(encoding="utf-8")
+    section = page.split("## TensorBoard", 1)[1]
+    assert LOSS_URL in section and UNSMOOTHED_URL in section
+    assert "- `<run>` (the run directory)" in section
+    assert "- `<run>/val` (the sub-run in `val/`)" in section
+    assert LOSS_URL in (root / "README.md").read_text(encoding="utf-8")

@@ -38,7 +38,8 @@ REPO = Path(__file__).resolve().parents[1]
 WORDS = ["the", "king", "queen", "and", "to", "of", "my", "lord", "thou", "art", "good",
          "night", "sweet", "prince", "ROMEO:", "JULIET:"]
 PAYLOAD_KEYS = {"model", "optimizer", "progress", "sampler", "rng", "model_config", "vocab",
-                "tokenizer", "config", "data", "world_size", "step", "format", "run_id"}
+                "tokenizer", "config", "data", "world_size", "step", "format", "run_id",
+                "clock"}
 TRAIN_KEYS = {"step", "loss", "bpc", "lr", "grad_norm", "tokens_per_sec", "seq_len",
               "batch_size", "tokens", "memory_rms", "mem_weight/0", "mem_weight/1",
               "mem_weight/2"}
@@ -232,7 +233,7 @@ def test_train_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
         acc.Reload()
         return acc
 
-    train_events, val_events = events(run_dir / "train"), events(run_dir / "val")
+    train_events, val_events = events(run_dir), events(run_dir / "val")
     assert {"loss", "bpc", "train/lr", "train/seq_len", "train/tokens_per_sec", "train/grad_norm",
             "mem_weight/0", "mem_weight/2"} <= set(train_events.Tags()["scalars"])
     assert {"loss", "bpc", "perplexity"} <= set(val_events.Tags()["scalars"])
@@ -255,15 +256,16 @@ def test_tensorboard_layout_read_back(tmp_path: Path) -> None:
     mux = EventMultiplexer()
     mux.AddRunsFromDirectory(str(run_dir.parent))  # tensorboard --logdir runs
     mux.Reload()
-    # Listed by the run's name: the run (HParams, samples) and its train and val sub-runs.
-    assert sorted(mux.Runs()) == ["run", "run/train", "run/val"]
+    # Two entries a run: the run (its training scalars, HParams, samples) and its val
+    # sub-run (three before: the training scalars had a train/ sub-run of their own).
+    assert sorted(mux.Runs()) == ["run", "run/val"]
 
-    # Time Series, the first view, puts one tag of all runs on one card: the train and the
+    # Time Series, the first view, puts one tag of all runs on one card: the run and its
     # val sub-run share the tags, so one card holds both curves, in two colours.
     scalars = mux.PluginRunToTagToContent("scalars")
-    train, val = sorted(scalars["run/train"]), sorted(scalars["run/val"])
+    train, val = sorted(scalars["run"]), sorted(scalars["run/val"])
     assert {"loss", "bpc"} <= set(train) and {"loss", "bpc"} <= set(val)
-    assert "run" not in scalars  # no scalars beside the sub-runs
+    assert set(scalars) == {"run", "run/val"}
     assert not [t for t in train + val if "accuracy" in t]  # a text run: no empty chart
     # Every scalar in a named group (TensorBoard groups by the tag up to its first "/").
     groups = {tag.split("/", 1)[0] for tag in train + val}
@@ -274,8 +276,8 @@ def test_tensorboard_layout_read_back(tmp_path: Path) -> None:
         return [e.step for e in mux.Tensors(run_name, tag)]
 
     assert steps("run/val", "loss") == steps("run/val", "bpc") == [0, 2, 4]  # step 0 too
-    assert steps("run/train", "loss") == [1, 2, 3, 4]
-    description = mux.SummaryMetadata("run/train", "mem_weight/0").summary_description
+    assert steps("run", "loss") == [1, 2, 3, 4]
+    description = mux.SummaryMetadata("run", "mem_weight/0").summary_description
     assert "softmax(w)" in description and "share of the embedding" in description
 
     # A sample with every evaluation, the first and the last included, in the Text tab.
@@ -313,8 +315,9 @@ def test_fresh_start_drops_old_event_files(tmp_path: Path) -> None:
         path.write_bytes(b"")
     run(cfg, quiet=True)
     assert not [p for p in stale if p.exists()]
-    for folder in (run_dir, run_dir / "train", run_dir / "val"):
+    for folder in (run_dir, run_dir / "val"):
         assert len(list(folder.glob("events.out.tfevents.*"))) == 1
+    assert not list((run_dir / "train").glob("events.out.tfevents.*"))  # the old layout's
 
 
 def test_the_logged_sample_is_drawn_from_its_named_stream(tmp_path: Path) -> None:

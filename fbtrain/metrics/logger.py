@@ -9,7 +9,7 @@ Files in the run directory:
 
 - ``metrics.jsonl``: one JSON object per :meth:`MetricsLogger.log` call, ``{"step": N, ...}``,
   flushed at once so a killed run keeps every line it logged;
-- ``events.out.tfevents.*`` in the run directory and in its ``train/`` and ``val/``
+- ``events.out.tfevents.*`` in the run directory and in its ``val/``
   sub-runs: TensorBoard events (see :mod:`.tensorboard` for the layout).
 """
 
@@ -32,7 +32,7 @@ class MetricsLogger:
 
     Args:
         run_dir: run directory; ``None`` logs to the console only.
-        tensorboard: write TensorBoard events (the run directory, ``train/``, ``val/``).
+        tensorboard: write TensorBoard events (the run directory and ``val/``).
         console: print progress and messages; False (``--quiet``) prints only results.
         progress: redraw one status line when stdout is a terminal (plain lines otherwise).
         total_steps: the step training stops at (for the ETA); 0 if unknown.

@@ -1,20 +1,21 @@
 """TensorBoard events of a run: scalars, text samples, the chart layout, HParams.
 
-Layout, as Keras and Lightning users know it: each run writes two sub-runs, ``<run>/train``
-and ``<run>/val``, with the same tags, so that TensorBoard's first view (Time Series)
-draws training and validation of a run on one card in two colours: ``loss`` (nats per
-character), ``bpc`` (bits per character) and, for a labelled dataset only, ``accuracy``;
-``perplexity`` (validation). The rest of the training figures are in the ``train`` group
-(``train/lr``, ``train/tokens_per_sec``, ...) of the train sub-run, the memory weights in
-``mem_weight``. The run directory itself holds the run's HParams entry (metrics: the
-sub-runs' losses), the Custom Scalars layout (:func:`chart_layout`) and the text samples,
-so ``tensorboard --logdir runs`` lists ``<run>``, ``<run>/train`` and ``<run>/val``. Each
-events file is created when there is something to write into it, so a run stopped before
-it logged anything leaves no empty run behind for TensorBoard to list.
+Layout: each run is two entries in TensorBoard's run list, ``<run>`` (the run directory:
+the training scalars, the text samples, the run's HParams entry and the Custom Scalars
+layout) and ``<run>/val`` (its sub-run: the validation scalars), with the same tags, so
+that TensorBoard's first view (Time Series) draws training and validation of a run on one
+card in two colours: ``loss`` (nats per character), ``bpc`` (bits per character) and, for a
+labelled dataset only, ``accuracy``; ``perplexity`` (validation). The rest of the training
+figures are in the ``train`` group (``train/lr``, ``train/tokens_per_sec``, ...), the
+memory weights in ``mem_weight``. Runs written before this layout have a third entry,
+``<run>/train``, with the training scalars; they are read (and cleared on a fresh start)
+all the same. Each events file is created when there is something to write into it, so a
+run stopped before it logged anything leaves no empty run behind for TensorBoard to list.
 
 TensorBoard smooths every curve by its own slider (0.6 by default: a 21-point validation
 curve drawn visibly above its values); that is a setting of the page, not of the events,
-so :data:`UNSMOOTHED_URL` opens the Custom Scalars view with smoothing off.
+so :data:`LOSS_URL` opens Time Series on the loss card with smoothing off, and
+:data:`UNSMOOTHED_URL` the Custom Scalars view with smoothing off.
 """
 
 from __future__ import annotations
@@ -38,16 +39,22 @@ EVENTS_GLOB = "events.out.tfevents.*"  # TensorBoard's event files
 # The Custom Scalars view with smoothing off: the dashboard reads _smoothingWeight from the
 # page address (tensorboard/plugins/custom_scalar: getNumberInitializer('_smoothingWeight')).
 UNSMOOTHED_URL = "http://localhost:6006/#custom_scalars&_smoothingWeight=0"
+# Time Series (TensorBoard's first view) on the loss card (tag filter ^loss$), smoothing
+# off: its address's query holds ``smoothing`` and ``tagFilter`` (tensorboard/webapp/
+# metrics, MetricsDeepLinkProvider).
+LOSS_URL = "http://localhost:6006/?smoothing=0&tagFilter=%5Eloss%24#timeseries"
 # Bookkeeping kept in metrics.jsonl only: exact functions of the step and the config, which
 # TensorBoard's smoothing would draw as ramps that never happened.
 JSONL_ONLY = ("batch_size", "tokens")
-SUBRUNS = ("train", "val")  # sub-directories of the run directory, one TensorBoard run each
+TRAIN = ""  # the training scalars' "sub-run": the run directory itself
+SUBRUNS = ("val",)  # sub-directories of the run directory, one TensorBoard run each
+LEGACY_SUBRUNS = ("train",)  # where runs written before held their training scalars
 # Metric keys (of metrics.jsonl) whose sub-run and tag are not the default ones.
-TB_TAGS = {"loss": ("train", "loss"), "bpc": ("train", "bpc"),
-           "accuracy": ("train", "accuracy"), "val/perplexity": ("val", "perplexity")}
+TB_TAGS = {"loss": (TRAIN, "loss"), "bpc": (TRAIN, "bpc"),
+           "accuracy": (TRAIN, "accuracy"), "val/perplexity": ("val", "perplexity")}
 # What a chart shows, for TensorBoard's description of each (sub-run, tag) or tag group.
 TB_DESCRIPTIONS = {
-    ("train", "loss"): "Cross-entropy of the step's training batch, nats per character.",
+    (TRAIN, "loss"): "Cross-entropy of the step's training batch, nats per character.",
     ("val", "loss"): "Cross-entropy on the fixed validation windows (the same every "
                      "evaluation; `fbtrain eval` scores the whole split), nats per character.",
     "bpc": "Bits per character: the loss divided by ln 2.",
@@ -60,7 +67,7 @@ TB_DESCRIPTIONS = {
 }
 # HParams metrics: (sub-run, tag) of scalars logged anyway (no one-point duplicates).
 HPARAM_METRICS = {("val", "loss"): "val loss (nats)", ("val", "bpc"): "val bpc",
-                  ("train", "loss"): "train loss (nats)"}
+                  (TRAIN, "loss"): "train loss (nats)"}
 # The hyper-parameters runs are compared by: HParams shows these columns first.
 LEAD_HPARAMS = ("kind", "d_model", "n_layers", "lr", "seq_len", "tokens")
 # Train keys a user compares runs by; the rest (logging cadence, paths) is left out.
@@ -70,30 +77,32 @@ _TRAIN_HPARAMS = ("min_lr", "schedule", "warmup_steps", "weight_decay", "beta1",
 
 
 def tag_of(key: str) -> tuple[str, str]:
-    """The sub-run and tag of a metric key: ``loss`` -> (train, loss), ``val/bpc`` ->
-    (val, bpc), ``lr`` -> (train, train/lr), ``mem_weight/0`` -> (train, mem_weight/0)."""
+    """The sub-run ("": the run directory) and tag of a metric key: ``loss`` -> ("", loss),
+    ``val/bpc`` -> (val, bpc), ``lr`` -> ("", train/lr), ``mem_weight/0`` -> ("",
+    mem_weight/0)."""
     if key in TB_TAGS:
         return TB_TAGS[key]
     if key.startswith("val/"):
         return "val", key[len("val/"):]
-    return "train", key if "/" in key else f"train/{key}"
+    return TRAIN, key if "/" in key else f"train/{key}"
 
 
 def event_files(run_dir: Path) -> list[Path]:
-    """Every TensorBoard event file of a run (the run directory's and its sub-runs')."""
-    return [f for folder in (run_dir, *(run_dir / s for s in SUBRUNS))
+    """Every TensorBoard event file of a run (the run directory's and its sub-runs', an
+    older layout's ``train/`` included)."""
+    return [f for folder in (run_dir, *(run_dir / s for s in (*LEGACY_SUBRUNS, *SUBRUNS)))
             for f in folder.glob(EVENTS_GLOB)]
 
 
 class TensorBoardWriter:
-    """The run's SummaryWriters (the run directory, ``train/``, ``val/``), each opened when
+    """The run's SummaryWriters (the run directory and ``val/``), each opened when
     it first has something to write, so that a resume overwrites the steps it repeats
     (``purge_step``)."""
 
     def __init__(self, log_dir: Path, purge_step: int | None = None):
         self.log_dir = Path(log_dir)
         self.purge_step = purge_step
-        self._writers: dict[str, Any] = {}  # "" (the run directory), "train", "val": opened
+        self._writers: dict[str, Any] = {}  # "" (the run directory), "val": opened
         self._described: set[tuple[str, str]] = set()  # descriptions written
         # Each writer's events file, for error messages (asked when it opens: after close()
         # torch's SummaryWriter would open a new file to answer).
@@ -261,9 +270,10 @@ def _quiet_writer_threads() -> None:
 
 
 def chart_layout(memory_sources: int = 0, labelled: bool = False) -> Any:
-    """TensorBoard's Custom Scalars layout: the losses first (each chart: the train and the
-    val sub-run), accuracy only for a labelled dataset (no empty charts), then one chart per
-    memory source (``memory_sources``: the embedding and each layer; 0: none).
+    """TensorBoard's Custom Scalars layout: the losses first (each chart: the run's training
+    curve and its val sub-run's), accuracy only for a labelled dataset (no empty charts),
+    then one chart per memory source (``memory_sources``: the embedding and each layer; 0:
+    none).
 
     Custom Scalars colours a line by its run, not its tag, so five memory weights in one
     chart would be five lines of one colour; a chart each names its source instead."""

@@ -6,6 +6,7 @@ decides *when* to say something. Also the throughput meter behind tokens/s.
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -167,14 +168,40 @@ def evaluation_line(step: int, metrics: dict[str, float], improved: bool,
 def summary(run: Run, progress: Progress, rate: float | None, seconds: float) -> str:
     """The last lines: where training stopped, its losses, its speed and its wall time,
     ``|``-separated and wrapped between parts into lines of at most 80 columns
-    (:func:`~fbtrain.metrics.console.fit_parts`)."""
+    (:func:`~fbtrain.metrics.console.fit_parts`).
+
+    ``rate`` and ``seconds`` are this process's. A run resumed (its clock counts earlier
+    segments) gives the run's totals, its tokens and training time over all segments, and
+    this segment's rate and time labelled as such."""
     parts = [f"done at step {progress.step}"]
     if progress.val_loss is not None:
         parts.append(f"val loss {progress.val_loss:.4f} (bpc {progress.val_loss / LN2:.4f}, "
                      f"{len(run.data.val_x)} fixed windows)")
     if progress.best_val_loss is not None:
         parts.append(f"best {progress.best_val_loss:.4f}")
+    clock = run.clock
+    if clock.resumed:
+        segments = clock.segments + 1
+        parts.append(f"run: {progress.tokens:,} tokens, "
+                     f"{format_duration(clock.seconds + seconds)} training in {segments} "
+                     "segments")
+        speed = f"{rate:,.0f} tokens/s on {device_text(run)}, " if rate is not None else ""
+        parts.append(f"this segment: {speed}{format_duration(seconds)}")
+        return "\n".join(fit_parts(parts))
     if rate is not None:
         parts.append(f"{rate:,.0f} tokens/s on {device_text(run)}")
     parts.append(f"wall {format_duration(seconds)}")
     return "\n".join(fit_parts(parts))
+
+
+# Set by the Makefile's train and quick recipes: the command a user runs again to resume.
+MAKE_TARGET_ENV = "FBTRAIN_MAKE_TARGET"
+
+
+def resume_hint() -> str:
+    """How to resume, in the interrupt line: ``make <target>`` again when make started
+    the run (it passes ``--resume auto``), else both forms."""
+    target = os.environ.get(MAKE_TARGET_ENV, "").strip()
+    if target and os.environ.get("MAKELEVEL"):
+        return f"run `make {target}` again to resume (it passes --resume auto)"
+    return "resume with --resume auto (or run `make train` again, if make started it)"

@@ -45,6 +45,7 @@ from fbtrain.rng import GlobalRng, rank_seed, seed_everything
 from fbtrain.rundir import choose_resume
 from fbtrain.runhistory import Segment, changed_settings, describe_changes
 from fbtrain.train.batches import CarriedStreams, RandomWindows
+from fbtrain.train.clock import RunClock
 from fbtrain.train.optim import LRSchedule, build_optimizer
 from fbtrain.train.rewind import set_aside_abandoned
 
@@ -58,6 +59,10 @@ class Progress:
     tokens: int = 0  # over all ranks
     val_loss: float | None = None
     best_val_loss: float | None = None
+    # The step of the newest evaluation that finished (None before any): a stop that cut
+    # the evaluation of the step it saved short leaves it behind ``step``, and the resume
+    # runs that evaluation first (the validation point is not lost).
+    val_step: int | None = None
 
     def state_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -72,11 +77,16 @@ class Progress:
         for key in ("val_loss", "best_val_loss"):
             if state.get(key) is not None and not is_number(state[key]):
                 return f"{key} is {state[key]!r}, not a number (or null)"
+        val_step = state.get("val_step")
+        if val_step is not None and not (is_int(val_step) and 0 <= val_step <= state["step"]):
+            return f"val_step is {val_step!r}, not an integer from 0 to step (or null)"
         return ""
 
     def load_state_dict(self, state: Any) -> None:
         self.step, self.tokens = int(state["step"]), int(state["tokens"])
         self.val_loss, self.best_val_loss = state.get("val_loss"), state.get("best_val_loss")
+        # Saved before the marker was: taken as evaluated (nothing to catch up).
+        self.val_step = state.get("val_step", self.step)
 
 
 @dataclass(frozen=True)
@@ -112,6 +122,7 @@ class Run:
     sampler: BatchSampler
     batches: CarriedStreams | RandomWindows
     warm_report: WarmStart | None
+    clock: RunClock  # training wall time across the run's segments
     # Lines set-up has to say: why the run resumes from where it does (if not plain),
     # a rewind's files moved aside, settings changed, data that cannot be checked.
     notes: tuple[str, ...] = ()
@@ -125,6 +136,7 @@ def set_up(cfg: Config, ctx: DistContext, manager: CheckpointManager, resume: st
     Call with the run directory's lock held (the trainer takes it first): which checkpoint
     to continue from is decided from what the directory holds.
     """
+    clock = RunClock()  # this segment starts now
     choice = choose_resume(resume, manager)
     resume_path, payload = choice.path, choice.payload
     init_path, init = warm_start_source(cfg, payload)
@@ -147,7 +159,8 @@ def set_up(cfg: Config, ctx: DistContext, manager: CheckpointManager, resume: st
               data=data, raw_model=raw_model, model=raw_model,
               params=[p for p in raw_model.parameters() if p.requires_grad],
               optimizer=optimizer, schedule=LRSchedule(cfg.train), scaler=scaler,
-              amp_dtype=amp_dtype, sampler=sampler, batches=batches, warm_report=warm_report)
+              amp_dtype=amp_dtype, sampler=sampler, batches=batches, warm_report=warm_report,
+              clock=clock)
     progress = Progress()
     notes = (choice.note,) if choice.note else ()
     changed: dict[str, list[Any]] = {}
@@ -293,6 +306,7 @@ def state_parts(run: Run, progress: Progress) -> dict[str, Stateful]:
         "sampler": run.sampler,
         "rng": GlobalRng(),
         "data": run.data.identity,
+        "clock": run.clock,
     }
     if run.scaler.is_enabled():  # fp16's loss scale
         parts["scaler"] = ScalerState(run.scaler)

@@ -4,7 +4,7 @@ number asks; stop on a signal.
 ``run(cfg)`` trains into ``<run.out_dir>/<run.name>/`` and returns that folder::
 
     config.yaml  vocab.json  metrics.jsonl  checkpoints/
-    events.out.tfevents.*  train/events.out.tfevents.*  val/events.out.tfevents.*
+    events.out.tfevents.*  val/events.out.tfevents.*
 
 Step numbering: ``step`` counts optimizer steps done, so the first trained step is logged
 and checkpointed as step 1. The step being trained has 0-based index ``step`` (= its logged
@@ -102,6 +102,8 @@ class Trainer:
         # (step, text) of the newest sample: samples go to TensorBoard, and the console
         # shows only this one, at the end (a sample every evaluation floods the terminal).
         self.last_sample: tuple[int, str] | None = None
+        self._status_lacks_rate = False  # the status line shown has no rate yet
+        self._last_shown: dict[str, Any] = {}
 
     def fit(self, resume: str | None) -> Path:
         """Set up (fresh, resumed or warm-started), train to ``max_steps``, return the run dir.
@@ -182,6 +184,8 @@ class Trainer:
         prev_seq_len = plan.seq_len_at(max(0, progress.step - 1)) if progress.step else None
         if progress.step == 0 and max_steps > 0:
             self._evaluate_untrained(signals)
+        elif self._evaluation_missed():
+            self._catch_up_evaluation(signals)
         # train_step, or its whole-step CUDA graphs where $FBTRAIN_CUDA_GRAPHS=step asks
         step = step_function(self.run) if progress.step < max_steps else train_step
         while progress.step < max_steps:
@@ -195,6 +199,8 @@ class Trainer:
             progress.step += 1
             progress.tokens += result.tokens
             self._after_step(result, signals)
+            if self._status_lacks_rate and self.throughput.overall_rate is not None:
+                self._redraw_status()
 
     def _after_step(self, result: StepResult, signals: StopSignals) -> None:
         """Log, evaluate, sample and checkpoint as the step number asks; stop on a signal.
@@ -231,7 +237,7 @@ class Trainer:
             self.ctx.barrier()  # torchrun ends every rank once one exits: let rank 0 finish
             raise TrainingError(
                 f"interrupted at step {step} ({signal.Signals(stop).name}); saved "
-                f"{self.manager.last_path}; resume with --resume auto",
+                f"{self.manager.last_path}; {report.resume_hint()}",
                 EXIT_CODES[stop],
             )
 
@@ -245,7 +251,19 @@ class Trainer:
             shown["tokens_per_sec"] = rate
         self.logger.progress(self.progress.step, shown, remaining=report.remaining_seconds(
             self.run, self.progress, self.throughput))
+        # The first steps of a process are not measured (warm-up): a line shown before any
+        # was has no rate nor ETA, and is redrawn with them after the next step.
+        self._status_lacks_rate = rate is None
+        self._last_shown = shown
         return metrics
+
+    def _redraw_status(self) -> None:
+        """The status line again, at this step, now with the rate and the ETA (its other
+        figures are the last shown: a status line, not a metrics record)."""
+        shown = {**self._last_shown, "tokens_per_sec": self.throughput.overall_rate}
+        self.logger.progress(self.progress.step, shown, remaining=report.remaining_seconds(
+            self.run, self.progress, self.throughput))
+        self._status_lacks_rate = False
 
     # ------------------------------------------------------------------ evaluation, samples
 
@@ -265,6 +283,33 @@ class Trainer:
                                 f"({signal.Signals(received).name}); nothing was trained, so "
                                 "no checkpoint was written", EXIT_CODES[received]) from None
 
+    def _evaluation_missed(self) -> bool:
+        """Whether the checkpoint resumed from is at an evaluation step whose evaluation a
+        stop cut short (:attr:`Progress.val_step` behind it)."""
+        step, train = self.progress.step, self.cfg.train
+        due = step > 0 and (step % train.eval_every == 0 or step == train.max_steps)
+        return due and self.progress.val_step != step
+
+    def _catch_up_evaluation(self, signals: StopSignals) -> None:
+        """The evaluation (and sample) of the step resumed from, which a stop cut short:
+        logged at that step as the uninterrupted run would have, before training on; a new
+        best is saved as best.pt, and last.pt is saved with the figure."""
+        record: dict[str, Any] = {}
+        improved = False
+        self.logger.info(f"step {self.progress.step}: its evaluation was cut short by the "
+                         "stop; evaluating it now")
+        try:
+            improved = self._evaluate(record, signals)
+            if record:
+                self.logger.log(self.progress.step, record)
+            if sample_due(self.cfg.train, self.progress.step, evaluated=True):
+                self._log_sample(signals)
+        except StopRequested:
+            pass  # stopped again: the loop's first step saves and stops
+        if record:  # step-N.pt too where the stop's save wrote one
+            self._save(numbered=self.progress.step % self.cfg.checkpoint.every == 0,
+                       best=improved)
+
     def _evaluate(self, record: dict[str, Any], signals: StopSignals,
                   candidate: bool = True) -> bool:
         """Validation loss on the fixed windows (rank 0); True when it is the best so far.
@@ -279,6 +324,7 @@ class Trainer:
             scores = window_scores(self.run.raw_model, data.val_x, data.val_y, EVAL_BATCH)
         loss = scores.loss
         progress.val_loss = loss
+        progress.val_step = progress.step
         improved = candidate and math.isfinite(loss) and (progress.best_val_loss is None
                                                           or loss < progress.best_val_loss)
         if improved:

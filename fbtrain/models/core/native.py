@@ -20,7 +20,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import sysconfig
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -30,6 +29,7 @@ from torch import Tensor
 
 from fbtrain.filelock import POLL_S, PidLock
 from fbtrain.messages import first_line
+from fbtrain.models.core import ninja_build
 from fbtrain.models.core.spec import CoreError, CoreInputs, CoreOutputs, CoreSpec
 
 CSRC = Path(__file__).parent / "csrc" / "feedback_core.cpp"
@@ -42,26 +42,6 @@ class CoreBuildError(CoreError):
     def __init__(self, message: str, remedy: str = "install g++ for the fast core"):
         super().__init__(message)
         self.remedy = remedy
-
-
-def _put_ninja_on_path() -> None:
-    """torch builds extensions with the ``ninja`` it finds on PATH. The one from PyPI (a
-    dependency of fbtrain) sits in the environment's scripts folder, which is on PATH only
-    while the environment is activated: ``.venv/bin/fbtrain train ...`` must find it too.
-    Appended, so it never shadows anything already on PATH."""
-    if shutil.which("ninja"):
-        return
-    try:
-        import ninja  # the PyPI package: ninja.BIN_DIR holds its binary
-
-        folders = [ninja.BIN_DIR]
-    except ImportError:
-        folders = []
-    folders += [sysconfig.get_path("scripts"), os.path.dirname(sys.executable)]
-    for folder in folders:
-        if folder and shutil.which("ninja", path=folder):
-            os.environ["PATH"] = os.pathsep.join(filter(None, (os.environ.get("PATH"), folder)))
-            return
 
 
 # Where the build waits, and for whom. torch serialises builds in a folder with a FileBaton:
@@ -92,6 +72,15 @@ def _core_recipe() -> tuple[str, Path, list[str], list[str]]:
     name = "fbtrain_core_avx2" if avx2 else "fbtrain_core"
     flags = ["-O3", *openmp, *(["-mavx2", "-mfma"] if avx2 else [])]
     return name, CSRC, flags, openmp
+
+
+def build_record(source: Path, cflags: Sequence[str], ldflags: Sequence[str]
+                 ) -> dict[str, object]:
+    """What a build of ``source`` is made from (kept beside it, so the next build of another
+    version can say what changed): the source's path and hash, the flags, torch's version."""
+    return {"source": str(source.resolve()),
+            "sha256": hashlib.sha256(source.read_bytes()).hexdigest(),
+            "cflags": list(cflags), "ldflags": list(ldflags), "torch": torch.__version__}
 
 
 def extension_name(base: str, source: Path, cflags: Sequence[str],
@@ -254,7 +243,6 @@ def load_extension(base: str, source: Path, cflags: Sequence[str],
     """
     from torch.utils import cpp_extension
 
-    _put_ninja_on_path()
     compiler = cpp_extension.get_cxx_compiler()  # $CXX, else c++
 
     def failed(cause: str) -> CoreBuildError:
@@ -274,12 +262,16 @@ def load_extension(base: str, source: Path, cflags: Sequence[str],
         if not library.exists() and shutil.which(compiler) is None:
             # Say so before waiting on anyone, rather than ninja's "c++: not found".
             raise failed(f"{compiler!r} not found (set CXX to name another compiler)")
-        with build_lock(build_dir) as locked:
+        made_from = build_record(source, cflags, ldflags)
+        # The environment's ninja, whatever PATH says: two ninjas discard each other's
+        # build log, so alternating them would compile at every switch (ninja_build).
+        with build_lock(build_dir) as locked, ninja_build.environment_ninja_first():
             if locked:
                 _clear_stale_torch_lock(build_dir)
-            if not library.exists():
-                print(f"fbtrain: compiling the C++ core into {build_dir} (once, about a "
-                      "minute)", file=sys.stderr, flush=True)
+            why = ninja_build.compile_reason(build_dir, library, base, made_from)
+            if why is not None:
+                print(f"fbtrain: compiling the C++ core (about a minute): {why}; into "
+                      f"{build_dir}", file=sys.stderr, flush=True)
             try:
                 loaded = cpp_extension.load(
                     name=name, sources=[str(source)], extra_cflags=list(cflags),
@@ -288,6 +280,8 @@ def load_extension(base: str, source: Path, cflags: Sequence[str],
             except BaseException:  # Ctrl-C, SIGTERM: no compile may outlive the lock
                 _stop_builders(build_dir)
                 raise
+            if why is not None:
+                ninja_build.write_record(build_dir, made_from)
     except subprocess.CalledProcessError as e:
         # torch runs the compiler (``$CXX -v``, ``--version``) to check it, outside its
         # own error handling: CXX=false ends here.

@@ -1,0 +1,111 @@
+"""A run stopped and resumed reports the run, not its last segment: the closing line's
+totals (tokens, training time over the segments, this segment's rate labelled), a status
+line with the rate and ETA as soon as the resumed segment has measured one, the interrupt
+line's resume command, and a stop on an evaluation step that loses no validation point."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from fbtrain.checkpoint import load_checkpoint
+from fbtrain.config import config_from_dict
+from fbtrain.train import TrainingError, run
+from fbtrain.train.report import MAKE_TARGET_ENV, resume_hint
+from tests.test_train import assert_same_tensors, make_raw, records
+
+
+@pytest.fixture
+def own_sigint() -> Iterator[None]:
+    """SIGINT as pytest had it, after a test that stops a run with one (the run leaves it
+    ignored, as a process on its way out)."""
+    before = signal.getsignal(signal.SIGINT)
+    yield
+    signal.signal(signal.SIGINT, before)
+
+
+def _stop_at(step: int):
+    """An ``on_step`` hook that sends this process SIGINT after step ``step``'s training,
+    before its evaluation: the evaluation is cut short, the step saved."""
+    def hook(at: int) -> None:
+        if at == step:
+            os.kill(os.getpid(), signal.SIGINT)
+    return hook
+
+
+def test_a_stop_on_an_evaluation_step_still_logs_that_validation_point(tmp_path, own_sigint):
+    """Ctrl-C landing on step 2 (an evaluation step) used to lose its ``val/loss`` for good;
+    the resume now evaluates step 2 before training on: the same figure as the run that
+    was never stopped, and the same weights after."""
+    straight = run(config_from_dict(make_raw(tmp_path, "straight", train={
+        "max_steps": 4, "eval_every": 2}, checkpoint={"every": 4})), quiet=True)
+    raw = make_raw(tmp_path, "stopped", train={"max_steps": 4, "eval_every": 2},
+                   checkpoint={"every": 4})
+    with pytest.raises(TrainingError, match="interrupted at step 2"):
+        run(config_from_dict(raw), quiet=True, on_step=_stop_at(2))
+    stopped = tmp_path / "runs" / "stopped"
+    assert not any("val/loss" in r for r in records(stopped) if r["step"] == 2)  # cut short
+    assert load_checkpoint(stopped / "checkpoints" / "last.pt")["progress"]["val_step"] == 0
+    run(config_from_dict(raw), resume="auto", quiet=True)
+
+    def validation(run_dir: Path) -> dict[int, float]:
+        return {r["step"]: r["val/loss"] for r in records(run_dir) if "val/loss" in r}
+
+    assert validation(stopped) == validation(straight)
+    assert sorted(validation(stopped)) == [0, 2, 4]
+    assert_same_tensors(load_checkpoint(straight / "checkpoints" / "last.pt")["model"],
+                        load_checkpoint(stopped / "checkpoints" / "last.pt")["model"])
+
+
+def test_a_resumed_run_closes_with_the_runs_totals(tmp_path, capsys, own_sigint):
+    """The closing line of a resumed run: every token of the run, the training time of
+    both segments, and this segment's rate, labelled; the checkpoint counts segments."""
+    raw = make_raw(tmp_path, train={"max_steps": 8, "eval_every": 8, "log_every": 4},
+                   checkpoint={"every": 8})
+    with pytest.raises(TrainingError) as stop:
+        run(config_from_dict(raw), on_step=_stop_at(3))
+    first = load_checkpoint(tmp_path / "runs" / "run" / "checkpoints" / "last.pt")
+    assert first["clock"]["segments"] == 1 and first["clock"]["seconds"] > 0
+    assert "resume with --resume auto (or run `make train` again" in str(stop.value)
+    capsys.readouterr()
+    run_dir = run(config_from_dict(raw), resume="auto")
+    out = capsys.readouterr().out
+    last = load_checkpoint(run_dir / "checkpoints" / "last.pt")
+    assert last["clock"]["segments"] == 2 and last["clock"]["seconds"] > first["clock"]["seconds"]
+    tokens = last["progress"]["tokens"]
+    closing = " | ".join(out.splitlines()[-3:])
+    assert re.search(rf"\| run: {tokens:,} tokens, \d+s training in 2 segments \| this "
+                     r"segment: [\d,]+ tokens/s on cpu \([^)]*\), \d+s$", closing), closing
+    # The resumed segment's first status line (step 4, its first step: not yet measured)
+    # has no rate; the next step redraws it with the rate and the ETA.
+    steps = [ln for ln in out.splitlines() if ln.startswith("step ") and "/8" in ln]
+    assert steps[0].startswith("step 4/8 |") and "tok/s" not in steps[0]
+    assert steps[1].startswith("step 5/8 |") and "tok/s" in steps[1] and "| eta " in steps[1]
+
+
+def test_an_uninterrupted_run_keeps_its_closing_line(tmp_path, capsys):
+    """One segment: the closing line as before (rate, wall), no totals to tell apart."""
+    run(config_from_dict(make_raw(tmp_path, train={"max_steps": 2})))
+    out = capsys.readouterr().out
+    assert "segment" not in out and re.search(r"tokens/s on cpu .*\| wall \d+s", out)
+
+
+def test_the_interrupt_line_names_the_make_command_under_make(monkeypatch):
+    monkeypatch.setenv("MAKELEVEL", "1")
+    monkeypatch.setenv(MAKE_TARGET_ENV, "quick")
+    assert resume_hint() == "run `make quick` again to resume (it passes --resume auto)"
+    monkeypatch.delenv("MAKELEVEL")  # the variable inherited, but no make running it
+    assert "--resume auto" in resume_hint() and "`make train`" in resume_hint()
+
+
+def test_the_makefile_names_its_targets():
+    """``make train`` and ``make quick`` tell the run which command resumes it."""
+    makefile = (Path(__file__).resolve().parents[1] / "Makefile").read_text()
+    for target in ("train", "quick"):
+        recipe = makefile.split(f"\n{target}: install\n", 1)[1].split("\n\n", 1)[0]
+        assert f"{MAKE_TARGET_ENV}={target} $(BIN)/fbtrain train" in recipe
