@@ -95,6 +95,12 @@ def filter_logits(logits: Tensor, top_k: int | None = None, top_p: float | None 
     return logits
 
 
+# The largest loss (nats) one token may cost: float32's largest number over 2^24, so a
+# float32 sum of 2^24 such losses (eval sums a batch of windows so) stays finite. A uniform
+# guess costs log(vocabulary) nats; a model this far past it has diverged.
+MAX_TOKEN_LOSS = float(torch.finfo(torch.float32).max) / 2**24
+
+
 class NonFiniteLogits(ValueError):
     """The model predicted NaN or inf (weights so large that the logits overflow)."""
 
@@ -112,11 +118,14 @@ def next_tokens(
     tokens are drawn with ``torch.multinomial`` from ``generator``, on the generator's device
     (so a CPU generator gives the same draws whether the model runs on CPU or CUDA).
 
-    Raises :class:`NonFiniteLogits` when a logit is NaN or inf: no distribution to draw
-    from (a diverged or damaged model), where multinomial would fail with a traceback.
+    Raises :class:`NonFiniteLogits` when a logit is NaN or inf (no distribution to draw
+    from; multinomial would fail with a traceback), or a token's log-probability is below
+    ``-MAX_TOKEN_LOSS``: logits finite but so far apart that ``fbtrain eval``'s loss of
+    such a model overflows, and eval refuses it (a diverged or damaged model either way).
     """
     logits = logits.float()
-    if not bool(torch.isfinite(logits).all()):
+    log_probs = torch.log_softmax(logits, dim=-1)
+    if not bool((log_probs >= -MAX_TOKEN_LOSS).all()):  # NaN compares False: refused too
         raise NonFiniteLogits("the model's predictions are NaN or inf (its weights are so "
                               "large that the logits overflow)")
     if temperature == 0:

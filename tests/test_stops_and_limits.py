@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from test_train import make_cfg
 
 import fbtrain.sample
@@ -61,3 +62,33 @@ def test_a_signal_during_the_final_sample_exits_with_its_code(
     assert info.value.exit_code == SIGNALS[sig]
     assert len(calls) == 2
     assert load_checkpoint(tmp_path / "runs" / "run" / "checkpoints" / "last.pt")["step"] == 3
+
+
+# ----------------------------------------------------------------------------- item 12
+
+
+def test_sample_refuses_a_model_that_eval_refuses(tmp_path: Path) -> None:
+    """Finite head weights 1e37 times too large: every logit is finite, but their spread
+    passes float32's range, so a log-probability is -inf. eval refused the checkpoint
+    (loss inf); sample drew the argmax every time and exited 0. Now both refuse, exit 2."""
+    from test_evaluate import make_text
+    from test_sample import tiny_model, write_run
+    from typer.testing import CliRunner
+
+    from fbtrain.cli import app
+
+    text = tmp_path / "text.txt"
+    text.write_text(make_text(200), encoding="utf-8")
+    model = tiny_model()
+    with torch.no_grad():
+        model.head.weight.mul_(1e37)
+    best = write_run(tmp_path / "huge", model, text_path=text)
+    runner = CliRunner()
+    scored = runner.invoke(app, ["eval", "-c", str(best.parent.parent), "--device", "cpu"])
+    assert scored.exit_code == 2 and "cannot score it: the loss is inf" in scored.stderr
+    sampled = runner.invoke(app, ["sample", "-c", str(best.parent.parent), "--device", "cpu",
+                                  "--length", "10"])
+    assert sampled.exit_code == 2, sampled.stdout
+    assert sampled.stderr.splitlines()[-1] == (
+        f"error: {best}: cannot sample from it: the model's predictions are NaN or inf "
+        "(its weights are so large that the logits overflow)")
