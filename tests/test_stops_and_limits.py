@@ -19,6 +19,8 @@ from test_train import make_cfg
 
 import fbtrain.sample
 from fbtrain.checkpoint import load_checkpoint
+from fbtrain.config import ConfigError, load_config
+from fbtrain.config.schema import MAX_SAMPLE_LENGTH
 from fbtrain.train import TrainingError, run
 
 SIGNALS = {signal.SIGTERM: 143, signal.SIGINT: 130, signal.SIGHUP: 129}
@@ -92,3 +94,29 @@ def test_sample_refuses_a_model_that_eval_refuses(tmp_path: Path) -> None:
     assert sampled.stderr.splitlines()[-1] == (
         f"error: {best}: cannot sample from it: the model's predictions are NaN or inf "
         "(its weights are so large that the logits overflow)")
+
+
+# ----------------------------------------------------------------------------- item 7
+
+
+def test_sample_length_has_an_upper_bound() -> None:
+    """100 million characters passed and the run sat silent for minutes after step 0."""
+    assert load_config(None, [f"train.sample_length={MAX_SAMPLE_LENGTH}"])
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["train.sample_length=100000000"])
+    assert info.value.problems == [
+        f"<defaults> (with --set): train.sample_length = 100000000: must be <= "
+        f"{MAX_SAMPLE_LENGTH}"]
+
+
+def test_weight_decay_times_lr_must_stay_below_one() -> None:
+    """weight_decay 1e9 passed, then the run ended 'loss is nan; try a lower train.lr'."""
+    assert load_config(None, ["train.lr=2e-3", "train.weight_decay=499"])
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["train.weight_decay=1e9"])
+    assert info.value.problems == [
+        "<defaults> (with --set): train.lr = 0.002 and train.weight_decay = 1000000000.0: "
+        "their product (2e+06) must be < 1 (AdamW multiplies the weights by 1 - lr x "
+        "weight_decay each step); lower train.weight_decay (usually 0 to 0.1) or train.lr"]
+    with pytest.raises(ConfigError, match=r"train\.lr = 10\.0 and train\.weight_decay = 0\.1"):
+        load_config(None, ["train.lr=10"])
