@@ -8,6 +8,7 @@ rank of two gloo processes.
 
 from __future__ import annotations
 
+import importlib.util
 import signal
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,12 +16,14 @@ from typing import Any
 
 import pytest
 import torch
-from test_train import make_cfg
+import yaml
+from test_train import make_cfg, make_raw
 
 import fbtrain.sample
 from fbtrain.checkpoint import load_checkpoint
 from fbtrain.config import ConfigError, load_config
 from fbtrain.config.schema import MAX_SAMPLE_LENGTH
+from fbtrain.models.core import select
 from fbtrain.train import TrainingError, run
 
 SIGNALS = {signal.SIGTERM: 143, signal.SIGINT: 130, signal.SIGHUP: 129}
@@ -120,3 +123,55 @@ def test_weight_decay_times_lr_must_stay_below_one() -> None:
         "weight_decay each step); lower train.weight_decay (usually 0 to 0.1) or train.lr"]
     with pytest.raises(ConfigError, match=r"train\.lr = 10\.0 and train\.weight_decay = 0\.1"):
         load_config(None, ["train.lr=10"])
+
+
+# ----------------------------------------------------------------------------- item 11
+
+
+@pytest.mark.parametrize("value", ["garbage", "2", "steps"])
+def test_an_unknown_cuda_graphs_value_is_refused(tmp_path: Path, value: str,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """It used to train without a word (garbage read as off)."""
+    from typer.testing import CliRunner
+
+    from fbtrain.cli import app
+
+    monkeypatch.setenv("FBTRAIN_CUDA_GRAPHS", value)
+    config = tmp_path / "cfg.yaml"
+    config.write_text(yaml.safe_dump(make_raw(tmp_path, train={"max_steps": 1})))
+    result = CliRunner().invoke(app, ["train", "--config", str(config), "-q"])
+    assert result.exit_code == 2
+    assert result.stderr.splitlines() == [
+        f"error: FBTRAIN_CUDA_GRAPHS={value!r} is not a setting; use one of 1, true, yes, "
+        "on, 0, false, no, off or step (or leave it unset)"]
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize(("graphs", "core", "label"), [
+    ("1", "python", "PyTorch core"), ("yes", "auto", None), ("0", "python", "PyTorch core")])
+def test_the_start_line_names_the_core_and_an_idle_switch_says_so(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture,
+        graphs: str, core: str, label: str | None) -> None:
+    """On a CPU, FBTRAIN_CUDA_GRAPHS=1 did nothing and said nothing; the device line did not
+    say which core ran."""
+    from fbtrain.models.core import native
+
+    monkeypatch.setenv("FBTRAIN_CUDA_GRAPHS", graphs)
+    monkeypatch.setenv("FBTRAIN_CORE", core)
+    if label is None:  # auto: the C++ core where it builds
+        label = "C++ core" if select.core() is native.NativeCore else "PyTorch core"
+    run(make_cfg(tmp_path, train={"max_steps": 1}))
+    out = capsys.readouterr().out
+    threads = torch.get_num_threads()
+    assert f"device: cpu ({threads} thread{'s' if threads > 1 else ''}, fp32, {label})\n" in out
+    idle = (f"FBTRAIN_CUDA_GRAPHS={graphs} does nothing here: CUDA graphs need a CUDA device, "
+            "and this run is on cpu")
+    assert (idle in out) == (graphs != "0")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
+def test_the_fused_core_in_the_interpreter_is_named_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    """FBTRAIN_CORE=fused TRITON_INTERPRET=1 ran at 2 tokens/s under 'cpu (2 threads, fp32)'."""
+    monkeypatch.setenv("FBTRAIN_CORE", "fused")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert select.core_label(select.core()) == "fused core (Triton interpreter)"

@@ -48,6 +48,7 @@ from fbtrain.evaluate import loss_figures
 from fbtrain.inference import inference
 from fbtrain.metrics.logger import MetricsLogger, text_block
 from fbtrain.metrics.tensorboard import hparams_of
+from fbtrain.models.core.graphs import graphs_choice
 from fbtrain.rng import sample_generator, sample_seed
 from fbtrain.rundir import RunDirLock, write_run_files
 from fbtrain.scoring import window_scores
@@ -75,6 +76,7 @@ def run(cfg: Config, *, resume: str | None = None, quiet: bool = False,
     same. ``on_step(step)``
     runs after each trained step, before its evaluation and save (for tests).
     """
+    graphs_choice()  # a bad $FBTRAIN_CUDA_GRAPHS is refused before anything is made
     with session(cfg.run.device) as ctx:
         return Trainer(cfg, ctx, quiet=quiet, on_step=on_step).fit(resume)
 
