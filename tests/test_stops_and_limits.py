@@ -9,7 +9,11 @@ rank of two gloo processes.
 from __future__ import annotations
 
 import importlib.util
+import re
+import resource
 import signal
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,11 +21,11 @@ from typing import Any
 import pytest
 import torch
 import yaml
-from test_train import make_cfg, make_raw
+from test_train import CHILD_ENV, make_cfg, make_raw
 
 import fbtrain.sample
 from fbtrain.checkpoint import load_checkpoint
-from fbtrain.config import ConfigError, load_config
+from fbtrain.config import ConfigError, limits, load_config
 from fbtrain.config.schema import MAX_SAMPLE_LENGTH
 from fbtrain.models.core import select
 from fbtrain.train import TrainingError, run
@@ -175,3 +179,72 @@ def test_the_fused_core_in_the_interpreter_is_named_so(monkeypatch: pytest.Monke
     monkeypatch.setenv("FBTRAIN_CORE", "fused")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert select.core_label(select.core()) == "fused core (Triton interpreter)"
+
+
+# ----------------------------------------------------------------------------- item 8
+
+ULIMIT_V = 6_000_000 * 1024  # `ulimit -v 6000000`, as the issue ran it
+
+
+def train_under_rlimit_as(tmp_path: Path, batch_size: int) -> subprocess.CompletedProcess:
+    """``fbtrain train`` of the tiny config at ``batch_size`` in a child process whose
+    address space is limited to :data:`ULIMIT_V` (a real RLIMIT_AS, set before exec)."""
+    raw = make_raw(tmp_path, train={"max_steps": 2, "batch_size": batch_size},
+                   curriculum=[{"seq_len": 16}])
+    config = tmp_path / "cfg.yaml"
+    config.write_text(yaml.safe_dump(raw))
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (ULIMIT_V, ULIMIT_V))
+
+    return subprocess.run([sys.executable, "-m", "fbtrain", "train", "--config", str(config)],
+                          env=CHILD_ENV, capture_output=True, text=True, timeout=300,
+                          preexec_fn=limit)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_AS as Linux has it")
+def test_the_memory_estimate_is_held_against_rlimit_as(tmp_path: Path) -> None:
+    """A batch of 300,000 needs at least 6.3 GiB, less than the machine has but more than
+    `ulimit -v 6000000` leaves: refused before anything is made (it was a traceback)."""
+    proc = train_under_rlimit_as(tmp_path, 300_000)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    [line] = proc.stderr.splitlines()
+    assert re.fullmatch(
+        r"error: .*cfg\.yaml: train\.batch_size = 300000: training needs at least [\d.]+ GiB "
+        r"of memory \(activations of one micro-batch: [\d.]+ GiB\) but this process may use "
+        r"[\d.]+ GiB \(its address-space limit, RLIMIT_AS / ulimit -v, less what it has "
+        r"mapped already\); make it smaller", line), line
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_AS as Linux has it")
+def test_running_out_of_memory_in_a_step_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    """A batch the (lower-bound) estimate lets through, whose step then fails to allocate
+    under the limit: one line naming the batch and what fits, exit 2, no traceback."""
+    proc = train_under_rlimit_as(tmp_path, 200_000)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    [line] = proc.stderr.splitlines()
+    assert re.fullmatch(
+        r"error: step 1: out of memory training 200,000 sequences of 16 tokens "
+        r"\(train\.batch_size = 200000\), but this process may use [\d.]+ GiB \(its "
+        r"address-space limit, RLIMIT_AS / ulimit -v, less what it has mapped already\): "
+        r"lower train\.batch_size; by fbtrain's estimate, which counts only the least a step "
+        r"keeps, at most [\d,]+ fit, and [\d,]+ leave room for the rest; train\.grad_accum "
+        r"keeps the tokens per step", line), line
+
+
+@pytest.mark.parametrize(("files", "proc", "expected"), [
+    ({"memory.max": "max"}, "0::/\n", None),
+    ({"job/memory.max": "1073741824", "memory.max": "max"}, "0::/job\n", 2**30),
+    ({"memory/memory.limit_in_bytes": "9223372036854771712",
+      "memory/job/memory.limit_in_bytes": "536870912"}, "4:memory:/job\n1:cpu:/\n", 2**29),
+])
+def test_the_cgroup_memory_limit_is_read_from_v1_and_v2(
+        tmp_path: Path, files: dict[str, str], proc: str, expected: int | None) -> None:
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text + "\n")
+    (tmp_path / "cgroup").write_text(proc)
+    found = limits.cgroup_limit(tmp_path, tmp_path / "cgroup")
+    assert (found.size if found else None) == expected

@@ -52,6 +52,7 @@ from fbtrain.models.core.graphs import graphs_choice
 from fbtrain.rng import sample_generator, sample_seed
 from fbtrain.rundir import RunDirLock, write_run_files
 from fbtrain.scoring import window_scores
+from fbtrain.train.oom import is_allocation_failure, out_of_memory
 from fbtrain.train.setup import Progress, Run, checkpoint_payload, set_up
 from fbtrain.train.signals import EXIT_CODES, StopRequested, StopSignals
 from fbtrain.train.step import EXIT_NONFINITE, StepResult, TrainingError, train_step
@@ -184,7 +185,12 @@ class Trainer:
                 self.logger.info(report.curriculum_line(
                     prev_seq_len, seq_len, plan.batch_size_at(progress.step), progress.step))
             prev_seq_len = seq_len
-            result = step(self.run, progress.step, signals, self.manager.last_path)
+            try:
+                result = step(self.run, progress.step, signals, self.manager.last_path)
+            except (MemoryError, RuntimeError) as e:
+                if not is_allocation_failure(e):
+                    raise
+                raise out_of_memory(self.run, progress.step) from None
             self.throughput.add(result.tokens, result.seconds)
             progress.step += 1
             progress.tokens += result.tokens
