@@ -12,8 +12,10 @@ import importlib.util
 import re
 import resource
 import signal
+import socket
 import subprocess
 import sys
+import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -259,3 +261,66 @@ def test_the_cgroup_memory_limit_is_read_from_v1_and_v2(
     (tmp_path / "cgroup").write_text(proc)
     found = limits.cgroup_limit(tmp_path, tmp_path / "cgroup")
     assert (found.size if found else None) == expected
+
+
+# ----------------------------------------------------------------------------- item 9
+
+# Rank 1 of two gloo ranks: trains as `fbtrain train` does, and kills itself (SIGKILL: no
+# word, no cleanup) right after step argv[2]'s collectives, before that step's save.
+DYING_RANK = textwrap.dedent("""
+    import os, signal, sys
+    import torch
+    torch.set_num_threads(1)
+    from fbtrain.config import load_config
+    from fbtrain.train import run
+    die_at = int(sys.argv[2])
+
+    def die(step):
+        if step == die_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    run(load_config(sys.argv[1], []), quiet=True, on_step=die)
+""")
+
+
+@pytest.mark.parametrize("die_at", [3, 4], ids=["during-training", "after-the-last-step"])
+def test_a_killed_rank_gives_the_other_one_line_and_exit_1(tmp_path: Path, die_at: int) -> None:
+    """Rank 1 dies (a real SIGKILL) at step 3 of 4 (a checkpoint at step 2) or after its
+    last step, when rank 0 is about to print 'done': rank 0 (the real CLI) said gloo's
+    'Connection reset by peer' in a traceback; now one line naming rank 1 and the last
+    checkpoint, exit 1, and no hang."""
+    raw = make_raw(tmp_path, train={"max_steps": 4, "eval_every": 100, "schedule": "constant"},
+                   checkpoint={"every": 2})
+    config = tmp_path / "cfg.yaml"
+    config.write_text(yaml.safe_dump(raw))
+    (tmp_path / "rank1.py").write_text(DYING_RANK)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**CHILD_ENV, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    commands = [[sys.executable, "-m", "fbtrain", "train", "--config", str(config)],
+                [sys.executable, str(tmp_path / "rank1.py"), str(config), str(die_at)]]
+    procs = [subprocess.Popen(command, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r, command in enumerate(commands)]
+    try:
+        out, err = procs[0].communicate(timeout=240)
+        procs[1].wait(timeout=60)
+    finally:
+        for proc in procs:
+            proc.kill()
+    assert procs[1].returncode == -signal.SIGKILL
+    assert procs[0].returncode == 1, err[-3000:]
+    last = tmp_path / "runs" / "run" / "checkpoints" / "last.pt"
+    if die_at == 4:
+        assert "done at step 4" in out
+        line = (f"error: rank 1 of 2 stopped after training finished (its connection closed: "
+                f"killed or crashed; see its own output), so rank 0 stops too; last "
+                f"checkpoint: {last}")
+    else:
+        line = (f"error: rank 1 of 2 stopped during training (its connection closed: killed "
+                f"or crashed; see its own output), so rank 0 stops too; last checkpoint: "
+                f"{last}; resume with --resume auto")
+    assert err.splitlines()[-1] == line, err[-3000:]
+    assert "Traceback" not in err and "[rank0]" not in err
+    assert load_checkpoint(last)["step"] == (4 if die_at == 4 else 2)

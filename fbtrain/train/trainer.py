@@ -43,7 +43,7 @@ from fbtrain.checkpoint.contents import summarize_names
 from fbtrain.checkpoint.files import CheckpointManager
 from fbtrain.config import Config, TrainConfig
 from fbtrain.config.kinds import model_kind
-from fbtrain.distributed import DistContext, session
+from fbtrain.distributed import DistContext, is_peer_failure, peer_lost, session
 from fbtrain.evaluate import loss_figures
 from fbtrain.inference import inference
 from fbtrain.metrics.logger import MetricsLogger, text_block
@@ -79,7 +79,14 @@ def run(cfg: Config, *, resume: str | None = None, quiet: bool = False,
     """
     graphs_choice()  # a bad $FBTRAIN_CUDA_GRAPHS is refused before anything is made
     with session(cfg.run.device) as ctx:
-        return Trainer(cfg, ctx, quiet=quiet, on_step=on_step).fit(resume)
+        trainer = Trainer(cfg, ctx, quiet=quiet, on_step=on_step)
+        try:
+            return trainer.fit(resume)
+        except RuntimeError as e:
+            if not (ctx.enabled and is_peer_failure(e)):
+                raise
+            # A rank died: one line, not gloo's traceback (torchrun shows which one failed).
+            raise peer_lost(ctx, trainer.manager.last_path, trainer.completed) from None
 
 
 class Trainer:
@@ -103,6 +110,7 @@ class Trainer:
         # (step, text) of the newest sample: samples go to TensorBoard, and the console
         # shows only this one, at the end (a sample every evaluation floods the terminal).
         self.last_sample: tuple[int, str] | None = None
+        self.completed = False  # every step trained and the last one saved
 
     def fit(self, resume: str | None) -> Path:
         """Set up (fresh, resumed or warm-started), train to ``max_steps``, return the run dir.
@@ -158,6 +166,7 @@ class Trainer:
             self.logger.info(self.run.warm_report.summary())
         with StopSignals(allow_interrupts=not self.ctx.enabled) as signals:
             self._loop(signals)
+        self.completed = True
         self.logger.end_run()
         if self.last_sample is not None:  # the one sample the console shows: the last
             self.logger.info(text_block("sample", *self.last_sample))
