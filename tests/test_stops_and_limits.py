@@ -304,7 +304,7 @@ def test_a_killed_rank_gives_the_other_one_line_and_exit_1(tmp_path: Path, die_a
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for r, command in enumerate(commands)]
     try:
-        out, err = procs[0].communicate(timeout=240)
+        out, err = procs[0].communicate(timeout=400)  # (a C++ core build may be awaited)
         procs[1].wait(timeout=60)
     finally:
         for proc in procs:
