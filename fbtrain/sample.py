@@ -19,9 +19,10 @@ import torch
 from torch import Tensor, nn
 
 from fbtrain.config import INT64_MAX
-from fbtrain.config.budget import physical_memory
+from fbtrain.config.budget import available_memory
 from fbtrain.config.fields import int_bound
 from fbtrain.config.kinds import model_kind
+from fbtrain.config.limits import MACHINE
 from fbtrain.data.errors import DataError
 from fbtrain.data.tokenizers import Tokenizer
 from fbtrain.inference import inference, saved_precision
@@ -181,27 +182,38 @@ def sampling_bytes(model: nn.Module, tokenizer: Tokenizer, prompt_tokens: int,
 
 
 def memory_bytes(device: torch.device | str = "cpu") -> int | None:
-    """The memory of ``device``: this machine's physical memory for the CPU, the card's for
-    CUDA; None when the platform does not say."""
+    """The memory of ``device``: for the CPU what this process may use (the least of the
+    machine's physical memory, RLIMIT_AS and the cgroup limit), the card's for CUDA; None
+    when the platform does not say."""
     device = torch.device(device)
     if device.type == "cuda":
         return int(torch.cuda.get_device_properties(device).total_memory)
-    return physical_memory()
+    limit = available_memory()
+    return limit.size if limit is not None else None
+
+
+def _host_name() -> str:
+    """Whose memory :func:`memory_bytes` gives for the CPU, as a message names it."""
+    limit = available_memory()
+    if limit is None or limit.holder == MACHINE:
+        return "this machine"
+    return f"this process's memory limit{limit.how}"
 
 
 def check_memory(model: nn.Module, tokenizer: Tokenizer, prompt_tokens: int,
                  num_samples: int, length: int, device: torch.device | str) -> None:
     """Raise ValueError (one line) when ``num_samples x length`` tokens cannot fit in memory.
 
-    The bound is physical memory (of the machine for the output, of the model's device for
-    its state; both the machine's on a CPU), not what happens to be free: a request over it
-    can never finish, one under it may still have to wait for other programs to give way.
+    The bound is the memory there is (what this process may use for the output, the model's
+    device's for its state; both the process's on a CPU), not what happens to be free: a
+    request over it can never finish, one under it may still have to wait for other programs
+    to give way.
     """
     host, on_model = sampling_bytes(model, tokenizer, prompt_tokens, num_samples, length)
     device = torch.device(device)
-    needs = [(host + on_model, memory_bytes("cpu"), "this machine")]
+    needs = [(host + on_model, memory_bytes("cpu"), _host_name())]
     if device.type == "cuda":
-        needs = [(host, memory_bytes("cpu"), "this machine"),
+        needs = [(host, memory_bytes("cpu"), _host_name()),
                  (on_model, memory_bytes(device), str(device))]
     for need, have, where in needs:
         if have is not None and need > have:

@@ -324,3 +324,27 @@ def test_a_killed_rank_gives_the_other_one_line_and_exit_1(tmp_path: Path, die_a
     assert err.splitlines()[-1] == line, err[-3000:]
     assert "Traceback" not in err and "[rank0]" not in err
     assert load_checkpoint(last)["step"] == (4 if die_at == 4 else 2)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_AS as Linux has it")
+def test_sample_length_is_held_against_rlimit_as_too(tmp_path: Path) -> None:
+    """`fbtrain sample --length 1000000000` needs about 16 GiB: less than the machine, more
+    than `ulimit -v 6000000` leaves; refused in one line naming the limit, exit 2."""
+    from test_sample import tiny_model, write_run
+
+    best = write_run(tmp_path / "run", tiny_model())
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (ULIMIT_V, ULIMIT_V))
+
+    proc = subprocess.run([sys.executable, "-m", "fbtrain", "sample", "-c", str(best),
+                           "--length", "1000000000", "--device", "cpu"],
+                          env=CHILD_ENV, capture_output=True, text=True, timeout=300,
+                          preexec_fn=limit)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    [line] = proc.stderr.splitlines()
+    assert re.fullmatch(
+        r"error: num_samples = 1 x length = 1000000000: sampling needs about [\d.]+ GiB of "
+        r"memory, more than the [\d.]+ GiB of this process's memory limit \(its address-space "
+        r"limit, RLIMIT_AS / ulimit -v, less what it has mapped already\); lower num_samples "
+        r"or length", line), line

@@ -17,7 +17,7 @@ import dataclasses
 
 from fbtrain.config.curriculum import Curriculum
 from fbtrain.config.kinds import model_kind
-from fbtrain.config.limits import MemoryLimit, memory_limit, physical_memory
+from fbtrain.config.limits import MACHINE, MemoryLimit, memory_limit, physical_memory
 from fbtrain.config.schema import CurriculumStage, ModelConfig
 from fbtrain.config.tree import Config
 from fbtrain.messages import format_bytes
@@ -123,7 +123,7 @@ def memory_problem(cfg: Config, available: int | None = None) -> str | None:
     """Why training ``cfg`` cannot fit in the memory it may use (``available`` bytes of
     this machine, default :func:`available_memory`), naming the keys to make smaller; None
     when it may."""
-    limit = MemoryLimit(available, "this machine has") if available is not None \
+    limit = MemoryLimit(available, MACHINE) if available is not None \
         else available_memory()
     if limit is None:
         return None

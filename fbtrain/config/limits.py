@@ -17,6 +17,7 @@ CGROUP_ROOT = Path("/sys/fs/cgroup")
 PROC_CGROUP = Path("/proc/self/cgroup")
 # cgroup v1 writes "no limit" as the largest page-aligned int64; anything this large is none.
 NO_LIMIT = 2**62
+MACHINE = "this machine has"  # MemoryLimit.holder of the machine's own memory
 
 
 @dataclass(frozen=True)
@@ -91,6 +92,6 @@ def cgroup_limit(root: Path = CGROUP_ROOT, proc: Path = PROC_CGROUP) -> MemoryLi
 def memory_limit(physical: int | None) -> MemoryLimit | None:
     """The least of ``physical`` (the machine's memory, None: unknown), RLIMIT_AS and the
     cgroup limit; None when none is known."""
-    found = [MemoryLimit(physical, "this machine has")] if physical else []
+    found = [MemoryLimit(physical, MACHINE)] if physical else []
     found += [limit for limit in (address_space_limit(), cgroup_limit()) if limit is not None]
     return min(found, key=lambda limit: limit.size) if found else None
