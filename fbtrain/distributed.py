@@ -12,6 +12,7 @@ import contextlib
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -19,6 +20,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from fbtrain.device import resolve_device
+from fbtrain.errors import UserError
 
 
 @dataclass
@@ -59,6 +61,40 @@ class DistContext:
             return model
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         return DistributedDataParallel(model, device_ids=device_ids)
+
+
+class PeerLost(UserError):
+    """Another rank of the group died (killed, out of memory, its machine gone): this one
+    cannot go on either. Exit 1, like a failed run; the line names the rank and the last
+    checkpoint, from which ``--resume auto`` continues."""
+
+    exit_code = 1
+
+
+# What a collective raises when the other end of its connection has gone: gloo's TCP
+# transport ("Connection reset by peer", "Connection closed by peer", a broken pipe), and
+# NCCL's abort once its watchdog finds a rank missing.
+PEER_FAILURES = ("Connection reset by peer", "Connection closed by peer", "Broken pipe",
+                 "gloo/transport", "NCCL communicator was aborted")
+
+
+def is_peer_failure(error: BaseException) -> bool:
+    """Whether ``error`` (from a collective) means another rank is gone."""
+    return isinstance(error, RuntimeError) and (
+        isinstance(error, dist.DistNetworkError)
+        or any(text in str(error) for text in PEER_FAILURES))
+
+
+def peer_lost(ctx: DistContext, last: Path, complete: bool) -> PeerLost:
+    """The one line for a rank whose peer died: which rank (with two, the other one; gloo
+    does not say which of several), whether training had finished, the last checkpoint."""
+    who = f"rank {1 - ctx.rank}" if ctx.world_size == 2 else "another rank"
+    when = "after training finished" if complete else "during training"
+    saved = f"last checkpoint: {last}" if last.is_file() else "no checkpoint was saved yet"
+    then = "; resume with --resume auto" if last.is_file() and not complete else ""
+    return PeerLost(f"{who} of {ctx.world_size} stopped {when} (its connection closed: "
+                    f"killed or crashed; see its own output), so rank {ctx.rank} stops too; "
+                    f"{saved}{then}")
 
 
 def _env_int(name: str, default: int) -> int:
@@ -103,8 +139,16 @@ def session(device_name: str) -> Iterator[DistContext]:
     if owns_group:
         _import_before_the_group()
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+    lost = False
     try:
         yield DistContext(device=device, world_size=world_size, rank=rank, local_rank=local_rank)
+    except PeerLost:
+        lost = True
+        raise
     finally:
         if owns_group and dist.is_initialized():
-            dist.destroy_process_group()
+            try:
+                dist.destroy_process_group()
+            except RuntimeError:
+                if not lost:  # with a peer gone, ending the group may fail: the line is out
+                    raise

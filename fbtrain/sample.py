@@ -19,9 +19,10 @@ import torch
 from torch import Tensor, nn
 
 from fbtrain.config import INT64_MAX
-from fbtrain.config.budget import physical_memory
+from fbtrain.config.budget import available_memory
 from fbtrain.config.fields import int_bound
 from fbtrain.config.kinds import model_kind
+from fbtrain.config.limits import MACHINE
 from fbtrain.data.errors import DataError
 from fbtrain.data.tokenizers import Tokenizer
 from fbtrain.errors import ArgumentError
@@ -96,6 +97,12 @@ def filter_logits(logits: Tensor, top_k: int | None = None, top_p: float | None 
     return logits
 
 
+# The largest loss (nats) one token may cost: float32's largest number over 2^24, so a
+# float32 sum of 2^24 such losses (eval sums a batch of windows so) stays finite. A uniform
+# guess costs log(vocabulary) nats; a model this far past it has diverged.
+MAX_TOKEN_LOSS = float(torch.finfo(torch.float32).max) / 2**24
+
+
 class NonFiniteLogits(ValueError):
     """The model predicted NaN or inf (weights so large that the logits overflow)."""
 
@@ -113,11 +120,14 @@ def next_tokens(
     tokens are drawn with ``torch.multinomial`` from ``generator``, on the generator's device
     (so a CPU generator gives the same draws whether the model runs on CPU or CUDA).
 
-    Raises :class:`NonFiniteLogits` when a logit is NaN or inf: no distribution to draw
-    from (a diverged or damaged model), where multinomial would fail with a traceback.
+    Raises :class:`NonFiniteLogits` when a logit is NaN or inf (no distribution to draw
+    from; multinomial would fail with a traceback), or a token's log-probability is below
+    ``-MAX_TOKEN_LOSS``: logits finite but so far apart that ``fbtrain eval``'s loss of
+    such a model overflows, and eval refuses it (a diverged or damaged model either way).
     """
     logits = logits.float()
-    if not bool(torch.isfinite(logits).all()):
+    log_probs = torch.log_softmax(logits, dim=-1)
+    if not bool((log_probs >= -MAX_TOKEN_LOSS).all()):  # NaN compares False: refused too
         raise NonFiniteLogits("the model's predictions are NaN or inf (its weights are so "
                               "large that the logits overflow)")
     if temperature == 0:
@@ -173,27 +183,38 @@ def sampling_bytes(model: nn.Module, tokenizer: Tokenizer, prompt_tokens: int,
 
 
 def memory_bytes(device: torch.device | str = "cpu") -> int | None:
-    """The memory of ``device``: this machine's physical memory for the CPU, the card's for
-    CUDA; None when the platform does not say."""
+    """The memory of ``device``: for the CPU what this process may use (the least of the
+    machine's physical memory, RLIMIT_AS and the cgroup limit), the card's for CUDA; None
+    when the platform does not say."""
     device = torch.device(device)
     if device.type == "cuda":
         return int(torch.cuda.get_device_properties(device).total_memory)
-    return physical_memory()
+    limit = available_memory()
+    return limit.size if limit is not None else None
+
+
+def _host_name() -> str:
+    """Whose memory :func:`memory_bytes` gives for the CPU, as a message names it."""
+    limit = available_memory()
+    if limit is None or limit.holder == MACHINE:
+        return "this machine"
+    return f"this process's memory limit{limit.how}"
 
 
 def check_memory(model: nn.Module, tokenizer: Tokenizer, prompt_tokens: int,
                  num_samples: int, length: int, device: torch.device | str) -> None:
     """Raise ArgumentError (one line) when ``num_samples x length`` tokens cannot fit in memory.
 
-    The bound is physical memory (of the machine for the output, of the model's device for
-    its state; both the machine's on a CPU), not what happens to be free: a request over it
-    can never finish, one under it may still have to wait for other programs to give way.
+    The bound is the memory there is (what this process may use for the output, the model's
+    device's for its state; both the process's on a CPU), not what happens to be free: a
+    request over it can never finish, one under it may still have to wait for other programs
+    to give way.
     """
     host, on_model = sampling_bytes(model, tokenizer, prompt_tokens, num_samples, length)
     device = torch.device(device)
-    needs = [(host + on_model, memory_bytes("cpu"), "this machine")]
+    needs = [(host + on_model, memory_bytes("cpu"), _host_name())]
     if device.type == "cuda":
-        needs = [(host, memory_bytes("cpu"), "this machine"),
+        needs = [(host, memory_bytes("cpu"), _host_name()),
                  (on_model, memory_bytes(device), str(device))]
     for need, have, where in needs:
         if have is not None and need > have:

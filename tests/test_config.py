@@ -795,7 +795,8 @@ def test_curriculum_numbers_are_decimal_too():
 def test_decimal_hex_binary_and_underscores_still_read(tmp_path: Path):
     cfg = load_config(None, ["train.max_steps=1_000", "train.warmup_steps=0x10",
                              "train.eval_every=0b11", "run.seed=-0", "train.lr=010.5",
-                             "train.min_lr=+1.5e-3", "curriculum=[{seq_len: 0x20}]"])
+                             "train.min_lr=+1.5e-3", "curriculum=[{seq_len: 0x20}]",
+                             "train.weight_decay=0"])  # lr x weight_decay must be < 1
     assert (cfg.train.max_steps, cfg.train.warmup_steps, cfg.train.eval_every, cfg.run.seed,
             cfg.train.lr, cfg.train.min_lr, cfg.curriculum[0].seq_len) == (
         1000, 16, 3, 0, 10.5, 1.5e-3, 32)

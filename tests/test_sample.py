@@ -413,18 +413,27 @@ def test_tiny_temperature_is_greedy(tmp_path: Path, temperature: float) -> None:
 
 
 def test_next_tokens_overflowing_row_is_greedy_others_sampled() -> None:
-    logits = torch.tensor([[0.0, 3e38, 1e38, -3e38],  # / 0.5 overflows: greedy, token 1
-                           [0.0, 0.1, 0.2, 0.3]])     # stays finite: sampled
-    picks = {tuple(sample.next_tokens(logits, 0.5, generator=gen(s)).tolist())
+    # Logits a sane model makes (huge ones are refused: test_next_tokens_refuses_...), at a
+    # temperature so small that the first row's overflow float32 once divided by it.
+    t = 1e-39
+    logits = torch.tensor([[0.0, 3.0, 1.0, -3.0],  # / t overflows: greedy, token 1
+                           [0.0, 1e-40, 2e-40, 3e-40]])  # / t stays finite: sampled
+    picks = {tuple(sample.next_tokens(logits, t, generator=gen(s)).tolist())
              for s in range(40)}
     assert {p[0] for p in picks} == {1}
     assert len({p[1] for p in picks}) > 1
     # The greedy row still takes its draw: the other rows get the draws they would get if
     # it had not overflowed.
-    tame = torch.tensor([[0.0, 3.0, 1.0, -3.0], [0.0, 0.1, 0.2, 0.3]])
+    tame = torch.tensor([[0.0, 3e-39, 1e-39, -3e-39], [0.0, 1e-40, 2e-40, 3e-40]])
     for s in range(20):
-        assert (sample.next_tokens(logits, 0.5, generator=gen(s))[1]
-                == sample.next_tokens(tame, 0.5, generator=gen(s))[1])
+        assert (sample.next_tokens(logits, t, generator=gen(s))[1]
+                == sample.next_tokens(tame, t, generator=gen(s))[1])
+
+
+def test_next_tokens_refuses_logits_whose_loss_overflows() -> None:
+    """Finite logits 6e38 apart: a log-probability of -inf (eval's loss would be inf)."""
+    with pytest.raises(sample.NonFiniteLogits, match="NaN or inf"):
+        sample.next_tokens(torch.tensor([[0.0, 3e38, 1e38, -3e38]]), 1.0)
 
 
 # ----------------------------------------------------------------------------- memory

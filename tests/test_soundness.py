@@ -26,6 +26,7 @@ from test_train import CHILD_ENV, make_raw, records, wait_for
 
 from fbtrain.checkpoint import load_checkpoint, save_checkpoint
 from fbtrain.config import ConfigError, config_from_dict
+from fbtrain.config.schema import MAX_SAMPLE_LENGTH
 from fbtrain.data.samplers import BatchSampler
 from fbtrain.distributed import DistContext
 from fbtrain.io import FileWriteError
@@ -227,9 +228,9 @@ def test_a_second_signal_changes_nothing(tmp_path: Path, second: signal.Signals)
 
 
 def test_ctrl_c_cuts_a_long_sample_short(tmp_path: Path) -> None:
-    """A step-0 sample of 10 million characters would take many minutes; Ctrl-C during it
+    """A step-0 sample of the longest length allowed takes many seconds; Ctrl-C during it
     stops the run at once (nothing trained: no checkpoint), rather than after it."""
-    raw = make_raw(tmp_path, train={"max_steps": 5, "sample_length": 10_000_000})
+    raw = make_raw(tmp_path, train={"max_steps": 5, "sample_length": MAX_SAMPLE_LENGTH})
     proc = cli("train", "--config", str(write_config(tmp_path, raw)))
     run_dir = tmp_path / "runs" / "run"
     try:  # the step-0 validation line is logged just before the sample starts

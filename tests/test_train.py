@@ -558,7 +558,8 @@ def test_sigterm_saves_and_exits_143(tmp_path: Path) -> None:
 
 def test_nonfinite_loss_stops_without_nan_checkpoint(tmp_path: Path) -> None:
     cfg = make_cfg(tmp_path, train={"lr": 1e6, "warmup_steps": 0, "schedule": "constant",
-                                    "grad_clip": 0.0, "max_steps": 30, "eval_every": 100},
+                                    "grad_clip": 0.0, "max_steps": 30, "eval_every": 100,
+                                    "weight_decay": 0.0},  # lr x weight_decay must be < 1
                    checkpoint={"every": 1, "keep_last": 100})
     with pytest.raises(TrainingError, match=r"^step (\d+): (loss|gradient norm) is (nan|inf)"
                                             r"; stopped before the optimizer step") as info:

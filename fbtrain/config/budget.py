@@ -14,10 +14,10 @@ absurd, before anything is created.
 from __future__ import annotations
 
 import dataclasses
-import os
 
 from fbtrain.config.curriculum import Curriculum
 from fbtrain.config.kinds import model_kind
+from fbtrain.config.limits import MACHINE, MemoryLimit, memory_limit, physical_memory
 from fbtrain.config.schema import CurriculumStage, ModelConfig
 from fbtrain.config.tree import Config
 from fbtrain.messages import format_bytes
@@ -106,13 +106,10 @@ def estimate(cfg: Config) -> Estimate:
                     streams if carry else 0, train.grad_accum)
 
 
-def physical_memory() -> int | None:
-    """Bytes of physical memory of this machine, or None where the system does not say."""
-    try:
-        pages, size = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
-    except (AttributeError, ValueError, OSError):
-        return None
-    return pages * size if pages > 0 and size > 0 else None
+def available_memory() -> MemoryLimit | None:
+    """What training may use here: the least of this machine's physical memory, the
+    process's RLIMIT_AS and its cgroup's limit (:mod:`fbtrain.config.limits`)."""
+    return memory_limit(physical_memory())
 
 
 # (section, key) whose size the estimate grows with, blamed by name when it does not fit.
@@ -123,14 +120,15 @@ SHOWN_SHARE = 0.1  # parts of the total named in the message: those of at least 
 
 
 def memory_problem(cfg: Config, available: int | None = None) -> str | None:
-    """Why training ``cfg`` cannot fit in this machine's memory (``available`` bytes,
-    default :func:`physical_memory`), naming the keys to make smaller; None when it may."""
-    if available is None:
-        available = physical_memory()
-    if available is None:
+    """Why training ``cfg`` cannot fit in the memory it may use (``available`` bytes of
+    this machine, default :func:`available_memory`), naming the keys to make smaller; None
+    when it may."""
+    limit = MemoryLimit(available, MACHINE) if available is not None \
+        else available_memory()
+    if limit is None:
         return None
     need = estimate(cfg)
-    if need.total <= available:
+    if need.total <= limit.size:
         return None
     parts = "; ".join(f"{what}: {format_bytes(size)}" for what, size in need.parts()
                       if size >= SHOWN_SHARE * need.total)
@@ -138,7 +136,8 @@ def memory_problem(cfg: Config, available: int | None = None) -> str | None:
     subject = ", ".join(blamed) if blamed else "this config"
     which = "them" if len(blamed) > 1 else "it"
     return (f"{subject}: training needs at least {format_bytes(need.total)} of memory "
-            f"({parts}) but this machine has {format_bytes(available)}; make {which} smaller")
+            f"({parts}) but {limit.holder} {format_bytes(limit.size)}{limit.how}; make "
+            f"{which} smaller")
 
 
 def _blame(cfg: Config, total: int) -> list[str]:

@@ -32,6 +32,11 @@ AUTO_SHA256 = "auto"  # data.sha256's default: the dataset's pinned checksum, if
 # The generator (the data layer's algorithmic.py) relies on it and makes it true: every
 # statement but ``=`` needs an assigned variable, so a program's first statement is ``=``.
 MIN_PRINTING_LEN = 2
+# train.sample_length's bound. A logged sample is generated one model call a character and
+# held whole (its ids and its text, about 12 bytes a character at least, as fbtrain sample
+# counts them) while the run waits: a log line, not a corpus. Beyond this a sample costs
+# more than the training between evaluations; fbtrain sample --length writes longer texts.
+MAX_SAMPLE_LENGTH = 100_000
 
 
 class Section:
@@ -203,7 +208,8 @@ class TrainConfig(Section):
     schedule: str = _f("cosine", "cosine (warm-up, then cosine to min_lr) or constant.",
                        choices=("cosine", "constant"))
     warmup_steps: int = _f(100, "Linear warm-up steps.", min=0)
-    weight_decay: float = _f(0.1, "AdamW weight decay (matrices only).", min=0)
+    weight_decay: float = _f(0.1, "AdamW weight decay (matrices only); train.lr x "
+                             "weight_decay must be < 1.", min=0)
     beta1: float = _f(0.9, "AdamW beta1.", min=0, max=0.9999)
     beta2: float = _f(0.99, "AdamW beta2.", min=0, max=0.9999)
     grad_clip: float = _f(1.0, "Clip the global gradient norm to this (0: off).", min=0)
@@ -223,7 +229,8 @@ class TrainConfig(Section):
     sample_every: int | None = _f(
         None, "Log a generated sample every N steps and at the end (0: never; null: with "
         "every evaluation, the first and the last included).", min=0)
-    sample_length: int = _f(200, "Characters in each logged sample.", min=1)
+    sample_length: int = _f(200, "Characters in each logged sample (at most 100,000; "
+                            "longer texts: fbtrain sample).", min=1, max=MAX_SAMPLE_LENGTH)
     init_from: str | None = _f(None, "Warm start: a transformer checkpoint (or run dir).")
 
 

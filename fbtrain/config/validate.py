@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import typing
 from typing import Any
 
@@ -120,6 +121,16 @@ def _cross_checks(cfg: Config, where: str, curriculum_ok: bool = True) -> list[s
     if cfg.train.min_lr > cfg.train.lr:
         out.append(f"{where}: train.min_lr = {cfg.train.min_lr}: must be <= train.lr "
                    f"({cfg.train.lr})")
+    lr, weight_decay = cfg.train.lr, cfg.train.weight_decay
+    decay = lr * weight_decay if math.isfinite(lr) and math.isfinite(weight_decay) else 0
+    if decay >= 1:  # (a NaN or infinity has its own line already)
+        # AdamW scales every decayed matrix by (1 - lr x weight_decay) each step (the peak
+        # lr; the schedule never goes above it): at 1 the weights are zeroed, above it
+        # their sign flips and they grow, and the run ends on a NaN loss blamed on the lr.
+        out.append(f"{where}: train.lr = {lr} and train.weight_decay = {weight_decay}: "
+                   f"their product ({decay:g}) must be < 1 (AdamW multiplies the weights "
+                   "by 1 - lr x weight_decay each step); lower train.weight_decay (usually "
+                   "0 to 0.1) or train.lr")
     device = cfg.run.device
     if not (device in ("auto", "cpu", "cuda") or
             (device.startswith("cuda:") and device[5:].isdigit())):

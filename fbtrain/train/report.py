@@ -7,6 +7,7 @@ decides *when* to say something. Also the throughput meter behind tokens/s.
 from __future__ import annotations
 
 import os
+import signal
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -17,6 +18,8 @@ from fbtrain.config.kinds import model_kind
 from fbtrain.evaluate import LN2
 from fbtrain.metrics.console import fit_parts, format_duration
 from fbtrain.models import count_parameters
+from fbtrain.models.core.graphs import idle_graphs_note
+from fbtrain.models.core.select import core, core_label
 from fbtrain.train.batches import CarriedStreams
 
 if TYPE_CHECKING:
@@ -78,10 +81,19 @@ def remaining_seconds(run: Run, progress: Progress, throughput: Throughput) -> f
     return throughput.remaining_seconds(total - progress.tokens)
 
 
+def has_core(run: Run) -> bool:
+    """Whether ``run``'s model steps through a feedback core (the feedback kinds)."""
+    return hasattr(run.raw_model, "core_params")
+
+
 def device_text(run: Run) -> str:
-    """``cpu (2 threads, fp32)`` or ``cuda:0 (NVIDIA H200, bf16 autocast)``."""
+    """``cpu (2 threads, fp32, C++ core)`` or ``cuda:0 (NVIDIA H200, bf16 autocast, fused
+    core (Triton))``: where, at what precision, and (feedback kinds) which core runs, as
+    $FBTRAIN_CORE chose it (a 100x slower interpreter must not look like the C++ core)."""
     dtype = {None: "fp32", torch.bfloat16: "bf16 autocast",
              torch.float16: "fp16 autocast"}[run.amp_dtype]
+    if has_core(run):
+        dtype += f", {core_label(core())}"
     device = run.ctx.device
     if device.type == "cuda":
         return f"{device} ({torch.cuda.get_device_name(device)}, {dtype})"
@@ -102,6 +114,9 @@ def announcement(run: Run, progress: Progress, resume_path: Path | None,
                  f"{cfg.model.n_heads} heads)")
     ranks = f" x {run.ctx.world_size} ranks (DDP)" if run.ctx.enabled else ""
     lines.append(f"device: {device_text(run)}{ranks}")
+    idle = idle_graphs_note(run.ctx.device, has_core(run))
+    if idle:
+        lines.append(idle)
     labelled = " (targets only where labelled; accuracy reported)" if data.labelled else ""
     lines.append(f"data: {data.n_tokens[0]:,} train / {data.n_tokens[1]:,} val "
                  f"{data.tokenizer.unit}s{labelled}, vocabulary {data.tokenizer.vocab_size}")
@@ -205,3 +220,16 @@ def resume_hint() -> str:
     if target and os.environ.get("MAKELEVEL"):
         return f"run `make {target}` again to resume (it passes --resume auto)"
     return "resume with --resume auto (or run `make train` again, if make started it)"
+
+
+def interrupted_line(step: int, signum: int, last: Path, *, final: bool, cut: str = "") -> str:
+    """What a run stopped by signal ``signum`` after step ``step`` says (the CLI prints it
+    as its ``error:`` line). ``final``: the step was the last one, so training is complete
+    and there is nothing to resume; ``cut``: the evaluation or sample it cut short, if any."""
+    name = signal.Signals(signum).name
+    if not final:
+        return f"interrupted at step {step} ({name}); saved {last}; {resume_hint()}"
+    during = f", during its {cut}" if cut else ""
+    lost = f" (that {cut} was not logged)" if cut else ""
+    return (f"interrupted at step {step} ({name}), the last step{during}: training is "
+            f"complete{lost}; saved {last}")

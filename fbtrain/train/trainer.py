@@ -43,16 +43,18 @@ from fbtrain.checkpoint.contents import summarize_names
 from fbtrain.checkpoint.files import CheckpointManager
 from fbtrain.config import Config, TrainConfig
 from fbtrain.config.kinds import model_kind
-from fbtrain.distributed import DistContext, session
+from fbtrain.distributed import DistContext, is_peer_failure, peer_lost, session
 from fbtrain.evaluate import loss_figures
 from fbtrain.inference import inference
 from fbtrain.metrics.logger import MetricsLogger, text_block
 from fbtrain.metrics.tensorboard import hparams_of
+from fbtrain.models.core.graphs import graphs_choice
 from fbtrain.rng import sample_generator, sample_seed
 from fbtrain.rundir import RunDirLock, write_run_files
 from fbtrain.rundir_checks import check_path_length, check_writable
 from fbtrain.runhistory import record_segment
 from fbtrain.scoring import window_scores
+from fbtrain.train.oom import is_allocation_failure, out_of_memory
 from fbtrain.train.setup import Progress, Run, checkpoint_payload, set_up
 from fbtrain.train.signals import EXIT_CODES, StopRequested, StopSignals
 from fbtrain.train.step import EXIT_NONFINITE, StepResult, TrainingError, train_step
@@ -77,8 +79,16 @@ def run(cfg: Config, *, resume: str | None = None, quiet: bool = False,
     same. ``on_step(step)``
     runs after each trained step, before its evaluation and save (for tests).
     """
+    graphs_choice()  # a bad $FBTRAIN_CUDA_GRAPHS is refused before anything is made
     with session(cfg.run.device) as ctx:
-        return Trainer(cfg, ctx, quiet=quiet, on_step=on_step).fit(resume)
+        trainer = Trainer(cfg, ctx, quiet=quiet, on_step=on_step)
+        try:
+            return trainer.fit(resume)
+        except RuntimeError as e:
+            if not (ctx.enabled and is_peer_failure(e)):
+                raise
+            # A rank died: one line, not gloo's traceback (torchrun shows which one failed).
+            raise peer_lost(ctx, trainer.manager.last_path, trainer.completed) from None
 
 
 class Trainer:
@@ -104,6 +114,7 @@ class Trainer:
         self.last_sample: tuple[int, str] | None = None
         self._status_lacks_rate = False  # the status line shown has no rate yet
         self._last_shown: dict[str, Any] = {}
+        self.completed = False  # every step trained and the last one saved
 
     def fit(self, resume: str | None) -> Path:
         """Set up (fresh, resumed or warm-started), train to ``max_steps``, return the run dir.
@@ -165,6 +176,7 @@ class Trainer:
             self.logger.info(self.run.warm_report.summary())
         with StopSignals(allow_interrupts=not self.ctx.enabled) as signals:
             self._loop(signals)
+        self.completed = True
         self.logger.end_run()
         if self.last_sample is not None:  # the one sample the console shows: the last
             self.logger.info(text_block("sample", *self.last_sample))
@@ -194,7 +206,12 @@ class Trainer:
                 self.logger.info(report.curriculum_line(
                     prev_seq_len, seq_len, plan.batch_size_at(progress.step), progress.step))
             prev_seq_len = seq_len
-            result = step(self.run, progress.step, signals, self.manager.last_path)
+            try:
+                result = step(self.run, progress.step, signals, self.manager.last_path)
+            except (MemoryError, RuntimeError) as e:
+                if not is_allocation_failure(e):
+                    raise
+                raise out_of_memory(self.run, progress.step) from None
             self.throughput.add(result.tokens, result.seconds)
             progress.step += 1
             progress.tokens += result.tokens
@@ -216,14 +233,18 @@ class Trainer:
             self.on_step(step)
         improved = False
         evaluated = step % cfg.train.eval_every == 0 or final
+        doing = ""  # the read-only work under way, named if a signal cuts it short
         try:
             if evaluated:
+                doing = "evaluation"
                 improved = self._evaluate(record, signals)
             if record:
                 self.logger.log(step, record)
                 record = {}
             if sample_due(self.cfg.train, self.progress.step, evaluated):
+                doing = "sample"
                 self._log_sample(signals)
+            doing = ""
         except StopRequested:
             pass
         if record:  # the training figures of a step whose evaluation was cut short
@@ -233,13 +254,15 @@ class Trainer:
         every = step % cfg.checkpoint.every == 0
         if every or final or improved or stop is not None:
             self._save(numbered=every or final, best=improved)
-        if stop is not None and not final:
+        if final and not self.ctx.enabled:
+            stop = signals.received  # one that came during the final save counts too
+        if stop is not None:
+            # The last step stops the same way: a signal is never answered with exit 0,
+            # and a cut-short final sample must not leave an older one as "the last".
             self.ctx.barrier()  # torchrun ends every rank once one exits: let rank 0 finish
-            raise TrainingError(
-                f"interrupted at step {step} ({signal.Signals(stop).name}); saved "
-                f"{self.manager.last_path}; {report.resume_hint()}",
-                EXIT_CODES[stop],
-            )
+            raise TrainingError(report.interrupted_line(step, stop, self.manager.last_path,
+                                                        final=final, cut=doing),
+                                EXIT_CODES[stop])
 
     def _train_metrics(self, result: StepResult) -> dict[str, Any]:
         """The step's metrics, also shown on the progress line."""

@@ -41,24 +41,67 @@ from torch import Tensor
 
 from fbtrain.messages import first_line
 from fbtrain.models.core.native import NativeCore
-from fbtrain.models.core.spec import BackwardInputs, Core, CoreInputs, CoreOutputs, CoreSpec
+from fbtrain.models.core.spec import (
+    BackwardInputs,
+    Core,
+    CoreError,
+    CoreInputs,
+    CoreOutputs,
+    CoreSpec,
+)
 
 GRAPHS_ENV = "FBTRAIN_CUDA_GRAPHS"
 STEP_VALUE = "step"  # $FBTRAIN_CUDA_GRAPHS asking for whole-step graphs (train/step_graph.py)
 WARMUP_CALLS = 2  # eager calls on the side stream before capture (allocator, cuBLAS handles)
 
 
+GRAPHS_ON = ("1", "true", "yes", "on")  # the core's sweeps graphed
+GRAPHS_OFF = ("", "0", "false", "no", "off")  # unset or empty: off, the default
+
+
+def graphs_choice() -> str:
+    """``$FBTRAIN_CUDA_GRAPHS``, checked: ``off``, ``on`` (the core's sweeps) or ``step``
+    (the whole step). Any other value is a CoreError (one line, exit 2): a typo must not
+    silently train without the graphs that were asked for."""
+    raw = os.environ.get(GRAPHS_ENV, "")
+    value = raw.strip().lower()
+    if value in GRAPHS_OFF:
+        return "off"
+    if value in GRAPHS_ON:
+        return "on"
+    if value == STEP_VALUE:
+        return STEP_VALUE
+    raise CoreError(f"{GRAPHS_ENV}={raw!r} is not a setting; use one of "
+                    f"{', '.join(v for v in GRAPHS_ON + GRAPHS_OFF if v)} or {STEP_VALUE} "
+                    "(or leave it unset)")
+
+
 def graphs_requested() -> bool:
     """Whether ``$FBTRAIN_CUDA_GRAPHS`` asks for CUDA graphs (``1``, ``true``, ``yes``, or
     ``step``: where a whole step cannot be captured, its core still is)."""
-    value = os.environ.get(GRAPHS_ENV, "").strip().lower()
-    return value in ("1", "true", "yes", "on", STEP_VALUE)
+    return graphs_choice() != "off"
 
 
 def step_graphs_requested() -> bool:
     """Whether ``$FBTRAIN_CUDA_GRAPHS`` is ``step``: one CUDA graph per shape for the whole
     training step (:mod:`fbtrain.train.step_graph`)."""
-    return os.environ.get(GRAPHS_ENV, "").strip().lower() == STEP_VALUE
+    return graphs_choice() == STEP_VALUE
+
+
+def idle_graphs_note(device: torch.device, has_core: bool) -> str | None:
+    """The line that says ``$FBTRAIN_CUDA_GRAPHS=1`` does nothing for this run (on a CPU, or
+    for a model without a feedback core), or None. (``step`` says so itself, with why, in
+    :func:`fbtrain.train.step_graph.step_function`.)"""
+    if graphs_choice() != "on":
+        return None
+    raw = os.environ.get(GRAPHS_ENV, "").strip()
+    if device.type != "cuda":
+        return (f"{GRAPHS_ENV}={raw} does nothing here: CUDA graphs need a CUDA "
+                f"device, and this run is on {device.type}")
+    if not has_core:
+        return (f"{GRAPHS_ENV}={raw} does nothing here: it graphs the feedback core, "
+                "and this model has none")
+    return None
 
 
 @contextlib.contextmanager

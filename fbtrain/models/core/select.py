@@ -48,6 +48,16 @@ def core() -> Core:
     return _resolve(core_choice())
 
 
+def core_label(chosen: Core) -> str:
+    """The name the start line gives ``chosen``: ``C++ core``, ``PyTorch core``, ``fused
+    core (Triton interpreter)`` (its kernels on the CPU, slowly) or ``fused core (Triton)``."""
+    if chosen is native.NativeCore:
+        return "C++ core"
+    if chosen is python:
+        return "PyTorch core"
+    return f"fused core (Triton{' interpreter' if interpreting() else ''})"
+
+
 def fused_unavailable() -> str | None:
     """Why the fused core cannot run in this process, or None: it needs Triton, and a CUDA
     device or Triton's interpreter (``TRITON_INTERPRET=1``)."""
