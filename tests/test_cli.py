@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import inspect
 import json
-import math
 import os
 import re
 import subprocess
@@ -66,10 +65,10 @@ def test_no_arguments_shows_help():
     assert "Usage: fbtrain" in result.output and "train" in result.output
 
 
-def test_help_gives_the_main_jobs_work_and_its_measured_time():
-    """The help's figure is the main job's token budget (its config) over the idle rate
-    docs/results.md records: change either and the help has to follow."""
-    m = re.search(r"# the main job: ([\d.]+)M tokens, ~(\d+) min idle",
+def test_help_gives_the_main_jobs_work_and_points_at_the_eta():
+    """The help's figure is the main job's token budget (its config): change the config and
+    the help has to follow. Its time is the status line's ETA, not a figure in the code."""
+    m = re.search(r"# the main job: ([\d.]+)M tokens; its status line shows the ETA",
                   invoke("--help").output)
     assert m, invoke("--help").output
     raw = yaml.safe_load((ROOT / "configs" / "tiny_shakespeare.yaml").read_text())
@@ -77,12 +76,6 @@ def test_help_gives_the_main_jobs_work_and_its_measured_time():
     train = raw["train"]
     tokens = train["max_steps"] * train["batch_size"] * raw["curriculum"][-1]["seq_len"]
     assert m.group(1) == f"{tokens / 1e6:.1f}"
-    results = (ROOT / "docs" / "results.md").read_text(encoding="utf-8")
-    timing = results.split("### The main job's time", 1)[1].split("\n#", 1)[0]
-    idle = re.search(r"^\| an idle 2-core machine .*?\| \*\*([\d,]+)\*\* \|", timing, flags=re.M)
-    assert idle, "docs/results.md records no idle rate for the main job"
-    assert int(m.group(2)) == math.ceil(tokens / int(idle.group(1).replace(",", "")) / 60)
-    assert f"`fbtrain --help` says {m.group(2)} minutes idle" in timing
 
 
 @pytest.mark.parametrize(
