@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -51,6 +52,13 @@ class Budget:
         return max(1.0, self.left() - reserve_s)
 
 
+def cpu_seconds() -> float:
+    """CPU seconds used so far by this process and its finished subprocesses."""
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
 def write_json_atomic(path: Path, data: Any) -> None:
     """``data`` as JSON at ``path``: written to a temporary file beside it, flushed to disk
     and renamed over it, so the file is either absent, the old one, or whole."""
@@ -83,6 +91,7 @@ class Report:
         self.child: subprocess.Popen | None = None  # a subprocess to end with the run
         self.lock = threading.Lock()
         self.failed = False
+        self.cpu_at_begin = 0.0
 
     def begin(self, name: str, title: str) -> dict:
         """A new section ``name``; returns its dict to fill."""
@@ -90,6 +99,7 @@ class Report:
         data: dict = {"section": name, "title": title, "status": "running"}
         with self.lock:
             self.current = (name, data, self.budget.elapsed())
+            self.cpu_at_begin = cpu_seconds()
         return data
 
     def end(self, status: str, summary: str) -> None:
@@ -105,7 +115,8 @@ class Report:
     def _finish(self, name: str, data: dict, started: float, status: str,
                 summary: str) -> None:
         seconds = self.budget.elapsed() - started
-        data.update(status=status, summary=summary, seconds=round(seconds, 2))
+        data.update(status=status, summary=summary, seconds=round(seconds, 2),
+                    cpu_seconds=round(cpu_seconds() - self.cpu_at_begin, 2))
         write_json_atomic(self.out / f"{name}.json", data)
         self.failed |= status in ("FAIL", "cut: budget")
         self.rows.append((name, status, seconds, summary))
