@@ -271,22 +271,26 @@ def _exact(core: str, kind: str, norm: str, device: torch.device, sizes: dict,
 
 
 def _step_fn(kind: str, sizes: dict, batch: int, seq_len: int, device: torch.device,
-             precision: torch.dtype | None, graphs_value: str) -> Callable[[], None]:
-    """A fresh model of ``kind`` (seed 0) and a function that trains it one step on one
-    batch [batch, seq_len] as the trainer would on this path."""
+             precision: torch.dtype | None, graphs_value: str
+             ) -> tuple[Callable[[], object], Callable[[], dict]]:
+    """A fresh model of ``kind`` (seed 0), a function that trains it one step on one batch
+    [batch, seq_len] as the trainer would on this path, and one that says whether the
+    path's graphs were captured (a failed capture runs eagerly: the row must say so)."""
     torch.manual_seed(0)
     model = build_model(benchmark.model_config(kind, sizes), benchmark.VOCAB).to(device).train()
     entry = benchmark.Entry(kind, model, lambda t: model(t)[0], device, precision)
     x = torch.randint(0, benchmark.VOCAB, (batch, seq_len), device=device)
     if graphs_value != "step":
-        return lambda: entry.step(x, x)
+        return (lambda: entry.step(x, x)), (lambda: {"core_graphs": graphs.capture_status()}
+                                            if graphs_value == "1" else {})
     from fbtrain.distributed import DistContext
     from fbtrain.train import step_graph
 
     params = [p for p in model.parameters() if p.requires_grad]
     step_graphs = step_graph.StepGraphs(model, entry.optimizer, params, 1.0, precision,
                                         DistContext(device))
-    return lambda: step_graphs.step(x, x, 1e-4)
+    return (lambda: step_graphs.step(x, x, 1e-4)), (lambda: {
+        "step_graph_captured": step_graphs.graph is not None and not step_graphs.failed})
 
 
 def speed_row(kind: str, sizes: dict, batch: int, seq_len: int, device: torch.device,
@@ -299,7 +303,8 @@ def speed_row(kind: str, sizes: dict, batch: int, seq_len: int, device: torch.de
     with path_env(core, graphs_value):
         if core == "fused" and not fused_runs():
             return {"error": "FBTRAIN_CORE=fused ran another core here"}
-        step = _step_fn(kind, sizes, batch, seq_len, device, precision, graphs_value)
+        step, captured = _step_fn(kind, sizes, batch, seq_len, device, precision,
+                                  graphs_value)
         for _ in range(3):  # warm-up: allocations, compiles, the first step of a capture
             step()
         times = []
@@ -312,8 +317,7 @@ def speed_row(kind: str, sizes: dict, batch: int, seq_len: int, device: torch.de
         ms = statistics.median(times) * 1000
         row: dict = {"ms_per_step": ms, "tokens_per_sec": batch * seq_len / ms * 1000,
                      "steps_timed": repeats}
-        if graphs_value == "1":
-            row["core_graphs"] = graphs.capture_status()
+        row.update(captured())
         if profile and device.type == "cuda":
             from torch.profiler import ProfilerActivity
             from torch.profiler import profile as torch_profile
@@ -328,9 +332,12 @@ def speed_row(kind: str, sizes: dict, batch: int, seq_len: int, device: torch.de
     return row
 
 
-def run_speed(data: dict, device: torch.device, budget: Budget, repeats: int
-              ) -> tuple[str, str]:
-    """Fill section c's ``data`` (rows keyed config/batch/precision/path); status, summary."""
+def run_speed(data: dict, device: torch.device, budget: Budget, repeats: int,
+              reserve_s: float = 0.0) -> tuple[str, str]:
+    """Fill section c's ``data`` (rows keyed config/batch/precision/path); status, summary.
+    A row starts only while more than ``reserve_s`` (the later sections' share) would be
+    left after it. Launches and kernels are profiled at the first batch only (they do not
+    depend on the batch; a profile of tens of thousands of kernels takes seconds)."""
     cuda = device.type == "cuda"
     fused_why = fused_unavailable(device) if cuda else None
     if cuda:
@@ -351,12 +358,13 @@ def run_speed(data: dict, device: torch.device, budget: Budget, repeats: int
                     if path.startswith("fused") and fused_why is not None:
                         rows[key] = f"not run: {fused_why}"
                         continue
-                    if not budget.allows(15.0 if cuda else 1.0):
+                    if not budget.allows((15.0 if cuda else 1.0) + reserve_s):
                         rows[key] = SKIPPED
                         continue
                     try:
                         rows[key] = speed_row("feedback_kv", sizes, batch, seq_len, device,
-                                              precision, path, repeats, profile=True)
+                                              precision, path, repeats,
+                                              profile=batch == batches[0])
                     except Exception as e:  # e.g. out of memory: the rest still run
                         rows[key] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
                         graphs.release()
