@@ -39,9 +39,11 @@ def model_predictions(config: Path) -> dict[str, Any] | str:
         return f"model: unavailable ({type(e).__name__}: {str(e)[:200]})"
 
 
-def recorded_launches(device: torch.device, sizes: dict, batch: int, seq_len: int) -> list:
+def recorded_launches(device: torch.device, sizes: dict, batch: int, seq_len: int
+                      ) -> tuple[list, float]:
     """Every fused-core kernel launch of one training step (forward and backward) of
-    feedback_kv on ``device``, in order, each run as it is recorded."""
+    feedback_kv (seed 0) on ``device``, in order, each run as it is recorded; and the
+    step's loss."""
     from fbtrain.models import build_model
     from fbtrain.models.core.fused import core as fused_core
 
@@ -60,12 +62,12 @@ def recorded_launches(device: torch.device, sizes: dict, batch: int, seq_len: in
         fused_core._launch = record
         try:
             logits = model(x)[0]
-            torch.nn.functional.cross_entropy(logits.reshape(-1, benchmark.VOCAB),
-                                              x.reshape(-1)).backward()
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, benchmark.VOCAB),
+                                                     x.reshape(-1))
+            loss.backward()
         finally:
             fused_core._launch = run
-    torch.cuda.synchronize(device)
-    return launches
+    return launches, loss.item()
 
 
 def time_launch(launch: Any) -> float:
@@ -122,7 +124,7 @@ def run(data: dict, device: torch.device, budget: Budget) -> tuple[str, str]:
     if not budget.allows(30.0):
         data["kernels"] = SKIPPED
         return SKIPPED, "not run"
-    launches = recorded_launches(device, sizes, batch, seq_len)
+    launches, _ = recorded_launches(device, sizes, batch, seq_len)
     by_name: dict[str, list] = {}
     for launch in launches:
         by_name.setdefault(launch.name, []).append(launch)

@@ -195,6 +195,34 @@ def test_gpu_check_counts_kernels_launch_calls_and_busy_time_once():
                                                    "busy_ms": 0.9}
 
 
+def test_the_kernel_section_records_every_launch_of_a_step_and_still_runs_it(monkeypatch):
+    """Section d's recorder (here in Triton's interpreter): one training step through the
+    fused core records every launch, as many of each kernel as a recording without a
+    device counts, while still running them (the loss is the unrecorded step's), and the
+    launcher is put back afterwards."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    import gpu_check_kernels
+
+    from fbtrain.models.core.fused import core as fused_core
+
+    sizes = dict(d_model=32, n_heads=2, d_ff=32, n_layers=1, dropout=0.0, max_rel_pos=8)
+    launcher = fused_core._launch
+    launches, loss = gpu_check_kernels.recorded_launches(torch.device("cpu"), sizes, 2, 3)
+    assert fused_core._launch is launcher
+    counts: dict[str, int] = {}
+    for launch in launches:
+        counts[launch.name] = counts.get(launch.name, 0) + 1
+    assert counts == gpu_check_kernels.meta_counts(sizes, 2, 3)
+    fused_core._launch = lambda *args: None  # recorded again, run by nobody
+    try:
+        _, unrun = gpu_check_kernels.recorded_launches(torch.device("cpu"), sizes, 2, 3)
+    finally:
+        fused_core._launch = launcher
+    _, again = gpu_check_kernels.recorded_launches(torch.device("cpu"), sizes, 2, 3)
+    assert again == loss != unrun
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is here")
 def test_required_cuda_fails_at_once_without_it(tmp_path):
     """``make gpu-check`` (--require-cuda) without CUDA fails in one line instead of
