@@ -140,6 +140,8 @@ def run(data: dict, device: torch.device, budget: Budget) -> tuple[str, str]:
                          "us_samples": times, "us_per_launch": sum(times) / len(times),
                          "us_step_total": sum(times) / len(times) * len(group),
                          "model": _prediction(predictions, name)}
+        print(f"  {name}: {len(group)} launches a step, {kernels[name]['us_per_launch']:.1f} "
+              f"us a launch{_vs_model(kernels[name]['model'])}", flush=True)
     data["kernels"] = kernels
     timed = {n: k for n, k in kernels.items() if isinstance(k, dict)}
     parts = [f"{n} {k['us_per_launch']:.1f} us" + _vs_model(k["model"]) for n, k in timed.items()]
@@ -158,6 +160,7 @@ def _prediction(predictions: dict | str, name: str) -> Any:
 
 
 def _vs_model(model: Any) -> str:
+    """The model's terms for a kernel, for a printed line ("" without a model)."""
     if not isinstance(model, dict):
         return ""
-    return " (model " + "/".join(f"{v:.1f}" for v in model.values()) + ")"
+    return " (model " + ", ".join(f"{k} {v:.1f}" for k, v in model.items()) + ")"

@@ -368,6 +368,7 @@ def run_speed(data: dict, device: torch.device, budget: Budget, repeats: int,
                     except Exception as e:  # e.g. out of memory: the rest still run
                         rows[key] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
                         graphs.release()
+                    print(f"  {key}: {row_line(rows[key])}", flush=True)
     timed = {k: r for k, r in rows.items() if isinstance(r, dict) and "ms_per_step" in r}
     if not timed:
         return "FAIL", "no row timed"
@@ -379,6 +380,21 @@ def run_speed(data: dict, device: torch.device, budget: Budget, repeats: int,
         f"{len(timed)} rows timed, {errors} errors, {skipped} skipped: budget; first "
         f"{first}: {timed[first]['ms_per_step']:.1f} ms; most tokens/s {best}: "
         f"{timed[best]['tokens_per_sec']:.0f}")
+
+
+def row_line(row: dict) -> str:
+    """A row of section c in a few words (printed as it finishes)."""
+    if "ms_per_step" not in row:
+        return f"ERROR {row.get('error')}"
+    line = f"{row['ms_per_step']:.1f} ms/step, {row['tokens_per_sec']:.0f} tokens/s"
+    if "kernels" in row:
+        share = row["busy_share"]
+        line += (f", {row['host_launches']} host launches, {row['kernels']} kernels, busy "
+                 + ("n/a" if share is None else f"{share:.0%}"))
+    core_graphs = row.get("core_graphs")
+    captured = row.get("step_graph_captured", True) and (
+        core_graphs is None or (core_graphs["captured"] > 0 and not core_graphs["failed"]))
+    return line + ("" if captured else ", NOT CAPTURED (ran eagerly)")
 
 
 def _tokens(key: str) -> int:

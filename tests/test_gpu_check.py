@@ -233,3 +233,23 @@ def test_required_cuda_fails_at_once_without_it(tmp_path):
     assert proc.stderr.startswith("error: no CUDA device (torch ")
     assert proc.stderr.strip().endswith("this check is for a CUDA machine")
     assert not out.exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is here")
+def test_make_gpu_check_runs_on_a_python_that_has_torch_without_pip(tmp_path):
+    """``make gpu-check`` with no virtual environment but a ``PY`` that imports torch (a
+    lent GPU machine's own python3): it runs the check on that python (here it stops at
+    once: no CUDA) and builds no environment, so nothing is pip-installed."""
+    import shutil
+
+    if shutil.which("make") is None:
+        pytest.skip("no make here")
+    venv = tmp_path / "no-venv"
+    proc = subprocess.run(["make", "--no-print-directory", "gpu-check", f"VENV={venv}",
+                           f"PY={sys.executable}", f"GPU_CHECK_DIR={tmp_path / 'out'}"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert proc.stdout.splitlines()[0] == (f"{sys.executable} scripts/gpu_check.py "
+                                           f"--require-cuda --out {tmp_path / 'out'}")
+    assert "error: no CUDA device" in proc.stderr
+    assert not venv.exists()
