@@ -71,7 +71,7 @@ def test_cpu_stand_in_writes_every_section_and_ends_with_its_table(tmp_path):
     assert reports["a_env"]["empty_kernel_graph_node"] == "needs CUDA"
     b = reports["b_correctness"]
     assert b["status"] == "PASS"
-    assert b["aten_float64/feedback_kv/memory_norm=none"]["max_abs_diff"] < 1e-9
+    assert b["aten_float64/feedback/memory_norm=layernorm"]["max_abs_diff"] < 1e-9
     c = reports["c_speed"]["rows"]
     assert c["toy/T=8/batch=2/fp32/aten_eager"]["ms_per_step"] > 0
     assert reports["e_train"]["status"] == "PASS"
