@@ -77,7 +77,7 @@ def test_cpu_stand_in_writes_every_section_and_ends_with_its_table(tmp_path):
     assert reports["e_train"]["status"] == "PASS"
     assert reports["e_train"]["last"][1] < reports["e_train"]["first"][1]
     assert reports["f_cuda_tests"]["status"] == "needs CUDA"
-    if reports["b_correctness"].get("fused_float32_vs_aten", "").__class__ is dict:
+    if isinstance(b.get("fused_float32_vs_aten"), dict):  # Triton here: its interpreter
         assert b["fused_float64/feedback_kv/memory_norm=none"]["ok"]
         assert reports["d_kernels"]["kernels"]["attend"]["launches_per_step"] > 0
     summary = json.loads((out / "summary.json").read_text())
