@@ -154,7 +154,7 @@ class Report:
                 if self.current is not None:
                     name, data, started = self.current
                     self.current = None
-                    self._finish(name, dict(data), started, "cut: budget",
+                    self._finish(name, _snapshot(data), started, "cut: budget",
                                  "the budget ran out inside this section")
             self.close()
             sys.stdout.flush()
@@ -180,3 +180,14 @@ class Report:
             finally:
                 self.child = None
         return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def _snapshot(data: dict) -> dict:
+    """A deep copy of a section's results that the main thread may be changing as it is
+    read (the watchdog's view): a few tries, else what is safe to say."""
+    for _ in range(5):
+        try:
+            return json.loads(json.dumps(data, default=str))
+        except (RuntimeError, ValueError):  # changed during the copy: again
+            time.sleep(0.01)
+    return {"section": data.get("section"), "note": "results unreadable at the cut"}
