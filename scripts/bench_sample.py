@@ -30,10 +30,13 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from fbtrain.config import MODEL_KINDS, ModelConfig
-from fbtrain.data.tokenizers import CharTokenizer
-from fbtrain.models import MemoryState, build_model, count_parameters
-from fbtrain.sample import generate, next_tokens
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # this checkout's fbtrain: it need not be installed
+
+from fbtrain.config import MODEL_KINDS, ModelConfig  # noqa: E402
+from fbtrain.data.tokenizers import CharTokenizer  # noqa: E402
+from fbtrain.models import MemoryState, build_model, count_parameters  # noqa: E402
+from fbtrain.sample import generate, next_tokens  # noqa: E402
 
 # Tiny Shakespeare's 65 characters.
 VOCAB = ["\n", " ", "!", "$", "&", "'", ",", "-", ".", "3", ":", ";", "?"] + [

@@ -38,7 +38,8 @@ import torch
 import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
+# This checkout's fbtrain (it need not be installed) and the reference beside its tests.
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from reference import reference_forward  # noqa: E402
 
@@ -60,17 +61,17 @@ def model_config(kind: str, sizes: dict | None = None) -> ModelConfig:
 
 
 def check_exact(kind: str, seed: int = 0, device: torch.device | str = "cpu",
-                sizes: dict | None = None) -> float:
+                sizes: dict | None = None, shape: tuple[int, int] = (4, 24)) -> float:
     """Largest |difference| of logits, loss and every gradient between fbtrain and the
     reference, float64 on ``device``, same weights (randomised position tables and memory
-    weights included)."""
+    weights included), on a batch of ``shape`` [batch, steps]."""
     torch.manual_seed(seed)
     model = build_model(model_config(kind, sizes), VOCAB).double().to(device)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.02)
-    x = torch.randint(0, VOCAB, (4, 24)).to(device)
-    y = torch.randint(0, VOCAB, (4, 24)).to(device)
+    x = torch.randint(0, VOCAB, shape).to(device)
+    y = torch.randint(0, VOCAB, shape).to(device)
     results = []
     for forward in (lambda: reference_forward(model, x), lambda: model(x)[0]):
         model.zero_grad(set_to_none=True)

@@ -229,20 +229,6 @@ def test_fused_core_runs_at_most_8_kernels_a_token_layer(kind):
     assert replays == 2
 
 
-def test_gpu_check_graphs_section_cpu_stand_in():
-    """scripts/gpu_check.py's graphs section on the CPU: eager steps timed and the ATen
-    path's launches counted per kind, no graphs (and no bitwise check) without CUDA."""
-    import gpu_check
-
-    rows = gpu_check.graph_steps(torch.device("cpu"), gpu_check.TOY_SIZES, (2,), 4, 1,
-                                 gpu_check.Budget(600))
-    assert set(rows) == {"feedback_kv/batch=2", "feedback/batch=2"}
-    for row in rows.values():
-        assert row["eager_ms"] > 0 and row["eager_tokens_per_sec"] > 0
-        assert row["eager_launches"] > 0
-        assert "graphed_ms" not in row and "bitwise_equal" not in row
-
-
 def _queued(counts: dict, key: str) -> dict[str, collections.Counter]:
     """The sections of ``counts[key]`` that hold anything."""
     return {sec: c for sec, c in counts[key].items() if c}

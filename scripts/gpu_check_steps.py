@@ -1,0 +1,404 @@
+"""Sections b (correctness on the device) and c (training-step speed) of
+scripts/gpu_check.py, and the helpers both use.
+
+b decides whether anything after it can be trusted: feedback_kv and feedback in float64
+against tests/reference.py (logits, loss, every gradient) on the ATen path and on the fused
+core; the fused core's float32 step against the ATen path's; and graphed steps (the core's
+graphs, and whole-step graphs) against eager ones bit for bit.
+
+c decides the GPU design: ms/step and tokens/s of feedback_kv at the main job's and
+configs/gpu.yaml's sizes (each at its last curriculum length), batch 32 and 512, bf16
+autocast and fp32, on each path - ATen eager, ATen with the core's CUDA graphs, whole-step
+graphs, the fused core under the core's graphs and under whole-step graphs - with the
+host's launch calls and the kernels the GPU ran per step (torch.profiler). Rows run in the
+order of what they decide (gpu.yaml first, bf16 first), so a budget that runs out cuts the
+least decisive ones.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import benchmark
+import torch
+from gpu_check_report import NEEDS_CUDA, SKIPPED, Budget
+
+from fbtrain.config import load_config
+from fbtrain.models import build_model
+from fbtrain.models.core import graphs
+
+ROOT = Path(__file__).resolve().parents[1]
+GPU_CONFIG = ROOT / "configs" / "gpu.yaml"
+MAIN_CONFIG = ROOT / "configs" / "tiny_shakespeare.yaml"
+# The CPU stand-in's sizes: every unit at these, on the CPU.
+TOY_SIZES = dict(d_model=32, n_heads=2, d_ff=64, n_layers=2, dropout=0.0, max_rel_pos=64)
+OLDEST_TRITON = (3, 6)  # the oldest Triton the kernels are compile-checked with
+# Host-side CUDA runtime/driver calls that queue work on the GPU (torch.profiler records
+# them as CPU events): what a launch-bound step spends its host time on.
+LAUNCH_CALLS = frozenset({"cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel",
+                          "cuLaunchKernelEx", "cudaGraphLaunch", "cudaMemcpyAsync",
+                          "cudaMemsetAsync"})
+# The fused core's float32 bound against the ATen path (tests/test_fused_core.py's, against
+# the C++ core): logits absolute, gradients relative to each one's largest entry.
+FUSED_FP32_TOL = 1e-4
+# c's paths: name -> ($FBTRAIN_CORE, $FBTRAIN_CUDA_GRAPHS).
+PATHS = {"aten_eager": ("auto", "0"), "aten_core_graphs": ("auto", "1"),
+         "aten_step_graph": ("auto", "step"), "fused_core_graphs": ("fused", "1"),
+         "fused_step_graph": ("fused", "step")}
+
+
+def config_sizes(path: Path) -> tuple[dict, int, int]:
+    """A config's model sizes (its dropout included), batch and last curriculum length."""
+    cfg = load_config(path)
+    m = cfg.model
+    sizes = dict(d_model=m.d_model, n_heads=m.n_heads, d_ff=m.d_ff, n_layers=m.n_layers,
+                 dropout=m.dropout, max_rel_pos=m.max_rel_pos)
+    return sizes, cfg.train.batch_size, cfg.curriculum[-1].seq_len
+
+
+@contextlib.contextmanager
+def env_vars(**values: str) -> Iterator[None]:
+    """The environment variables ``values`` set for the block, restored after it."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def path_env(core: str, graphs_value: str) -> contextlib.AbstractContextManager[None]:
+    """$FBTRAIN_CORE and $FBTRAIN_CUDA_GRAPHS for the block."""
+    return env_vars(FBTRAIN_CORE=core, **{graphs.GRAPHS_ENV: graphs_value})
+
+
+def fused_unavailable(device: torch.device) -> str | None:
+    """Why the fused core cannot run on ``device`` in this process (one line), or None:
+    no Triton, a Triton older than the oldest checked, or no CUDA and no interpreter."""
+    from fbtrain.models.core import select
+
+    why = select.fused_unavailable()
+    if why is not None:
+        return why
+    version = importlib.metadata.version("triton")
+    parts = tuple(int(p) for p in version.split(".")[:2] if p.isdigit())
+    if parts < OLDEST_TRITON:
+        return (f"Triton {version} is older than {'.'.join(map(str, OLDEST_TRITON))}, the "
+                "oldest its kernels are checked with")
+    if device.type != "cuda" and not os.environ.get("TRITON_INTERPRET"):
+        return "no CUDA and no TRITON_INTERPRET"
+    return None
+
+
+def fused_runs() -> bool:
+    """Whether $FBTRAIN_CORE=fused gives the fused core here (not its fallback)."""
+    from fbtrain.models.core import select
+
+    return type(select.core()).__name__ == "FusedCore"
+
+
+def device_work(events) -> dict:
+    """From ``prof.key_averages()`` of a CUDA run: ``kernels`` the GPU ran, the host's
+    ``launch_calls`` (LAUNCH_CALLS; a graph replay is one call for all its kernels) and
+    ``busy_ms``, the kernels' own time. Each kernel is its own device event; the CPU ops
+    that launched them carry the same time again, so only kernel events are summed, and
+    user annotations (``Optimizer.step#...`` spans) are not kernels."""
+    kernels = [e for e in events if str(getattr(e, "device_type", "")).endswith("CUDA")
+               and not getattr(e, "is_user_annotation", False)]
+    return {"kernels": sum(e.count for e in kernels),
+            "launch_calls": sum(e.count for e in events if e.key in LAUNCH_CALLS),
+            "busy_ms": sum(e.self_device_time_total or 0 for e in kernels) / 1000}
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# --- section b ------------------------------------------------------------------------------
+
+
+def grads_of_step(model: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    """Logits [B, T, vocab] and every gradient of one cross-entropy step of ``model`` on
+    ``x`` [B, T]."""
+    model.zero_grad(set_to_none=True)
+    logits = model(x)[0]
+    torch.nn.functional.cross_entropy(logits.reshape(-1, benchmark.VOCAB),
+                                      x.reshape(-1)).backward()
+    return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def fused_agreement(device: torch.device, sizes: dict, batch: int, seq_len: int) -> dict:
+    """The fused core's float32 training step against the ATen path's eager one (same
+    weights, dropout 0): the largest logit difference and the largest gradient difference
+    relative to that gradient's largest entry, each against FUSED_FP32_TOL."""
+    results = []
+    for core in ("auto", "fused"):
+        with path_env(core, "0"):
+            torch.manual_seed(0)
+            model = build_model(benchmark.model_config("feedback_kv", {**sizes, "dropout": 0.0}),
+                                benchmark.VOCAB).to(device).train()
+            x = torch.randint(0, benchmark.VOCAB, (batch, seq_len), device=device)
+            results.append(grads_of_step(model, x))
+    (logits, grads), (f_logits, f_grads) = results
+    logit_diff = (f_logits - logits).abs().max().item()
+    grad_rel = max(((f_grads[n] - g).abs().max() / g.abs().max().clamp_min(1e-30)).item()
+                   for n, g in grads.items())
+    return {"logits_max_abs_diff": logit_diff, "grads_max_rel_diff": grad_rel,
+            "tolerance": FUSED_FP32_TOL,
+            "ok": logit_diff <= FUSED_FP32_TOL and grad_rel <= FUSED_FP32_TOL}
+
+
+def core_graphs_agree(kind: str, sizes: dict, batch: int, seq_len: int,
+                      device: torch.device) -> dict:
+    """Two forward/backward steps (dropout 0.1, same seed) eager and under the core's CUDA
+    graphs: the same loss and gradients bit for bit (fp32), the graphed ones from graphs
+    that were captured (a failed capture runs eagerly, which would agree trivially)."""
+    results = []
+    for on in ("0", "1"):
+        graphs.release()
+        with path_env("auto", on):
+            torch.manual_seed(0)
+            model = build_model(benchmark.model_config(kind, {**sizes, "dropout": 0.1}),
+                                benchmark.VOCAB).to(device).train()
+            x = torch.randint(0, benchmark.VOCAB, (batch, seq_len), device=device)
+            torch.manual_seed(1)
+            got = []
+            for _ in range(2):
+                model.zero_grad(set_to_none=True)
+                loss = torch.nn.functional.cross_entropy(
+                    model(x)[0].reshape(-1, benchmark.VOCAB), x.reshape(-1))
+                loss.backward()
+                got += [loss.detach()] + [p.grad.clone() for p in model.parameters()
+                                          if p.grad is not None]
+            results.append(got)
+    status = graphs.capture_status()
+    captured = status["captured"] > 0 and not status["failed"]
+    graphs.release()
+    equal = all(torch.equal(a, b) for a, b in zip(*results, strict=True))
+    return {"captured": captured, "bitwise_equal": equal, "ok": captured and equal}
+
+
+def step_graph_agree(core: str, precision: str, device: torch.device) -> dict:
+    """scripts/step_graph_check.py's comparison: whole-step graphs against eager training,
+    bit for bit, at the main job's widths (dropout 0.1, a shape change, clipping)."""
+    import step_graph_check
+
+    with tempfile.TemporaryDirectory() as tmp, env_vars(FBTRAIN_CORE=core):
+        row = step_graph_check.check(Path(tmp), device, precision, step_graph_check.MAIN)
+    row["ok"] = bool(row["bitwise_equal"] and row["captured"])
+    return row
+
+
+def run_correctness(data: dict, device: torch.device, budget: Budget) -> tuple[str, str]:
+    """Fill section b's ``data``: each check a unit (budget-checked); status and summary."""
+    cuda = device.type == "cuda"
+    gpu_sizes, _, _ = config_sizes(GPU_CONFIG)
+    sizes = benchmark.SIZES if cuda else TOY_SIZES
+    cases = ([(k, n) for k in ("feedback_kv", "feedback") for n in ("none", "layernorm")]
+             if cuda else [("feedback_kv", "none"), ("feedback", "layernorm")])
+    fused_why = fused_unavailable(device)
+    units: list[tuple[str, Callable[[], dict], float]] = []
+    # On the CPU (the fused core in Triton's interpreter) a short batch keeps it quick.
+    shape = (4, 24) if cuda else (2, 6)
+    # On the CPU one case of each kind, the other kind's on the fused core (the stand-in
+    # runs the code paths, within a test's time).
+    for kind, norm in cases if cuda else cases[1:]:
+        units.append((f"aten_float64/{kind}/memory_norm={norm}", lambda k=kind, n=norm:
+                      _exact("auto", k, n, device, sizes, shape), 3.0))
+    for kind, norm in cases if cuda else cases[:1]:
+        units.append((f"fused_float64/{kind}/memory_norm={norm}", lambda k=kind, n=norm:
+                      _exact("fused", k, n, device, sizes, shape), 10.0))
+    units.append(("fused_float32_vs_aten", lambda: fused_agreement(
+        device, gpu_sizes if cuda else TOY_SIZES, 16 if cuda else 2, 64 if cuda else 4), 10.0))
+    if cuda:
+        for kind in ("feedback_kv", "feedback"):
+            units.append((f"core_graphs_bitwise/{kind}", lambda k=kind: core_graphs_agree(
+                k, gpu_sizes, 16, 64, device), 10.0))
+        for core, precision in (("auto", "fp32"), ("auto", "bf16"), ("fused", "fp32")):
+            units.append((f"step_graph_bitwise/{core}/{precision}", lambda c=core, p=precision:
+                          step_graph_agree(c, p, device), 15.0))
+    else:
+        data["core_graphs_bitwise"] = data["step_graph_bitwise"] = NEEDS_CUDA
+    passed = failed = 0
+    for name, fn, need in units:
+        if "fused" in name and fused_why is not None:
+            data[name] = f"not run: {fused_why}"
+            failed += cuda  # on a GPU the fused core must run
+            continue
+        if not budget.allows(need):
+            data[name] = SKIPPED
+            continue
+        start = time.perf_counter()
+        try:
+            result = fn()
+        except Exception as e:  # a failed check is reported; the rest still run
+            result = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+        data[name] = {**result, "seconds": round(time.perf_counter() - start, 2)}
+        ok = result["ok"]
+        passed += bool(ok)
+        failed += not ok
+    skipped = sum(v == SKIPPED for v in data.values())
+    summary = f"{passed} checks passed, {failed} failed, {skipped} skipped: budget"
+    if fused_why is not None:
+        summary += f"; fused core not run ({fused_why})"
+    return ("FAIL" if failed else "PASS"), summary
+
+
+def _exact(core: str, kind: str, norm: str, device: torch.device, sizes: dict,
+           shape: tuple[int, int]) -> dict:
+    """Largest |fbtrain - reference| in float64 of ``kind`` on ``core`` on a batch of
+    ``shape``, against 1e-9."""
+    with path_env(core, "0"):
+        if core == "fused" and not fused_runs():
+            return {"ok": False, "error": "FBTRAIN_CORE=fused ran another core here"}
+        diff = benchmark.check_exact(kind, device=device, sizes={**sizes, "memory_norm": norm},
+                                     shape=shape)
+    return {"max_abs_diff": diff, "ok": diff < 1e-9}
+
+
+# --- section c ------------------------------------------------------------------------------
+
+
+def _step_fn(kind: str, sizes: dict, batch: int, seq_len: int, device: torch.device,
+             precision: torch.dtype | None, graphs_value: str
+             ) -> tuple[Callable[[], object], Callable[[], dict]]:
+    """A fresh model of ``kind`` (seed 0), a function that trains it one step on one batch
+    [batch, seq_len] as the trainer would on this path, and one that says whether the
+    path's graphs were captured (a failed capture runs eagerly: the row must say so)."""
+    torch.manual_seed(0)
+    model = build_model(benchmark.model_config(kind, sizes), benchmark.VOCAB).to(device).train()
+    entry = benchmark.Entry(kind, model, lambda t: model(t)[0], device, precision)
+    x = torch.randint(0, benchmark.VOCAB, (batch, seq_len), device=device)
+    if graphs_value != "step":
+        return (lambda: entry.step(x, x)), (lambda: {"core_graphs": graphs.capture_status()}
+                                            if graphs_value == "1" else {})
+    from fbtrain.distributed import DistContext
+    from fbtrain.train import step_graph
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    step_graphs = step_graph.StepGraphs(model, entry.optimizer, params, 1.0, precision,
+                                        DistContext(device))
+    return (lambda: step_graphs.step(x, x, 1e-4)), (lambda: {
+        "step_graph_captured": step_graphs.graph is not None and not step_graphs.failed})
+
+
+def speed_row(kind: str, sizes: dict, batch: int, seq_len: int, device: torch.device,
+              precision: torch.dtype | None, path: str, repeats: int, profile: bool) -> dict:
+    """One row of section c: median ms/step over ``repeats`` steps after warm-up (and the
+    captures), tokens/s, and (``profile``, CUDA) the host's launch calls and the GPU's
+    kernels in one more step."""
+    core, graphs_value = PATHS[path]
+    graphs.release()  # this row's captures alone
+    with path_env(core, graphs_value):
+        if core == "fused" and not fused_runs():
+            return {"error": "FBTRAIN_CORE=fused ran another core here"}
+        step, captured = _step_fn(kind, sizes, batch, seq_len, device, precision,
+                                  graphs_value)
+        for _ in range(3):  # warm-up: allocations, compiles, the first step of a capture
+            step()
+        times = []
+        for _ in range(repeats):
+            sync(device)
+            t0 = time.perf_counter()
+            step()
+            sync(device)
+            times.append(time.perf_counter() - t0)
+        ms = statistics.median(times) * 1000
+        row: dict = {"ms_per_step": ms, "tokens_per_sec": batch * seq_len / ms * 1000,
+                     "steps_timed": repeats}
+        row.update(captured())
+        if profile and device.type == "cuda":
+            from torch.profiler import ProfilerActivity
+            from torch.profiler import profile as torch_profile
+
+            with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
+                step()
+                sync(device)
+            work = device_work(p.key_averages())
+            row.update(host_launches=work["launch_calls"], kernels=work["kernels"],
+                       busy_share=work["busy_ms"] / ms if work["kernels"] else None)
+    graphs.release()
+    return row
+
+
+def run_speed(data: dict, device: torch.device, budget: Budget, repeats: int,
+              reserve_s: float = 0.0) -> tuple[str, str]:
+    """Fill section c's ``data`` (rows keyed config/batch/precision/path); status, summary.
+    A row starts only while more than ``reserve_s`` (the later sections' share) would be
+    left after it. Launches and kernels are profiled at the first batch only (they do not
+    depend on the batch; a profile of tens of thousands of kernels takes seconds)."""
+    cuda = device.type == "cuda"
+    fused_why = fused_unavailable(device) if cuda else None
+    if cuda:
+        configs = {"gpu.yaml": config_sizes(GPU_CONFIG),
+                   "main job": config_sizes(MAIN_CONFIG)}
+        batches, precisions = (32, 512), (("bf16", torch.bfloat16), ("fp32", None))
+        paths = list(PATHS)
+    else:
+        configs = {"toy": (TOY_SIZES, 2, 8)}
+        batches, precisions, paths = (2,), (("fp32", None),), ["aten_eager"]
+        data["other paths"] = NEEDS_CUDA
+    rows = data.setdefault("rows", {})
+    for label, (sizes, _, seq_len) in configs.items():
+        for batch in batches:
+            for pname, precision in precisions:
+                for path in paths:
+                    key = f"{label}/T={seq_len}/batch={batch}/{pname}/{path}"
+                    if path.startswith("fused") and fused_why is not None:
+                        rows[key] = f"not run: {fused_why}"
+                        continue
+                    if not budget.allows((15.0 if cuda else 1.0) + reserve_s):
+                        rows[key] = SKIPPED
+                        continue
+                    try:
+                        rows[key] = speed_row("feedback_kv", sizes, batch, seq_len, device,
+                                              precision, path, repeats,
+                                              profile=batch == batches[0])
+                    except Exception as e:  # e.g. out of memory: the rest still run
+                        rows[key] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+                        graphs.release()
+                    print(f"  {key}: {row_line(rows[key])}", flush=True)
+    timed = {k: r for k, r in rows.items() if isinstance(r, dict) and "ms_per_step" in r}
+    if not timed:
+        return "FAIL", "no row timed"
+    best = min(timed, key=lambda k: timed[k]["ms_per_step"] / _tokens(k))
+    errors = sum(isinstance(r, dict) and "error" in r for r in rows.values())
+    skipped = sum(r == SKIPPED for r in rows.values())
+    first = next(iter(timed))
+    return ("FAIL" if errors else "ok"), (
+        f"{len(timed)} rows timed, {errors} errors, {skipped} skipped: budget; first "
+        f"{first}: {timed[first]['ms_per_step']:.1f} ms; most tokens/s {best}: "
+        f"{timed[best]['tokens_per_sec']:.0f}")
+
+
+def row_line(row: dict) -> str:
+    """A row of section c in a few words (printed as it finishes)."""
+    if "ms_per_step" not in row:
+        return f"ERROR {row.get('error')}"
+    line = f"{row['ms_per_step']:.1f} ms/step, {row['tokens_per_sec']:.0f} tokens/s"
+    if "kernels" in row:
+        share = row["busy_share"]
+        line += (f", {row['host_launches']} host launches, {row['kernels']} kernels, busy "
+                 + ("n/a" if share is None else f"{share:.0%}"))
+    core_graphs = row.get("core_graphs")
+    captured = row.get("step_graph_captured", True) and (
+        core_graphs is None or (core_graphs["captured"] > 0 and not core_graphs["failed"]))
+    return line + ("" if captured else ", NOT CAPTURED (ran eagerly)")
+
+
+def _tokens(key: str) -> int:
+    """Tokens a step of row ``key`` trains (its batch times its length)."""
+    fields = dict(p.split("=") for p in key.split("/") if "=" in p)
+    return int(fields["batch"]) * int(fields["T"])
