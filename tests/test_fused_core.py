@@ -18,6 +18,7 @@ pytest.importorskip("triton", reason="the fused core needs Triton (pip install t
                                      "Linux x86_64; in the dev extra there)")
 
 import inspect  # noqa: E402
+import random  # noqa: E402
 
 import torch  # noqa: E402
 from reference import reference_forward  # noqa: E402
@@ -124,6 +125,74 @@ def test_fused_widths_and_heads_match_reference(d_model, n_heads, d_ff, batch, s
     logits, _, _, got = _step(model, tokens)
     torch.testing.assert_close(logits, ref_logits, rtol=0, atol=TOL)
     _assert_close(got, ref_grads, TOL)
+
+
+@pytest.fixture
+def program_order(monkeypatch):
+    """``program_order(kind)``: from now on the interpreter runs each launch's programs in
+    ``"reverse"`` or ``"shuffled"`` order (a fixed seed) instead of its row-major loop, by
+    remapping the grid index it sets before each program; returns the launches seen, each
+    as the list of program indices in the order they ran."""
+    from triton.runtime import interpreter
+
+    builder = interpreter.interpreter_builder
+    set_dim, set_idx = builder.set_grid_dim, builder.set_grid_idx
+    runs: list[list[tuple[int, int, int]]] = []
+
+    def use(kind: str) -> list[list[tuple[int, int, int]]]:
+        rng = random.Random(37)
+        state = {}
+
+        def grid_dim(nx: int, ny: int, nz: int) -> None:
+            order = [(x, y, z) for x in range(nx) for y in range(ny) for z in range(nz)]
+            if kind == "reverse":
+                order.reverse()
+            else:
+                rng.shuffle(order)
+            state.update(order=order, ny=ny, nz=nz)
+            runs.append([])
+            set_dim(nx, ny, nz)
+
+        def grid_idx(x: int, y: int, z: int) -> None:
+            idx = state["order"][(x * state["ny"] + y) * state["nz"] + z]
+            runs[-1].append(idx)
+            set_idx(*idx)
+
+        monkeypatch.setattr(builder, "set_grid_dim", grid_dim)
+        monkeypatch.setattr(builder, "set_grid_idx", grid_idx)
+        return runs
+
+    return use
+
+
+@pytest.mark.parametrize("order", ["reverse", "shuffled"])
+@pytest.mark.parametrize(("kind", "memory_norm", "d_model", "n_heads", "batch", "split"), [
+    ("feedback_kv", "layernorm", 24, 3, 17, 2), ("feedback", "none", 16, 2, 3, 2)])
+def test_programs_of_a_launch_exchange_nothing(order, kind, memory_norm, d_model, n_heads,
+                                               batch, split, use_core, program_order,
+                                               monkeypatch):
+    """On a GPU a launch's programs run in no set order (and at once): no program may read
+    what another of the same launch writes. The interpreter runs them one by one in row-
+    major order, which would hide such a dependence, so here it runs them reversed or
+    shuffled, and the float64 checks against the reference still hold to 1e-9. Launches of
+    several batch tiles (17 rows), heads and window splits (2 slots a program), both kinds,
+    the memory norm on and off."""
+    monkeypatch.setattr(fused_core, "SPLIT", split)
+    use_core("fused")
+    model = randomized(small(kind, d_model=d_model, n_heads=n_heads, n_layers=2,
+                             memory_norm=memory_norm, mem_len=4))
+    tokens = torch.randint(0, 11, (batch, 6))
+    ref_logits = reference_forward(model, tokens)
+    loss_of(ref_logits).backward()
+    ref_grads = grads(model)
+    runs = program_order(order)
+    logits, _, _, got = _step(model, tokens)
+    torch.testing.assert_close(logits, ref_logits, rtol=0, atol=TOL)
+    _assert_close(got, ref_grads, TOL)
+    # The order really was another: many launches of several programs, each program once.
+    multi = [r for r in runs if len(r) > 1]
+    assert len(multi) > 20
+    assert all(len(set(r)) == len(r) and r != sorted(r) for r in multi)
 
 
 @pytest.mark.parametrize("kind", ["feedback_kv", "feedback"])
