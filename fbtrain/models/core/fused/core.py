@@ -36,7 +36,8 @@ from fbtrain.models.core.spec import (
 BLOCK_B = 16  # batch rows per program (tl.dot needs 16 or more in each dimension)
 BN = 32  # output columns per program of the column-split kernels
 BK = 32  # inner-dimension chunk of every matmul
-WINDOW_TILE = 256  # window slots x head width per chunk of the attention ([BLOCK_B, BW, d_k])
+WINDOW_TILE = 128  # window slots x head width per chunk of the attention ([BLOCK_B, BW, d_k]);
+# 256 held 228-255 registers in att_back where its loads are not 16-byte aligned (sm_80, sm_90)
 SPLIT = 32  # window slots per attention program (a step's window split over programs)
 
 
