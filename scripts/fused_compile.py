@@ -336,7 +336,8 @@ def fused_cases(sizes: dict, shared_kv: bool, variant: str = "aligned") -> list[
         if key not in seen:  # (unaligned: the launches that differed only in alignment)
             seen.add(key)
             out.append((c.name, c.fn, c.signature,
-                        {**c.constexprs, **fused.launch_options(c.name)}, c.grid, divisible))
+                        {**c.constexprs, **fused.launch_options(c.name, dtype)}, c.grid,
+                        divisible))
     return out
 
 

@@ -254,17 +254,29 @@ KERNELS = ("attend", "out_proj", "ff_in", "ff_out", "ffo_back", "ffi_back", "att
            "q_back")
 
 
+# Rows that fail today, each with why (issue 37): marked xfail (not strict: a Triton
+# release may clear them), so the rest of the table holds and these stay in sight.
+KNOWN_FAILING = {
+    ("fp64", "attend"): "float64 LayerNorm statistics: IEEE division and square root are "
+                        "calls to slow-path subroutines in SASS, whose frames keep 8-16 "
+                        "bytes of stack (Triton 3.6: sm_90 and sm_80; not by warps)",
+}
+
+
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("variant", fused_compile.VARIANTS)
 @pytest.mark.parametrize("arch", fused_compile.ARCHS)
 @pytest.mark.parametrize("config", list(fused_compile.CONFIGS))
 def test_fused_core_kernels_compile_without_spills_within_shared_memory(config, arch,
-                                                                        variant, kernel):
+                                                                        variant, kernel,
+                                                                        request):
     """Each kernel the fused core launches (feedback_kv; feedback's differ only in the
     number of key/value sets), at the config's last stage, dropout and memory_norm on, in
     each variant (aligned as launched, unaligned, float64): no stack or local memory
     (spills), shared memory within the device's, at most 232 registers, no tensor cores,
     no non-coherent loads."""
+    if (variant, kernel) in KNOWN_FAILING:
+        request.applymarker(pytest.mark.xfail(reason=KNOWN_FAILING[variant, kernel]))
     sizes = fused_compile.run_sizes(fused_compile.CONFIGS[config])
     cases = [c for c in _fused_cases_or_skip(sizes, True, variant) if c[0] == kernel]
     assert cases, f"the fused core launches no {kernel}"
