@@ -74,20 +74,23 @@ def matmul_tile(a_ptr, b_ptr, o_ptr, K, BM: tl.constexpr, BN: tl.constexpr,
 
 @triton.jit
 def summed_product(a_ptr, b_ptr, o_ptr, M: tl.constexpr, K: tl.constexpr, N: tl.constexpr,
-                   TF32: tl.constexpr):
-    """o = a @ b [M, N] as a broadcast product summed over K (TF32: else as a dot in IEEE)."""
+                   MODE: tl.constexpr):
+    """o = a @ b [M, N]: MODE 0 a dot in IEEE, 1 a dot in TF32, 2 a broadcast product
+    summed over K (which Triton 3.6 rewrites into a TF32 dot; 3.9 does not)."""
     rm, rk, rn = tl.arange(0, M), tl.arange(0, K), tl.arange(0, N)
     a = tl.load(a_ptr + rm[:, None] * K + rk[None, :])
     b = tl.load(b_ptr + rk[:, None] * N + rn[None, :])
-    if TF32:  # noqa: SIM108 (a compile-time branch: one of the two is compiled)
-        o = tl.sum(a[:, :, None] * b[None, :, :], 1)
-    else:
+    if MODE == 0:
         o = tl.dot(a, b, input_precision="ieee")
+    elif MODE == 1:
+        o = tl.dot(a, b, input_precision="tf32")
+    else:
+        o = tl.sum(a[:, :, None] * b[None, :, :], 1)
     tl.store(o_ptr + rm[:, None] * N + rn[None, :], o)
 
 
 PRODUCT_SIG = {"a_ptr": "*fp32", "b_ptr": "*fp32", "o_ptr": "*fp32", "M": "constexpr",
-               "K": "constexpr", "N": "constexpr", "TF32": "constexpr"}
+               "K": "constexpr", "N": "constexpr", "MODE": "constexpr"}
 
 
 def test_resource_usage_is_read_per_function():
@@ -167,19 +170,25 @@ def test_limits_are_the_devices_opt_in_maxima(arch, limit):
     assert at(0, registers=128, warps=16) == [] and len(at(0, registers=136, warps=16)) == 1
 
 
-def test_a_broadcast_product_summed_is_a_tf32_dot_and_fails_the_check():
-    """Triton rewrites ``tl.sum(a[:, :, None] * b[None], 1)`` into a dot in TF32: at a
-    tensor-core shape an HMMA (sm_80) in the SASS. The check refuses it (the fused core is
-    IEEE float32); the same product as ``tl.dot(..., input_precision="ieee")`` passes."""
+def test_a_tf32_dot_fails_the_check():
+    """A dot in TF32 is a tensor-core HMMA (sm_80) in the SASS and a ``tf32`` dot in the
+    Triton IR: the check refuses it (the fused core is IEEE float32); the same product in
+    IEEE passes. A broadcast product summed (Triton 3.6 rewrites it into a TF32 dot, as it
+    did in att_back) is held to the same: refused exactly where it became one."""
     sizes = {"M": 16, "K": 16, "N": 32}
-    u = fused_compile.usage("summed_product", summed_product, PRODUCT_SIG,
-                            {**sizes, "TF32": True}, 80)
-    assert u.tf32_dots == 1 and u.tensor_core > 0
-    assert any("tensor-core" in p for p in u.problems())
-    assert any("TF32" in p for p in u.problems())
-    ieee = fused_compile.usage("summed_product", summed_product, PRODUCT_SIG,
-                               {**sizes, "TF32": False}, 80)
+
+    def compiled(mode: int) -> fused_compile.Usage:
+        return fused_compile.usage("summed_product", summed_product, PRODUCT_SIG,
+                                   {**sizes, "MODE": mode}, 80)
+
+    tf32 = compiled(1)
+    assert tf32.tf32_dots == 1 and tf32.tensor_core > 0
+    assert any("tensor-core" in p for p in tf32.problems())
+    assert any("TF32" in p for p in tf32.problems())
+    ieee = compiled(0)
     assert ieee.tf32_dots == 0 and ieee.tensor_core == 0 and ieee.problems() == []
+    summed = compiled(2)
+    assert bool(summed.problems()) == bool(summed.tf32_dots or summed.tensor_core)
 
 
 def test_sass_counts_find_tensor_core_and_non_coherent_loads():
