@@ -51,7 +51,8 @@ Compiled kernels go to Triton's cache (``$TRITON_CACHE_DIR``, default ~/.triton/
 a second run takes seconds.
 
     python scripts/fused_compile.py                  # the table; exit 1 if a kernel fails
-    python scripts/fused_compile.py --arch 90 --json compile.json
+    python scripts/fused_compile.py --jobs 8         # 8 compiles at once (child processes)
+    python scripts/fused_compile.py --arch 90 --variant fp64 --json compile.json
 """
 
 from __future__ import annotations
