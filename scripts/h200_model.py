@@ -35,6 +35,21 @@ are split evenly over the launches; the counted launches are split evenly over t
 kinds. The weight-gradient matmuls and the rest of the step (embedding, logits, loss,
 optimizer) add ``kernels x 2 us + their work over the whole GPU``.
 
+The latency term (issue 37): the fused core's kernels run with ``num_stages=1``, so every
+iteration of a kernel's inner loops issues its loads and waits for them before its FMAs
+(the sm_90 SASS of ``ff_out``: loads, barrier, shared store, barrier, shared load, FFMA;
+nothing prefetched), and a program cannot go faster than its chain of dependent memory
+round trips, whatever the FLOPs and bytes. :func:`round_trips` counts each kernel's from
+its loop structure (forward.py, backward.py: one a chunk of each loop, the prologue's and
+the record loads' one each; the memory's projection averaged over the layers); a launch
+then takes at least ``LAUNCH_LATENCY_US + round trips x latency``, times its waves
+(``programs / (132 x RESIDENT)``), at a round trip's latency of 0.15-0.35 us (an HBM or L2
+miss under light load on Hopper: third-party microbenchmarks; to be measured: gpu_check's
+kernel section times each kernel alone). A launch takes the larger of the throughput and
+the latency terms; the step's latency-aware figure is reported as a range (at 0.15 and at
+0.35 us). An ATen kernel is one launch and two round trips (read, write) by the same rule,
+below its 2 us floor: the latency term moves only the fused core.
+
 Kernel and launch counts come from scripts/launch_count.py, counted on the CPU at tiny
 widths, 16 position rows and batch 2 (counts follow the steps and layers) at four (steps,
 layers) points and fitted exactly to ``a T L + b T + c L + d``; at the main job's sizes the
@@ -67,13 +82,21 @@ SMS = 132
 HOST_US = 5.0  # host cost of one eager launch
 REPLAY_US = 10.0  # host cost of one graph replay (assumed)
 DEVICE_FLOOR_US = 2.0  # device cost of any kernel at least (issue 32: 1.5-3 us)
+# The latency term (module docstring): a memory round trip's latency range (us), a
+# launch's own start and drain inside a graph (us), programs resident an SM at once.
+ROUND_TRIP_US = (0.15, 0.35)
+LAUNCH_LATENCY_US = 1.0
+RESIDENT = 4  # programs of 4-8 warps at ~100-230 registers: 2-8 fit an SM; 4 assumed
+BK = 32  # inner-dimension chunk of every fused kernel's loops
+WINDOW_TILE = 128  # window slots x head width a chunk of the attention kernels (core.py)
+ATEN_ROUND_TRIPS = 2  # an ATen kernel: read its inputs, write its output
 BLOCK_B = 16  # batch rows per program of the fused core's kernels
 BN = 32  # columns per program of its column-split kernels
 SPLIT = 32  # window slots per program of its attention kernels
 FP32 = 4  # bytes
 VOCAB = 65
 BATCHES = (16, 128, 512)
-PATHS = ("aten eager", "aten graphed", "fused graphed")
+PATHS = ("aten eager", "aten graphed", "whole-step graphs", "fused graphed")
 # (steps, layers) where the counts are taken: enough for the fit a T L + b T + c L + d.
 FIT_POINTS = ((6, 2), (8, 2), (6, 3), (8, 3))
 
@@ -169,13 +192,20 @@ class Row:
     device_ms: float
     step_ms: float
     tokens_per_s: float
-    bound: str  # "host" or "device"
+    bound: str  # "host", "device" (throughput) or "latency"
+    latency_ms: tuple[float, float] = (0.0, 0.0)  # device time by the latency term, at
+    # ROUND_TRIP_US's low and high end
+    step_hi_ms: float = 0.0  # the step at the high end (step_ms: at the low end)
 
 
-def _row(path: str, s: Sizes, host_ms: float, device_ms: float) -> Row:
-    step = max(host_ms, device_ms)
+def _row(path: str, s: Sizes, host_ms: float, device_ms: float,
+         latency_ms: tuple[float, float] = (0.0, 0.0)) -> Row:
+    step = max(host_ms, device_ms, latency_ms[0])
+    step_hi = max(host_ms, device_ms, latency_ms[1])
+    bound = ("host" if host_ms >= max(device_ms, latency_ms[0]) else
+             "device" if device_ms >= latency_ms[0] else "latency")
     return Row(path, s.batch, host_ms, device_ms, step, s.batch * s.seq_len / step * 1000,
-               "host" if host_ms >= device_ms else "device")
+               bound, latency_ms, step_hi)
 
 
 def host_ms(c: Counts) -> float:
@@ -189,7 +219,9 @@ def aten_row(path: str, s: Sizes, c: Counts) -> Row:
     flops = sum(f.values())
     hbm = sum(step_hbm_bytes(s).values())
     work_ms = max(flops / PEAK_FLOPS["bf16"], hbm / HBM_BW) * 1000
-    return _row(path, s, host_ms(c), c.kernels * DEVICE_FLOOR_US / 1000 + work_ms)
+    latency = tuple(c.kernels * (LAUNCH_LATENCY_US + ATEN_ROUND_TRIPS * rt) / 1000
+                    for rt in ROUND_TRIP_US)
+    return _row(path, s, host_ms(c), c.kernels * DEVICE_FLOOR_US / 1000 + work_ms, latency)
 
 
 @dataclass(frozen=True)
@@ -255,18 +287,87 @@ def launch_s(k: Launch, records_bytes: float) -> float:
                k.l2_bytes / (L2_BW * a), (k.hbm_bytes + records_bytes) / HBM_BW)
 
 
+def round_trips(s: Sizes) -> dict[str, float]:
+    """Serial memory round trips of one program of each fused kernel at ``s`` (averaged
+    over a call's steps, the memory's projection over the layers), counted from the loops
+    of forward.py and backward.py with ``num_stages=1``: each iteration of a loop that
+    loads waits for its loads once; a prologue's or epilogue's loads once. ``nk``: chunks
+    of BK over the width, ``nf`` over d_ff, ``nw`` window chunks a split (``SPLIT`` slots
+    in chunks of ``WINDOW_TILE / d_k``), ``sp`` splits a head's window."""
+    D, F, H, L, T = s.d_model, s.d_ff, s.n_heads, s.n_layers, s.seq_len
+    nk, nf = math.ceil(D / BK), math.ceil(F / BK)
+    dk = 2 ** math.ceil(math.log2(max(16, D // H)))
+    bw = max(2, WINDOW_TILE // dk)
+    ells = [min(t, s.window) for t in range(T)]
+    nw = sum(math.ceil(min(SPLIT, e) / bw) for e in ells if e) / max(1, sum(1 for e in ells
+                                                                             if e))
+    sp = sum(max(1, math.ceil(e / SPLIT)) for e in ells) / T
+    n_kv_parts = 2 * s.n_kv
+    # attend: the memory (layer 0 only: mix chunks, the norm's two passes, each key/value
+    # part's projection chunks), LN1's two passes, the query's chunks, the window's two
+    # passes (scores, then the weighted sum), the records' loads.
+    memory = (nk + 2 * nk + n_kv_parts * nk) / L
+    cc = math.ceil(n_kv_parts * D / BK)  # q_back's chunks of the memory's projection
+    return {
+        "attend": memory + 3 * nk + 2 * nw + 1,
+        "out_proj": nk * (2 * sp + 1) + 1,  # per chunk: the splits' maxima, then sums
+        "ff_in": 3 * nk + 1,  # LN2's two passes, the matmul's chunks
+        "ff_out": nf + 1,
+        "ffo_back": 2 * nk + 2,  # the LayerNorm backwards' sums, the matmul's chunks
+        "ffi_back": nf + 1,
+        "att_back": 2 * nk + 1 + 2 * nw,  # LN2' sums, do's chunks; a window chunk loads
+        # values and scores, then (after its stores) keys and gradients: two
+        "q_back": nk * sp + cc / L + 1,  # per chunk the splits' dqu; the memory's chunks
+    }
+
+
+def launch_latency_s(programs: float, trips: float, round_trip_us: float) -> float:
+    """A launch's latency term (seconds): its start and drain, then its programs' chains of
+    round trips, one wave of ``SMS x RESIDENT`` programs after another."""
+    waves = max(1, math.ceil(programs / (SMS * RESIDENT)))
+    return (LAUNCH_LATENCY_US + waves * trips * round_trip_us) * 1e-6
+
+
+def kernel_predictions(s: Sizes) -> dict[str, dict[str, float]]:
+    """Per fused kernel at ``s``, one launch averaged over a call: ``throughput_s`` (the
+    throughput term, :func:`launch_s`, with an even share of the step's records) and
+    ``latency_s`` (the latency term at the middle of ROUND_TRIP_US), with
+    ``latency_lo_s`` / ``latency_hi_s`` at its ends, ``round_trips`` and ``programs``."""
+    kernels = fused_kernels(s)
+    launches = len(kernels) * s.seq_len * s.n_layers  # eight a token-layer
+    records = step_hbm_bytes(s)["records"] / launches
+    trips = round_trips(s)
+    mid = sum(ROUND_TRIP_US) / 2
+    return {k.name: {"throughput_s": launch_s(k, records),
+                     "latency_s": launch_latency_s(k.programs, trips[k.name], mid),
+                     "latency_lo_s": launch_latency_s(k.programs, trips[k.name],
+                                                      ROUND_TRIP_US[0]),
+                     "latency_hi_s": launch_latency_s(k.programs, trips[k.name],
+                                                      ROUND_TRIP_US[1]),
+                     "round_trips": trips[k.name], "programs": float(k.programs)}
+            for k in kernels}
+
+
 def fused_row(path: str, s: Sizes, c: Counts) -> Row:
-    """The fused core (graphed, by its counts): see the module docstring."""
+    """The fused core (graphed, by its counts): see the module docstring. Each launch takes
+    the larger of its throughput and latency terms (the latter's range: ``latency_ms``)."""
     f = step_flops(s)
     n = max(1.0, c.triton)
     hbm = step_hbm_bytes(s)
     kernels = fused_kernels(s)
-    sweep_s = sum(n / len(kernels) * launch_s(k, hbm["records"] / n) for k in kernels)
+    trips = round_trips(s)
+    each = n / len(kernels)
+    through = {k.name: launch_s(k, hbm["records"] / n) for k in kernels}
+    sweep_s = sum(each * t for t in through.values())
     other = c.kernels - c.triton
     other_s = (other * DEVICE_FLOOR_US * 1e-6
                + max((f["weight_grads"] + f["rest"]) / PEAK_FLOPS["fp32"],
                      hbm["optimizer"] / HBM_BW))
-    return _row(path, s, host_ms(c), (sweep_s + other_s) * 1000)
+    latency = tuple(
+        (sum(each * max(through[k.name], launch_latency_s(k.programs, trips[k.name], rt))
+             for k in kernels) + other_s) * 1000
+        for rt in ROUND_TRIP_US)
+    return _row(path, s, host_ms(c), (sweep_s + other_s) * 1000, latency)
 
 
 def model_rows(s: Sizes, counts: dict[str, Counts]) -> list[Row]:
@@ -303,17 +404,19 @@ def measure_coefficients(kind: str, dropout: float, fused: bool) -> dict[str, di
     kernels per step (launch_count at its TINY_WIDTHS, batch 2, at the FIT_POINTS)."""
     import launch_count
 
-    runs = {"aten eager": ("aten", False), "aten graphed": ("aten", True)}
+    runs = {"aten eager": ("aten", False, False), "aten graphed": ("aten", True, False),
+            "whole-step graphs": ("aten", False, True)}
     if fused:
-        runs["fused graphed"] = ("fused", True)
+        runs["fused graphed"] = ("fused", True, False)
     out = {}
-    for path, (core, graphed) in runs.items():
+    for path, (core, graphed, step_graph) in runs.items():
         per_point: dict[str, dict] = {"kernels": {}, "host": {}, "replays": {}, "triton": {}}
         for T, L in FIT_POINTS:
             counts = launch_count.count_step(kind, 2, T, dropout,
                                              {**launch_count.TINY_WIDTHS, "max_rel_pos": 16,
                                               "n_layers": L},
-                                             core=core, graphed=graphed)
+                                             core=core, graphed=graphed,
+                                             step_graph=step_graph)
             launches = [c for c in counts["launches"].values()]
             host = [c for c in counts["host_launches"].values()]
             per_point["kernels"][T, L] = sum(sum(c.values()) for c in launches)
@@ -356,11 +459,18 @@ def fused_available() -> str | None:
 
 def format_rows(title: str, rows: list[Row]) -> list[str]:
     lines = [f"### {title}", "",
-             "| path | batch | host ms | device ms | step ms (MODEL) | tokens/s (MODEL) | "
-             "bound |", "|---|---|---|---|---|---|---|"]
+             "| path | batch | host ms | device ms (throughput) | device ms (latency) | "
+             "step ms (MODEL) | tokens/s (MODEL) | bound |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        lo, hi = r.latency_ms
+        step = (f"{r.step_ms:.2f}" if abs(r.step_hi_ms - r.step_ms) < 0.005
+                else f"{r.step_ms:.2f}-{r.step_hi_ms:.2f}")
+        tok_hi = r.tokens_per_s * r.step_ms / r.step_hi_ms if r.step_hi_ms else r.tokens_per_s
+        tokens = (f"{r.tokens_per_s:,.0f}" if step.count("-") == 0
+                  else f"{tok_hi:,.0f}-{r.tokens_per_s:,.0f}")
         lines.append(f"| {r.path} | {r.batch} | {r.host_ms:.2f} | {r.device_ms:.2f} | "
-                     f"{r.step_ms:.2f} | {r.tokens_per_s:,.0f} | {r.bound} |")
+                     f"{lo:.2f}-{hi:.2f} | {step} | {tokens} | {r.bound} |")
     return lines
 
 
@@ -395,7 +505,8 @@ def main(argv: list[str] | None = None) -> int:
           f"peaks bf16 {PEAK_FLOPS['bf16'] / 1e12:.0f} / fp32 {PEAK_FLOPS['fp32'] / 1e12:.0f} "
           f"TFLOP/s dense, HBM {HBM_BW / 1e12:.1f} TB/s, L2 {L2_BW / 1e12:.0f} TB/s assumed; "
           f"{HOST_US:g} us a host launch, {REPLAY_US:g} us a replay, {DEVICE_FLOOR_US:g} us "
-          "a kernel's device floor)")
+          f"a kernel's device floor; latency term: {ROUND_TRIP_US[0]:g}-{ROUND_TRIP_US[1]:g} "
+          f"us a memory round trip, {LAUNCH_LATENCY_US:g} us a launch)")
     report = {}
     for title, path in CONFIGS.items():
         s0 = config_sizes(path)

@@ -68,8 +68,29 @@ def matmul_tile(a_ptr, b_ptr, o_ptr, K, BM: tl.constexpr, BN: tl.constexpr,
     for k in range(0, K, BK):
         a = tl.load(a_ptr + rm[:, None] * K + (k + rk)[None, :])
         b = tl.load(b_ptr + (k + rk)[:, None] * BN + rn[None, :])
-        acc += tl.dot(a, b)
+        acc += tl.dot(a, b)  # (TF32: a tensor-core tile, as a user's matmul would be)
     tl.store(o_ptr + rm[:, None] * BN + rn[None, :], acc)
+
+
+@triton.jit
+def summed_product(a_ptr, b_ptr, o_ptr, M: tl.constexpr, K: tl.constexpr, N: tl.constexpr,
+                   MODE: tl.constexpr):
+    """o = a @ b [M, N]: MODE 0 a dot in IEEE, 1 a dot in TF32, 2 a broadcast product
+    summed over K (which Triton 3.6 rewrites into a TF32 dot; 3.9 does not)."""
+    rm, rk, rn = tl.arange(0, M), tl.arange(0, K), tl.arange(0, N)
+    a = tl.load(a_ptr + rm[:, None] * K + rk[None, :])
+    b = tl.load(b_ptr + rk[:, None] * N + rn[None, :])
+    if MODE == 0:
+        o = tl.dot(a, b, input_precision="ieee")
+    elif MODE == 1:
+        o = tl.dot(a, b, input_precision="tf32")
+    else:
+        o = tl.sum(a[:, :, None] * b[None, :, :], 1)
+    tl.store(o_ptr + rm[:, None] * N + rn[None, :], o)
+
+
+PRODUCT_SIG = {"a_ptr": "*fp32", "b_ptr": "*fp32", "o_ptr": "*fp32", "M": "constexpr",
+               "K": "constexpr", "N": "constexpr", "MODE": "constexpr"}
 
 
 def test_resource_usage_is_read_per_function():
@@ -132,7 +153,7 @@ def test_a_kernel_over_the_shared_memory_limit_fails_the_check():
                             {"BM": 128, "BN": 128, "BK": 64, "num_stages": 4, "num_warps": 8},
                             90)
     assert u.dynamic_shared == 4 * (128 * 64 + 64 * 128) * 4 and u.stack == 0
-    assert u.problems() == [f"{u.shared} bytes of shared memory, over sm_90's 232448"]
+    assert f"{u.shared} bytes of shared memory, over sm_90's 232448" in u.problems()
 
 
 @pytest.mark.parametrize("arch,limit", [(90, 232_448), (80, 166_912)])
@@ -142,9 +163,48 @@ def test_limits_are_the_devices_opt_in_maxima(arch, limit):
                                    warps).problems()
 
     assert at(limit) == [] and len(at(limit + 1)) == 1
-    assert at(0, registers=255) == [] and len(at(0, registers=256)) == 1
+    # 232 registers: the hardware's 255 less a margin (a kernel at 248-255 spills after
+    # the next small change or Triton release).
+    assert at(0, registers=232) == [] and len(at(0, registers=233)) == 1
     # 128 registers x 16 warps = 65,536: the whole register file; 8 more registers, over.
     assert at(0, registers=128, warps=16) == [] and len(at(0, registers=136, warps=16)) == 1
+
+
+def test_a_tf32_dot_fails_the_check():
+    """A dot in TF32 is a tensor-core HMMA (sm_80) in the SASS and a ``tf32`` dot in the
+    Triton IR: the check refuses it (the fused core is IEEE float32); the same product in
+    IEEE passes. A broadcast product summed (Triton 3.6 rewrites it into a TF32 dot, as it
+    did in att_back) is held to the same: refused exactly where it became one."""
+    sizes = {"M": 16, "K": 16, "N": 32}
+
+    def compiled(mode: int) -> fused_compile.Usage:
+        return fused_compile.usage("summed_product", summed_product, PRODUCT_SIG,
+                                   {**sizes, "MODE": mode}, 80)
+
+    tf32 = compiled(1)
+    assert tf32.tf32_dots == 1 and tf32.tensor_core > 0
+    assert any("tensor-core" in p for p in tf32.problems())
+    assert any("TF32" in p for p in tf32.problems())
+    ieee = compiled(0)
+    assert ieee.tf32_dots == 0 and ieee.tensor_core == 0 and ieee.problems() == []
+    summed = compiled(2)
+    assert bool(summed.problems()) == bool(summed.tf32_dots or summed.tensor_core)
+
+
+def test_sass_counts_find_tensor_core_and_non_coherent_loads():
+    text = """
+        /*0100*/                   LDG.E.CONSTANT R4, desc[UR4][R2.64] ;
+        /*0110*/                   LDG.E.128.CONSTANT R8, desc[UR4][R2.64] ;
+        /*0120*/                   LDG.E R5, desc[UR4][R6.64] ;
+        /*0130*/                   HMMA.1688.F32.TF32 R24, R44, R56, R24 ;
+        /*0140*/                   HGMMA.64x32x8.F32.TF32 R24, gdesc[UR4], R24 ;
+        /*0150*/                   STG.E desc[UR4][R6.64], R5 ;
+        /*0160*/                   FFMA R1, R2, R3, R1 ;
+"""
+    assert fused_compile.sass_counts(text) == {"tensor_core": 2, "nc_loads": 2, "stores": 1}
+    u = fused_compile.Usage("k", 90, 64, 0, 0, 0, 0, 4, nc_loads=2, stores=1)
+    assert u.problems() == ["2 non-coherent loads (LDG...CONSTANT) in a kernel that stores"]
+    assert fused_compile.Usage("k", 90, 64, 0, 0, 0, 0, 4, nc_loads=2).problems() == []
 
 
 def test_compile_table_prints_a_row_per_kernel_arch_and_size(monkeypatch, capsys):
@@ -157,7 +217,7 @@ def test_compile_table_prints_a_row_per_kernel_arch_and_size(monkeypatch, capsys
         compiled.append(args[0])
         return real_usage(*args, **kwargs)
 
-    def cases(sizes, shared_kv):
+    def cases(sizes, shared_kv, variant="aligned"):
         d = sizes["d_model"]
         return [("add_layernorm", add_layernorm, ADD_LN_SIG, {"D": d, "BD": d},
                  (sizes["batch"],))]
@@ -168,17 +228,33 @@ def test_compile_table_prints_a_row_per_kernel_arch_and_size(monkeypatch, capsys
     assert fused_compile.main(["--arch", "90"]) == 0
     out = capsys.readouterr().out
     rows = [ln for ln in out.splitlines() if "add_layernorm" in ln]
-    assert len(rows) == 4 and all(ln.rstrip().endswith("ok") for ln in rows)
+    # 2 sizes x 3 variants x 2 kinds; a row per arch
+    assert len(rows) == 12 and all(ln.rstrip().endswith("ok") for ln in rows)
     assert compiled == ["add_layernorm"] * 2  # d_model 128 and 512, each once
-    assert "main feedback_kv" in rows[0] and rows[0].split()[-2] == "16"  # programs
-    assert "4 rows, 0 failing" in out
+    assert "main feedback_kv aligned" in rows[0] and rows[0].split()[-2] == "16"  # programs
+    assert "12 rows, 0 failing" in out
 
 
-def _fused_cases_or_skip(sizes: dict, shared_kv: bool) -> list:
+def _fused_cases_or_skip(sizes: dict, shared_kv: bool, variant: str = "aligned") -> list:
     why = fused_compile._fused_interface()
     if why:
         pytest.skip(why)
-    return fused_compile.fused_cases(sizes, shared_kv)
+    return fused_compile.fused_cases(sizes, shared_kv, variant)
+
+
+def test_aligned_variants_mark_the_pointers_aligned_as_launched():
+    """The aligned variant is what Triton's launcher compiles: every pointer the core
+    hands over 16-byte aligned carries the divisibility hint (at the main job's sizes, all
+    of them); the unaligned variant none; float64 pointers typed *fp64."""
+    sizes = fused_compile.run_sizes(fused_compile.CONFIGS["main"])
+    aligned = _fused_cases_or_skip(sizes, True, "aligned")
+    for name, _, signature, _, _, divisible in aligned:
+        pointers = {k for k, v in signature.items() if v.startswith("*")}
+        assert set(divisible) == pointers, name
+    assert all(c[5] == () for c in fused_compile.fused_cases(sizes, True, "unaligned"))
+    fp64 = fused_compile.fused_cases(sizes, True, "fp64")
+    assert all(v in ("*fp64", "i32", "fp32", "constexpr") for c in fp64
+               for v in c[2].values())
 
 
 # Every kernel the fused core launches, at both configs' sizes, for both archs: about a
@@ -187,33 +263,68 @@ KERNELS = ("attend", "out_proj", "ff_in", "ff_out", "ffo_back", "ffi_back", "att
            "q_back")
 
 
+# Rows that fail today under some Triton version, each with why (issue 37), as (config,
+# arch, variant, kernel): marked xfail, not strict (they pass under other versions), so
+# the rest of the table holds and these stay in sight.
+_ATT_BACK_37 = "Triton 3.7: 234 registers, over 232 by 2 (3.6: 168-187; 3.8, 3.9: 198-202)"
+KNOWN_FAILING = {
+    ("gpu.yaml", 80, "aligned", "att_back"):
+        "Triton 3.6: ptxas gives it 64 registers and keeps one 8-byte value on the stack "
+        "(at 4 warps: 123 registers, none); 3.8 and 3.9 pass",
+    ("gpu.yaml", 80, "unaligned", "out_proj"):
+        "Triton 3.7: ptxas gives it 64 registers and 16 bytes of stack (issue 37 saw it); "
+        "3.6, 3.8 and 3.9 pass",
+    ("gpu.yaml", 80, "unaligned", "att_back"): _ATT_BACK_37,
+    ("gpu.yaml", 90, "unaligned", "att_back"): _ATT_BACK_37,
+}
+
+
+def _known(request: pytest.FixtureRequest, *key: object) -> None:
+    if key in KNOWN_FAILING:
+        request.applymarker(pytest.mark.xfail(reason=KNOWN_FAILING[key]))
+
+
 @pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("variant", fused_compile.VARIANTS)
 @pytest.mark.parametrize("arch", fused_compile.ARCHS)
 @pytest.mark.parametrize("config", list(fused_compile.CONFIGS))
 def test_fused_core_kernels_compile_without_spills_within_shared_memory(config, arch,
-                                                                        kernel):
+                                                                        variant, kernel,
+                                                                        request):
     """Each kernel the fused core launches (feedback_kv; feedback's differ only in the
-    number of key/value sets), at the config's last stage, dropout and memory_norm on: no
-    stack or local memory (spills), shared memory and registers within the device's."""
+    number of key/value sets), at the config's last stage, dropout and memory_norm on, in
+    each variant (aligned as launched, unaligned, float64): no stack or local memory
+    (spills), shared memory within the device's, at most 232 registers, no tensor cores,
+    no non-coherent loads."""
+    _known(request, config, arch, variant, kernel)
     sizes = fused_compile.run_sizes(fused_compile.CONFIGS[config])
-    cases = [c for c in _fused_cases_or_skip(sizes, shared_kv=True) if c[0] == kernel]
+    cases = [c for c in _fused_cases_or_skip(sizes, True, variant) if c[0] == kernel]
     assert cases, f"the fused core launches no {kernel}"
-    for name, fn, signature, constexprs, grid in cases:
-        u = fused_compile.usage(name, fn, signature, constexprs, arch, grid)
-        assert u.problems() == [], f"{config} sm_{arch}: {u}"
+    for name, fn, signature, constexprs, grid, divisible in cases:
+        u = fused_compile.usage(name, fn, signature, constexprs, arch, grid,
+                                divisible=divisible)
+        assert u.problems() == [], f"{config} {variant} sm_{arch}: {u}"
 
 
 @pytest.mark.parametrize("kernel", ["attend", "att_back"])
+@pytest.mark.parametrize("variant", fused_compile.VARIANTS)
 @pytest.mark.parametrize("arch", fused_compile.ARCHS)
-def test_attention_kernels_compile_without_spills_at_head_width_128(arch, kernel):
-    """The attention kernels hold the most registers (248-255) and their tiles follow the
-    head width: at gpu.yaml's sizes with 4 heads of 128 (a [16, 2, 128] window tile) they
-    still must not spill."""
+def test_attention_kernels_compile_without_spills_at_head_width_128(arch, variant, kernel,
+                                                                    request):
+    """The attention kernels hold the most registers and their tiles follow the head
+    width: at gpu.yaml's sizes with 4 heads of 128 (a [16, 2, 128] window tile) they
+    still must pass. Unaligned they do not (Triton 3.7-3.9: 243-255 registers; 3.8 sm_90
+    att_back 8 bytes of stack): the window chunk has a 2-slot minimum, so at d_k 128 it
+    stays [16, 2, 128]; the launched (aligned) kernels use 100-197."""
+    if variant == "unaligned":
+        request.applymarker(pytest.mark.xfail(reason="d_k 128 unaligned: 243-255 "
+                                                     "registers (Triton 3.7-3.9)"))
     sizes = {**fused_compile.run_sizes(fused_compile.CONFIGS["gpu.yaml"]), "n_heads": 4}
-    cases = [c for c in _fused_cases_or_skip(sizes, shared_kv=True) if c[0] == kernel]
+    cases = [c for c in _fused_cases_or_skip(sizes, True, variant) if c[0] == kernel]
     assert cases
-    for name, fn, signature, constexprs, grid in cases:
+    for name, fn, signature, constexprs, grid, divisible in cases:
         assert constexprs["BDK"] == 128
-        u = fused_compile.usage(name, fn, signature, constexprs, arch, grid)
-        assert u.problems() == [], f"d_k 128 sm_{arch}: {u}"
+        u = fused_compile.usage(name, fn, signature, constexprs, arch, grid,
+                                divisible=divisible)
+        assert u.problems() == [], f"d_k 128 {variant} sm_{arch}: {u}"
 

@@ -18,6 +18,7 @@ pytest.importorskip("triton", reason="the fused core needs Triton (pip install t
                                      "Linux x86_64; in the dev extra there)")
 
 import inspect  # noqa: E402
+import random  # noqa: E402
 
 import torch  # noqa: E402
 from reference import reference_forward  # noqa: E402
@@ -126,6 +127,78 @@ def test_fused_widths_and_heads_match_reference(d_model, n_heads, d_ff, batch, s
     _assert_close(got, ref_grads, TOL)
 
 
+@pytest.fixture
+def program_order(monkeypatch):
+    """``program_order(kind)``: from now on the interpreter runs each launch's programs in
+    ``"reverse"`` or ``"shuffled"`` order (a fixed seed) instead of its row-major loop, by
+    remapping the grid index it sets before each program; returns the launches seen, each
+    as the list of program indices in the order they ran."""
+    from triton.runtime import interpreter
+
+    builder = interpreter.interpreter_builder
+    set_dim, set_idx = builder.set_grid_dim, builder.set_grid_idx
+    runs: list[list[tuple[int, int, int]]] = []
+
+    def use(kind: str) -> list[list[tuple[int, int, int]]]:
+        rng = random.Random(37)
+        state = {}
+
+        def grid_dim(nx: int, ny: int, nz: int) -> None:
+            order = [(x, y, z) for x in range(nx) for y in range(ny) for z in range(nz)]
+            if kind == "reverse":
+                order.reverse()
+            else:
+                rng.shuffle(order)
+            state.update(order=order, ny=ny, nz=nz)
+            runs.append([])
+            set_dim(nx, ny, nz)
+
+        def grid_idx(x: int, y: int, z: int) -> None:
+            idx = state["order"][(x * state["ny"] + y) * state["nz"] + z]
+            runs[-1].append(idx)
+            set_idx(*idx)
+
+        monkeypatch.setattr(builder, "set_grid_dim", grid_dim)
+        monkeypatch.setattr(builder, "set_grid_idx", grid_idx)
+        return runs
+
+    return use
+
+
+@pytest.mark.parametrize("order", ["reverse", "shuffled"])
+@pytest.mark.parametrize(("kind", "memory_norm", "d_model", "n_heads", "batch", "split"), [
+    ("feedback_kv", "layernorm", 24, 3, 17, 2), ("feedback", "none", 16, 2, 3, 2)])
+def test_programs_of_a_launch_exchange_nothing(order, kind, memory_norm, d_model, n_heads,
+                                               batch, split, use_core, program_order,
+                                               monkeypatch):
+    """On a GPU a launch's programs run in no set order (and at once): no program may read
+    what another of the same launch writes. The interpreter runs them one by one in row-
+    major order, which would hide such a dependence, so here it runs them reversed or
+    shuffled, and the float64 checks against the reference still hold to 1e-9. Launches of
+    several batch tiles (17 rows), heads and window splits (2 slots a program), both kinds,
+    the memory norm on and off."""
+    monkeypatch.setattr(fused_core, "SPLIT", split)
+    use_core("fused")
+    model = randomized(small(kind, d_model=d_model, n_heads=n_heads, n_layers=2,
+                             memory_norm=memory_norm, mem_len=4))
+    tokens = torch.randint(0, 11, (batch, 6))
+    ref_logits = reference_forward(model, tokens)
+    loss_of(ref_logits).backward()
+    ref_grads = grads(model)
+    runs = program_order(order)
+    logits, _, _, got = _step(model, tokens)
+    torch.testing.assert_close(logits, ref_logits, rtol=0, atol=TOL)
+    _assert_close(got, ref_grads, TOL)
+    # The order really was another: many launches of several programs, each program once.
+    multi = [r for r in runs if len(r) > 1]
+    assert len(multi) > 20
+    assert all(len(set(r)) == len(r) for r in multi)
+    if order == "reverse":
+        assert all(r == sorted(r, reverse=True) for r in multi)
+    else:  # (a shuffle of two programs keeps their order half the time)
+        assert sum(r != sorted(r) for r in multi) > len(multi) / 3
+
+
 @pytest.mark.parametrize("kind", ["feedback_kv", "feedback"])
 def test_fused_agrees_with_python_core_on_dropout_and_carried_memory(kind, use_core,
                                                                     monkeypatch):
@@ -227,6 +300,75 @@ def test_fused_float32_step_matches_the_cpp_core(use_core):
         scale = want[name].abs().max().item()
         torch.testing.assert_close(got[name], want[name], rtol=0, atol=1e-4 * scale,
                                    msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.fixture
+def matmul_precision():
+    """``matmul_precision(p)``: torch.set_float32_matmul_precision(p) for this test only
+    (torch's per-backend flags put back as they were after)."""
+    from fbtrain.models.core.fused import precision
+
+    legacy, flags = precision._state()
+    yield torch.set_float32_matmul_precision
+    torch.set_float32_matmul_precision(legacy or "highest")
+    for owner, value in flags:
+        owner.fp32_precision = value
+
+
+def test_fused_gradients_stay_ieee_float32_under_high_matmul_precision(use_core, monkeypatch,
+                                                                       matmul_precision):
+    """A user's torch.set_float32_matmul_precision("high") lets cuBLAS run float32 matmuls
+    in TF32 (10-bit mantissas), which would put the fused core's weight gradients (torch
+    matmuls after the sweep) past its 1e-4 bound. The core runs them in IEEE float32: they
+    see "highest" whatever the caller set, and the caller's "high" is back after; the
+    float32 step still agrees with the C++ core within the bound."""
+    seen = []
+    real = fused_core.weight_grads
+
+    def spy(*args, **kwargs):
+        seen.append(torch.get_float32_matmul_precision())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(fused_core, "weight_grads", spy)
+    matmul_precision("high")
+    model = build_model(ModelConfig(kind="feedback_kv", d_model=32, n_heads=2, d_ff=48,
+                                    n_layers=2, max_rel_pos=8), 11).train()
+    tokens = torch.randint(0, 11, (3, 5))
+    runs = []
+    for name in ("native", "fused"):
+        use_core(name)
+        runs.append(_step(model, tokens))
+    assert seen == ["highest"]
+    assert torch.get_float32_matmul_precision() == "high"
+    (want_logits, _, _, want), (got_logits, _, _, got) = runs
+    torch.testing.assert_close(got_logits, want_logits, rtol=0, atol=1e-4)
+    for name in want:
+        scale = want[name].abs().max().item()
+        torch.testing.assert_close(got[name], want[name], rtol=0, atol=1e-4 * scale,
+                                   msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("setup", ["default", "legacy high", "legacy medium", "new tf32"])
+def test_ieee_float32_scope_restores_every_precision_setting(setup, matmul_precision):
+    """Inside: IEEE float32 by both of torch's interfaces (the legacy setting and the
+    per-backend flags, which torch requires to agree at each matmul); after: exactly the
+    caller's settings, whichever interface set them."""
+    from fbtrain.models.core.fused import precision
+
+    matmul_precision("highest")
+    if setup.startswith("legacy"):
+        matmul_precision(setup.split()[1])
+    elif setup == "new tf32":
+        if not hasattr(torch.backends.cuda.matmul, "fp32_precision"):
+            pytest.skip("torch before 2.9 has no per-backend precision flags")
+        torch.backends.cuda.matmul.fp32_precision = "tf32"
+    before = precision._state()
+    with precision.ieee_float32():
+        assert torch.get_float32_matmul_precision() == "highest"
+        assert getattr(torch.backends.cuda.matmul, "fp32_precision", "ieee") in ("ieee",
+                                                                                  "none")
+        assert torch.backends.cuda.matmul.allow_tf32 is False
+    assert precision._state() == before
 
 
 def test_fused_choice_without_cuda_or_interpreter_falls_back_with_one_line(monkeypatch,

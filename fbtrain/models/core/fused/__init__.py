@@ -19,6 +19,9 @@ Interface for tools (kept stable):
   forward and backward), with the signature and constants it launches with, ready for
   ``triton.compile(ASTSource(fn, signature, constexprs), target=GPUTarget("cuda", 90, 32))``
   with the options :func:`launch_options` gives (warps, stages), as the core launches them.
+- :func:`launch_variants` (the same, plus ``dtype``) -> [:class:`CompileCase`]: the same
+  kernels, one per set of 16-byte-aligned pointers as launched (what Triton's launcher
+  specialises on), in float32 or float64.
 - :func:`kernels_per_step` ``(spec, batch, steps, d_model, d_ff, n0=0)`` -> ``{"forward":
   n, "backward": n}``: the launches one forward (with its tape) and one backward make for
   ``steps`` steps, counted from the launches themselves without a device.
@@ -29,7 +32,7 @@ Triton is imported here: import this package only where Triton is installed
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -37,8 +40,8 @@ from fbtrain.models.core.fused.core import FusedCore, core_launches, interpretin
 from fbtrain.models.core.fused.launch import _JIT, Launch, launch_options, recording
 from fbtrain.models.core.spec import LAYER_PARAMS, CoreInputs, CoreSpec
 
-__all__ = ["FusedCore", "Launch", "compile_cases", "interpreting", "kernels_per_step",
-           "launch_options", "meta_inputs", "recording"]
+__all__ = ["CompileCase", "FusedCore", "Launch", "compile_cases", "interpreting",
+           "kernels_per_step", "launch_options", "launch_variants", "meta_inputs", "recording"]
 
 
 def meta_inputs(spec: CoreSpec, batch: int, steps: int, d_model: int, d_ff: int,
@@ -86,20 +89,66 @@ def _signature(launch: Launch) -> dict[str, str]:
     return out
 
 
+class CompileCase(NamedTuple):
+    """One distinct kernel variant the core launches: its name, ``JITFunction``, Triton
+    signature, constants, grid, and ``divisible``: the pointer arguments whose address is
+    a multiple of 16 bytes as launched (Triton's launcher specialises on exactly that:
+    ``tt.divisibility`` 16, which lets the compiler vectorise their loads)."""
+
+    name: str
+    fn: Any
+    signature: dict[str, str]
+    constexprs: dict[str, Any]
+    grid: tuple[int, ...]
+    divisible: tuple[str, ...]
+
+
+# The caching allocator hands CUDA tensors out 512-byte aligned, so a launch argument's
+# alignment is its offset in its buffer (meta tensors keep their storage offsets).
+_ALLOC_ALIGN = 16
+
+
+def _divisible(launch: Launch) -> tuple[str, ...]:
+    """The pointer arguments of ``launch`` 16-byte aligned as the core launches them."""
+    return tuple(name for name, value in launch.args.items()
+                 if isinstance(value, torch.Tensor)
+                 and value.storage_offset() * value.element_size() % _ALLOC_ALIGN == 0)
+
+
+def launch_variants(d_model: int, n_heads: int, d_ff: int, n_layers: int, batch: int,
+                    window: int, shared_kv: bool, memory_norm: bool, dropout: float,
+                    dtype: torch.dtype = torch.float32) -> list[CompileCase]:
+    """Every distinct kernel variant the fused core launches for a ``window``-step call
+    from empty memory at these sizes in ``dtype``: one per (kernel, signature, constants,
+    aligned pointers), as Triton's launcher would compile them."""
+    spec = CoreSpec(n_layers=n_layers, n_heads=n_heads, shared_kv=shared_kv, window=window,
+                    dropout=dropout, memory_norm=memory_norm)
+    forward, backward = core_launches(
+        spec, meta_inputs(spec, batch, window, d_model, d_ff, dtype=dtype))
+    cases, seen = [], set()
+    for launch in (*forward, *backward):
+        signature = _signature(launch)
+        divisible = _divisible(launch)
+        key = (launch.name, tuple(signature.items()), tuple(launch.constexprs.items()),
+               divisible)
+        if key not in seen:
+            seen.add(key)
+            cases.append(CompileCase(launch.name, _JIT[launch.name], signature,
+                                     dict(launch.constexprs), launch.grid, divisible))
+    return cases
+
+
 def compile_cases(d_model: int, n_heads: int, d_ff: int, n_layers: int, batch: int,
                   window: int, shared_kv: bool, memory_norm: bool, dropout: float
                   ) -> list[tuple[str, Any, dict[str, str], dict[str, Any], tuple[int, ...]]]:
     """Every distinct kernel the fused core launches for a ``window``-step call from empty
-    memory at these sizes, float32: (name, JITFunction, signature, constexprs, grid)."""
-    spec = CoreSpec(n_layers=n_layers, n_heads=n_heads, shared_kv=shared_kv, window=window,
-                    dropout=dropout, memory_norm=memory_norm)
-    forward, backward = core_launches(spec, meta_inputs(spec, batch, window, d_model, d_ff))
+    memory at these sizes, float32: (name, JITFunction, signature, constexprs, grid), the
+    alignment left out (:func:`launch_variants` has it)."""
     cases, seen = [], set()
-    for launch in (*forward, *backward):
-        signature = _signature(launch)
-        key = (launch.name, tuple(signature.items()), tuple(launch.constexprs.items()))
+    for c in launch_variants(d_model, n_heads, d_ff, n_layers, batch, window, shared_kv,
+                             memory_norm, dropout):
+        key = (c.name, tuple(c.signature.items()), tuple(c.constexprs.items()))
         if key not in seen:
             seen.add(key)
-            cases.append((launch.name, _JIT[launch.name], signature, dict(launch.constexprs),
-                          launch.grid))
+            cases.append((c.name, c.fn, c.signature, c.constexprs, c.grid))
     return cases

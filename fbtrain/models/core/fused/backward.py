@@ -218,10 +218,11 @@ def att_back(
             ds = tl.where(rj, p * (dp - rowdot[:, None]), 0.0)  # the softmax backward
             tl.store(ds_rec + prob_row[:, None] + pos[None, :], ds, mask=rj)
             kt = tl.load(k_ptr + slot_off, mask=kw, other=0.0)
-            dqu += tl.reduce(ds[:, :, None] * kt, 1, _SUM)
             rtt = tl.load(rt + (h * DK + dks[None, :]) * n_pos + pos[:, None],
                           mask=jmask[:, None] & kmask[None, :], other=0.0)  # [BW, BDK]
-            dqu += tl.reduce(ds[:, :, None] * rtt[None, :, :], 1, _SUM)
+            # ds.k + ds.r in one product (a separate ds[:, :, None] * rtt[None] reduce is
+            # rewritten by Triton into a TF32 dot: see attend).
+            dqu += tl.reduce(ds[:, :, None] * (kt + rtt[None, :, :]), 1, _SUM)
             dkt = tl.load(dk_ptr + slot_off, mask=kw, other=0.0)
             tl.store(dk_ptr + slot_off, dkt + ds[:, :, None] * qu[:, None, :], mask=kw)
         tl.store(dqu_part + sp * B * D + rows[:, None] * D + hcols[None, :], dqu, mask=rk)

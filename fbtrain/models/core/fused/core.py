@@ -20,6 +20,7 @@ from torch import Tensor
 from fbtrain.models.core.fused.grads import ln_backward, weight_grads
 from fbtrain.models.core.fused.launch import Launch, recording
 from fbtrain.models.core.fused.launch import launch as _launch
+from fbtrain.models.core.fused.precision import ieee_float32
 from fbtrain.models.core.fused.tape import FusedTape
 from fbtrain.models.core.masks import draw_masks, prob_offsets, window_of
 from fbtrain.models.core.spec import (
@@ -36,7 +37,8 @@ from fbtrain.models.core.spec import (
 BLOCK_B = 16  # batch rows per program (tl.dot needs 16 or more in each dimension)
 BN = 32  # output columns per program of the column-split kernels
 BK = 32  # inner-dimension chunk of every matmul
-WINDOW_TILE = 256  # window slots x head width per chunk of the attention ([BLOCK_B, BW, d_k])
+WINDOW_TILE = 128  # window slots x head width per chunk of the attention ([BLOCK_B, BW, d_k]);
+# 256 held 228-255 registers in att_back where its loads are not 16-byte aligned (sm_80, sm_90)
 SPLIT = 32  # window slots per attention program (a step's window split over programs)
 
 
@@ -308,20 +310,23 @@ def _backward(spec: CoreSpec, d_top: Tensor, outputs: CoreOutputs, mix: Tensor, 
                     "B": B, "S": S, "slot": n0 + t - 1}, q_consts)
     # What no later step needs, for all steps at once: the memory norm's backward, the
     # embedding's gradient (layer 0's input), the mix and the memory projection's.
-    d_memory = dm_raw
-    if spec.memory_norm:
-        d_memory = ln_backward(dm_raw, memory, tape.mu_m, tape.rs_m,
-                                torch.ones_like(memory[0, 0]))  # the norm has no affine
-    d_x0 = g_dy[0] + mix[0] * d_memory  # [T, B, D]
-    a = first_att
-    d_x0[a:] += ln_backward(g_da[0, a:], hidden[a:, 0], tape.mu1[0, a:], tape.rs1[0, a:],
-                             params[0]["ln1_w"])
-    grads = weight_grads(spec, hidden, memory, tape, params, first_att,
-                          (g_dz, g_dqu, g_da, g_df, g_dh, g_dc, g_ds))
-    d_mix = torch.einsum("tbd,tlbd->l", d_memory, hidden)
-    kv_in = tape.m_hat if spec.memory_norm else memory
-    d_flat = dkv_rec.view(T * B, C)
-    d_wkv = torch.mm(kv_in.reshape(T * B, D).t(), d_flat)
+    # torch's matmuls here in IEEE float32 whatever the caller's matmul precision (TF32
+    # under "high" would move the core past its 1e-4 agreement; precision.py).
+    with ieee_float32():
+        d_memory = dm_raw
+        if spec.memory_norm:
+            d_memory = ln_backward(dm_raw, memory, tape.mu_m, tape.rs_m,
+                                    torch.ones_like(memory[0, 0]))  # the norm has no affine
+        d_x0 = g_dy[0] + mix[0] * d_memory  # [T, B, D]
+        a = first_att
+        d_x0[a:] += ln_backward(g_da[0, a:], hidden[a:, 0], tape.mu1[0, a:], tape.rs1[0, a:],
+                                 params[0]["ln1_w"])
+        grads = weight_grads(spec, hidden, memory, tape, params, first_att,
+                              (g_dz, g_dqu, g_da, g_df, g_dh, g_dc, g_ds))
+        d_mix = torch.einsum("tbd,tlbd->l", d_memory, hidden)
+        kv_in = tape.m_hat if spec.memory_norm else memory
+        d_flat = dkv_rec.view(T * B, C)
+        d_wkv = torch.mm(kv_in.reshape(T * B, D).t(), d_flat)
     return CoreInputs(d_x0.transpose(0, 1).contiguous(), d_kv[0, :, :, :n0],
                       d_kv[1, :, :, :n0], d_mix, d_wkv, d_flat.sum(0), grads)
 

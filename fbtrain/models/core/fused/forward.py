@@ -185,10 +185,12 @@ def attend(
             kw = rmask[:, None, None] & jmask[None, :, None] & kmask[None, None, :]
             kt = tl.load(k_ptr + ((head[:, None] + lo + j[None, :]) * DK)[:, :, None]
                          + dks[None, None, :], mask=kw, other=0.0)
-            s = tl.reduce(qu[:, None, :] * kt, 2, _SUM)
-            r = tl.load(rt + (h * DK + dks[:, None]) * n_pos + pos[None, :],
-                        mask=kmask[:, None] & jmask[None, :], other=0.0)
-            s += tl.reduce(qu[:, :, None] * r[None, :, :], 1, _SUM)
+            r = tl.load(rt + (h * DK + dks[None, :]) * n_pos + pos[:, None],
+                        mask=jmask[:, None] & kmask[None, :], other=0.0)  # [BW, BDK]
+            # Content and position terms in one product: q.k + q.r = q.(k + r). (Not a
+            # separate sum of q[:, :, None] * r[None]: Triton rewrites that broadcast-
+            # multiply-reduce into a dot in TF32, which the compile check refuses.)
+            s = tl.reduce(qu[:, None, :] * (kt + r[None, :, :]), 2, _SUM)
             s += tl.load(cpos + h * n_pos + pos, mask=jmask, other=0.0)[None, :]
             s = tl.where(jmask[None, :], s, float("-inf"))
             tl.store(score_rec + prob_row[:, None] + pos[None, :], s,

@@ -20,11 +20,19 @@ from fbtrain.models.core.fused import backward, forward
 # pressure; at 8 it has none).
 NUM_STAGES = 1
 WARPS = {"attend": 8, "att_back": 8, "q_back": 8}  # else 4
+# In float64 (the exact checks gpu_check runs on the device) ff_in and ffi_back at 4 warps
+# kept an 8-16 byte stack frame on sm_90 (Triton 3.6, at 64-80 registers: not pressure);
+# at 8 they keep none (scripts/fused_compile.py, its fp64 variant).
+WARPS_FP64 = {"ff_in": 8, "ffi_back": 8}
 
 
-def launch_options(name: str) -> dict[str, int]:
-    """The Triton launch options kernel ``name`` runs with (``num_warps``, ``num_stages``)."""
-    return {"num_warps": WARPS.get(name, 4), "num_stages": NUM_STAGES}
+def launch_options(name: str, dtype: Any = None) -> dict[str, int]:
+    """The Triton launch options kernel ``name`` runs with (``num_warps``, ``num_stages``)
+    on tensors of ``dtype`` (a torch dtype; None: float32)."""
+    warps = WARPS.get(name, 4)
+    if dtype is not None and str(dtype) == "torch.float64":
+        warps = WARPS_FP64.get(name, warps)
+    return {"num_warps": warps, "num_stages": NUM_STAGES}
 
 
 FORWARD_KERNELS = ("attend", "out_proj", "ff_in", "ff_out")
@@ -69,8 +77,9 @@ def launch(name: str, grid: tuple[int, ...], args: dict[str, Any],
     if _recording is not None:
         _recording.append(Launch(name, grid, args, constexprs))
         return
-    if next(iter(args.values())).is_cuda:
-        _JIT[name][grid](**args, **constexprs, **launch_options(name))
+    first = next(iter(args.values()))
+    if first.is_cuda:
+        _JIT[name][grid](**args, **constexprs, **launch_options(name, first.dtype))
     else:
         _INTERPRETED[name][grid](**args, **constexprs)
 
