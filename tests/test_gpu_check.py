@@ -80,6 +80,9 @@ def test_cpu_stand_in_writes_every_section_and_ends_with_its_table(tmp_path):
     if isinstance(b.get("fused_float32_vs_aten"), dict):  # Triton here: its interpreter
         assert b["fused_float64/feedback_kv/memory_norm=none"]["ok"]
         assert reports["d_kernels"]["kernels"]["attend"]["launches_per_step"] > 0
+        # Beside each kernel, scripts/h200_model.py's two terms (what its timing is read against).
+        for name, kernel in reports["d_kernels"]["kernels"].items():
+            assert kernel["model"]["throughput_us"] > 0 and kernel["model"]["latency_us"] > 0, name
     summary = json.loads((out / "summary.json").read_text())
     assert [s["section"] for s in summary["sections"]] == list(SECTIONS)
     assert summary["seconds"] <= 150
