@@ -306,8 +306,11 @@ def test_fused_core_kernels_compile_without_spills_within_shared_memory(config, 
         assert u.problems() == [], f"{config} {variant} sm_{arch}: {u}"
 
 
+# Not float64: the float64 kernels run only in gpu_check's exactness checks, at small widths
+# (at d_k 128 they keep 112 bytes of stack under Triton 3.9: a float64 tile needs twice the
+# registers).
 @pytest.mark.parametrize("kernel", ["attend", "att_back"])
-@pytest.mark.parametrize("variant", fused_compile.VARIANTS)
+@pytest.mark.parametrize("variant", ["aligned", "unaligned"])
 @pytest.mark.parametrize("arch", fused_compile.ARCHS)
 def test_attention_kernels_compile_without_spills_at_head_width_128(arch, variant, kernel,
                                                                     request):
