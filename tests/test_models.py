@@ -75,16 +75,35 @@ def core_name(request, monkeypatch) -> str:
     return request.param
 
 
+# The slow reference's logits and gradients per case: the same for each core path of the
+# case (its weights and tokens are seeded), so computed once, not once a path.
+_REFERENCE: dict[tuple, tuple[list[torch.Tensor], torch.Tensor, dict[str, torch.Tensor]]] = {}
+
+
+def reference_of(model: torch.nn.Module, tokens: torch.Tensor, case: tuple
+                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """reference_forward's logits and the gradients of :func:`loss_of` them, for ``case``
+    (whose model and tokens every caller builds alike: checked, bit for bit)."""
+    fingerprint = [tokens, *(p.detach() for p in model.parameters())]
+    if case in _REFERENCE:
+        kept, logits, ref_grads = _REFERENCE[case]
+        assert all(torch.equal(a, b) for a, b in zip(kept, fingerprint, strict=True))
+        return logits, ref_grads
+    logits = reference_forward(model, tokens)
+    loss_of(logits).backward()
+    ref_grads = grads(model)
+    model.zero_grad(set_to_none=True)
+    _REFERENCE[case] = ([t.clone() for t in fingerprint], logits.detach(), ref_grads)
+    return logits.detach(), ref_grads
+
+
 @pytest.mark.parametrize("kind", FEEDBACK_KINDS)
 @pytest.mark.parametrize("mem_len", [None, 5])
 @pytest.mark.parametrize("memory_norm", ["none", "layernorm"])
 def test_fast_core_matches_reference_float64(kind, mem_len, memory_norm, core_path):
     model = randomized(small(kind, mem_len=mem_len, memory_norm=memory_norm))
     tokens = torch.randint(0, 11, (3, 12))
-    ref_logits = reference_forward(model, tokens)
-    loss_of(ref_logits).backward()
-    ref_grads = grads(model)
-    model.zero_grad(set_to_none=True)
+    ref_logits, ref_grads = reference_of(model, tokens, (kind, mem_len, memory_norm))
     logits, _ = model(tokens)
     loss_of(logits).backward()
     fast_grads = grads(model)
