@@ -77,6 +77,8 @@ quick: install
 	    --set run.name=quick --resume auto $(if $(DATA),--set data.path=$(DATA))
 
 test: dev
+	@# The C++ core built (or loaded) once, before two processes would race to build it.
+	$(BIN)/python -c 'from fbtrain.models.core.select import core; core()'
 	$(PYTEST)
 	@# Torch ignoring the setting would make the second pass a plain repeat: refuse that.
 	@$(AVX2) $(BIN)/python -c 'import sys, torch; c = torch.backends.cpu.get_cpu_capability(); print("again, dispatch held to", c); sys.exit(c == "AVX512")'
