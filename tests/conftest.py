@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import resource
+import signal
 import socket
 import subprocess
 import sys
@@ -17,6 +18,22 @@ import pytest
 
 # tests/reference.py is imported by several test files and by scripts/benchmark.py.
 sys.path.insert(0, str(Path(__file__).parent))
+
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+@pytest.fixture(autouse=True)
+def _stop_signals_as_they_were() -> Iterator[None]:
+    """A run stopped by a signal in-process ignores further signals until the process
+    exits (train/signals.py): put the handlers back after every test, so no later test
+    (whichever shares the process, as under pytest-xdist) starts children that ignore
+    Ctrl-C."""
+    before = {s: signal.getsignal(s) for s in STOP_SIGNALS}
+    yield
+    for s, handler in before.items():
+        if handler is not None:  # None: set outside Python, left as it is
+            signal.signal(s, handler)
 
 
 @dataclass

@@ -7,7 +7,7 @@ import random
 
 import pytest
 import torch
-from test_sample import VOCAB, tiny_model  # noqa: F401 (one_thread: autouse there)
+from test_sample import KINDS, VOCAB, tiny_model  # noqa: F401 (one_thread: autouse there)
 
 from fbtrain.inference import inference, saved_precision
 
@@ -42,7 +42,7 @@ def test_every_random_stream_is_left_where_it_was() -> None:
     assert torch.equal(torch.rand(3), expected[0]) and random.random() == expected[1]
 
 
-@pytest.mark.parametrize("kind", ["feedback_kv", "transformer"])
+@pytest.mark.parametrize("kind", KINDS)  # every kind in the registry
 def test_no_autograd_is_recorded_even_where_gradients_are_on(kind: str) -> None:
     model = tiny_model(kind).train()
     with torch.enable_grad(), inference(model, "fp32", CPU):

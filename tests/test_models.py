@@ -17,6 +17,10 @@ from fbtrain.config.kinds import KINDS, kinds_help, model_kind
 from fbtrain.models import build_model, count_parameters, model_class
 from fbtrain.models.core import native
 
+# The kinds these files' memory and attention checks are written for (tests/reference.py
+# computes the feedback two): named, not the registry's, as a kind need not have a memory
+# or attention. What every kind must do (its registry entry, sampling, evaluation, the
+# budget, the messages) is parametrized over KINDS itself.
 FEEDBACK_KINDS = ["feedback_kv", "feedback"]
 ALL_KINDS = [*FEEDBACK_KINDS, "transformer"]
 # Every kind on the C++ core, the feedback kinds on the PyTorch core too (the transformer
@@ -71,16 +75,35 @@ def core_name(request, monkeypatch) -> str:
     return request.param
 
 
+# The slow reference's logits and gradients per case: the same for each core path of the
+# case (its weights and tokens are seeded), so computed once, not once a path.
+_REFERENCE: dict[tuple, tuple[list[torch.Tensor], torch.Tensor, dict[str, torch.Tensor]]] = {}
+
+
+def reference_of(model: torch.nn.Module, tokens: torch.Tensor, case: tuple
+                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """reference_forward's logits and the gradients of :func:`loss_of` them, for ``case``
+    (whose model and tokens every caller builds alike: checked, bit for bit)."""
+    fingerprint = [tokens, *(p.detach() for p in model.parameters())]
+    if case in _REFERENCE:
+        kept, logits, ref_grads = _REFERENCE[case]
+        assert all(torch.equal(a, b) for a, b in zip(kept, fingerprint, strict=True))
+        return logits, ref_grads
+    logits = reference_forward(model, tokens)
+    loss_of(logits).backward()
+    ref_grads = grads(model)
+    model.zero_grad(set_to_none=True)
+    _REFERENCE[case] = ([t.clone() for t in fingerprint], logits.detach(), ref_grads)
+    return logits.detach(), ref_grads
+
+
 @pytest.mark.parametrize("kind", FEEDBACK_KINDS)
 @pytest.mark.parametrize("mem_len", [None, 5])
 @pytest.mark.parametrize("memory_norm", ["none", "layernorm"])
 def test_fast_core_matches_reference_float64(kind, mem_len, memory_norm, core_path):
     model = randomized(small(kind, mem_len=mem_len, memory_norm=memory_norm))
     tokens = torch.randint(0, 11, (3, 12))
-    ref_logits = reference_forward(model, tokens)
-    loss_of(ref_logits).backward()
-    ref_grads = grads(model)
-    model.zero_grad(set_to_none=True)
+    ref_logits, ref_grads = reference_of(model, tokens, (kind, mem_len, memory_norm))
     logits, _ = model(tokens)
     loss_of(logits).backward()
     fast_grads = grads(model)
@@ -178,7 +201,7 @@ def test_chunked_equals_whole(kind, grad, memory_norm, core_name):
             assert state.slots == 6 and state.steps == 15
 
 
-@pytest.mark.parametrize("kind", ALL_KINDS)
+@pytest.mark.parametrize("kind", list(KINDS))
 def test_causal(kind):
     model = randomized(small(kind)).eval()
     tokens = torch.randint(0, 11, (2, 10))
@@ -475,8 +498,13 @@ def test_config_allows_the_registry_kinds_and_says_so():
     field = next(f for f in dataclasses.fields(ModelConfig) if f.name == "kind")
     assert field.metadata["choices"] == tuple(KINDS)
     assert field.metadata["help"] == kinds_help()
-    assert kinds_help() == ("feedback (per-layer key/value), feedback_kv (shared key/value) "
-                            "or transformer.")
+    # Every kind in the registry's order with its words, the last after "or", whatever
+    # kinds there are; the words of the three there are now, written out below.
+    *others, last = (f"{k.name} ({k.help})" if k.help else k.name for k in KINDS.values())
+    assert kinds_help() == f"{', '.join(others)} or {last}."
+    three = [KINDS[name] for name in ("feedback", "feedback_kv", "transformer")]
+    assert kinds_help(three) == ("feedback (per-layer key/value), feedback_kv (shared "
+                                 "key/value) or transformer.")
     assert kinds_help([KINDS["transformer"]]) == "transformer."
     two = [KINDS["transformer"], KINDS["feedback_kv"]]
     assert kinds_help(two) == "transformer or feedback_kv (shared key/value)."
@@ -486,7 +514,7 @@ def test_config_allows_the_registry_kinds_and_says_so():
 def test_an_unknown_kind_is_refused_in_one_line_wherever_it_comes_from(kind, tmp_path):
     """No kind builds by default: a kind that is not in the registry, from a config made
     in code or from a checkpoint's raw dict, is one line naming the kinds there are."""
-    allowed = "must be one of feedback, feedback_kv, transformer"
+    allowed = f"must be one of {', '.join(KINDS)}"  # every kind, none named by hand
     with pytest.raises(ValueError, match=rf"^model.kind = {re.escape(repr(kind))}: {allowed}$"):
         model_kind(kind)
     cfg = small("feedback_kv")

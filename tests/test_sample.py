@@ -14,12 +14,13 @@ from fbtrain import sample
 from fbtrain.checkpoint import CheckpointError, load_model, save_checkpoint
 from fbtrain.checkpoint.state import ModelState, make_checkpoint
 from fbtrain.config import ModelConfig, config_from_dict
+from fbtrain.config.kinds import KINDS as REGISTRY
 from fbtrain.data.errors import DataError
 from fbtrain.data.tokenizers import CharTokenizer
 from fbtrain.models import build_model
 from fbtrain.sample import filter_logits, generate
 
-KINDS = ("feedback_kv", "feedback", "transformer")
+KINDS = tuple(REGISTRY)  # every kind the registry holds: a new one is sampled and scored too
 VOCAB = list("\n ,.:;?ABCabcdefghijklmnop")
 
 

@@ -15,6 +15,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -244,21 +245,41 @@ def test_ctrl_c_cuts_a_long_sample_short(tmp_path: Path) -> None:
     assert not (run_dir / "checkpoints" / "last.pt").exists()
 
 
+def open_writer_once_read(fifo: Path, proc: subprocess.Popen) -> int:
+    """Open ``fifo`` for writing as soon as ``proc`` has opened it for reading (the
+    handshake: before that, a non-blocking open fails with ENXIO); fail if ``proc`` ends
+    first. Nothing is written: the reader then blocks in its read, however slow the
+    machine was to get there."""
+    while True:
+        try:
+            return os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+        except OSError as e:
+            if e.errno != errno.ENXIO:
+                raise
+        if proc.poll() is not None:
+            pytest.fail(f"fbtrain exited before it read its data ({proc.returncode}): "
+                        f"{proc.stderr.read()}")
+        time.sleep(0.02)
+
+
 def test_ctrl_c_while_data_loads(tmp_path: Path) -> None:
-    """Blocked reading its data (a FIFO nobody writes): Ctrl-C ends it, exit 130, one line,
-    and the fresh run leaves no directory behind."""
+    """Blocked reading its data (a FIFO it has opened and nobody writes): Ctrl-C ends it,
+    exit 130, one line, and the fresh run leaves no directory behind. The signal is sent
+    once the run has opened the FIFO, whatever time that took: no wait is timed."""
     fifo = tmp_path / "never.txt"
     os.mkfifo(fifo)
     raw = make_raw(tmp_path)
     raw["data"]["path"] = str(fifo)
     proc = cli("train", "--config", str(write_config(tmp_path, raw)))
-    run_dir = tmp_path / "runs" / "run"
+    writer = None
     try:
-        wait_for(lambda: is_locked(run_dir / ".lock"), proc)
+        writer = open_writer_once_read(fifo, proc)
         proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=60)
+        _, err = proc.communicate(timeout=600)  # only against a hang: it exits at once
     finally:
         proc.kill()
+        if writer is not None:
+            os.close(writer)
     assert (proc.returncode, err.strip()) == (130, "interrupted")
     assert not (tmp_path / "runs").exists()
 

@@ -189,3 +189,26 @@ def test_two_gloo_ranks_equal_one_process_on_the_global_batch(tmp_path: Path) ->
     for r in (0, 1):  # fbtrain.distributed._import_before_the_group: the group really ended
         threads = json.loads((tmp_path / f"threads-rank{r}.json").read_text())
         assert not [name for name in threads if "gloo" in name], threads
+
+
+def test_ranks_above_0_draw_their_own_dropout_masks(tmp_path: Path) -> None:
+    """Every rank builds the same initial weights (run.seed), then a rank above 0 draws
+    from a stream of its own: its dropout masks are not rank 0's (with them, two ranks
+    would train one set of masks on twice the data). Set up in one process as each rank
+    would be (world_size 1 here: no process group is needed to build the run)."""
+    raw = make_raw(tmp_path, CASES["text"](tmp_path), BATCH)
+    raw["model"]["dropout"] = 0.5
+    tokens = torch.zeros(2, 8, dtype=torch.long)
+    weights, logits = {}, {}
+    for rank in (0, 1, 2):
+        ctx = DistContext(device=torch.device("cpu"), rank=rank)
+        run, _, _ = set_up(config_from_dict(raw), ctx,
+                           CheckpointManager(tmp_path / f"rank{rank}", 1), None)
+        weights[rank] = run.raw_model.state_dict()
+        assert run.model.training
+        logits[rank] = run.model(tokens)[0].detach()  # the first masks the rank draws
+    for rank in (1, 2):
+        assert all(torch.equal(weights[rank][k], w) for k, w in weights[0].items())
+    assert not torch.equal(logits[1], logits[0])
+    assert not torch.equal(logits[2], logits[0])
+    assert not torch.equal(logits[2], logits[1])

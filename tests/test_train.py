@@ -574,6 +574,46 @@ def test_nonfinite_loss_stops_without_nan_checkpoint(tmp_path: Path) -> None:
         assert all(torch.isfinite(t).all() for t in payload["model"].values()), path
 
 
+def test_a_nan_gradient_with_a_finite_loss_stops_before_the_update(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Step 3's loss is finite but a gradient holds NaN (put there before the norm is
+    taken): the step stops on the gradient norm, before the optimizer applies it; the
+    weights' own check at the save would only catch it after the update, in other words."""
+    real_clip = torch.nn.utils.clip_grad_norm_
+    calls = []
+
+    def clip_with_a_nan_at_step_3(params: list[torch.nn.Parameter], *args: Any, **kw: Any):
+        calls.append(1)
+        if len(calls) == 3:
+            params[0].grad[0] = math.nan
+        return real_clip(params, *args, **kw)
+
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", clip_with_a_nan_at_step_3)
+    cfg = make_cfg(tmp_path, train={"max_steps": 5, "eval_every": 100},
+                   checkpoint={"every": 1, "keep_last": 100})
+    last = tmp_path / "runs" / "run" / "checkpoints" / "last.pt"
+    with pytest.raises(TrainingError, match=rf"^step 3: gradient norm is nan; stopped before "
+                                            rf"the optimizer step, no checkpoint written "
+                                            rf"\(last good: {last}\)") as info:
+        run(cfg, quiet=True)
+    assert info.value.exit_code == 1
+    payload = load_checkpoint(last)
+    assert payload["step"] == 2
+    assert all(torch.isfinite(t).all() for t in payload["model"].values())
+
+
+def test_the_final_step_is_saved_off_the_checkpoint_interval(tmp_path: Path) -> None:
+    """max_steps 5 with checkpoint.every 3, and a last evaluation that is no new best (lr
+    1e-30 leaves the weights, hence the validation loss, as they were at step 2): last.pt
+    still holds step 5, as the closing line says, not step 3."""
+    cfg = make_cfg(tmp_path, train={"max_steps": 5, "eval_every": 2, "lr": 1e-30,
+                                    "min_lr": 1e-30, "sample_every": 0},
+                   checkpoint={"every": 3, "keep_last": 100})
+    checkpoints = run(cfg, quiet=True) / "checkpoints"
+    assert load_checkpoint(checkpoints / "best.pt")["step"] == 2  # step 4's and 5's: no better
+    assert load_checkpoint(checkpoints / "last.pt")["step"] == 5
+
+
 def test_carry_validation_scores_a_memory_window_per_window(tmp_path: Path) -> None:
     """Carried segments of 8 tokens with a memory window of 16: each validation window reads
     16 tokens of context and then scores 16 (not 8), so short segments do not shrink the
