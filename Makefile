@@ -69,7 +69,7 @@ AVX2 := ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2
 # of single-threaded tiny models keep both busy, where one process's threads mostly wait
 # on each other. make test JOBS=8 on a larger machine.
 JOBS ?= 2
-PYTEST := OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n $(JOBS)
+PYTEST := OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n $(JOBS) --dist worksteal
 
 # See it work: the main job's model and data for 600 of its 1,500 steps (614,400 tokens),
 # into runs/quick; it ends with a sample.
