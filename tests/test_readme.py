@@ -162,10 +162,10 @@ def test_make_test_runs_the_numeric_tests_again_held_to_avx2():
     commands = make_dry_run("test").splitlines()
     passes = [c for c in commands if " -m pytest" in c]
     # Both in two processes (pytest-xdist), the first over the whole suite.
-    assert len(passes) == 2 and passes[0].endswith(" -m pytest -n 2")
+    assert len(passes) == 2 and passes[0].endswith(" -m pytest -n 2 --dist worksteal")
     held = passes[1]
     assert held.startswith("ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ")
-    files, deselect = held.split(" -m pytest -n 2 ", 1)[1].split(" -k ", 1)
+    files, deselect = held.split(" -m pytest -n 2 --dist worksteal ", 1)[1].split(" -k ", 1)
     files = files.split()
     assert deselect == "'not fused_core'"  # interpreted Triton: numpy, not torch's dispatch
     assert "tests/test_legacy_checkpoints.py" in files and "tests/test_train.py" in files
