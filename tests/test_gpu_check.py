@@ -119,7 +119,7 @@ def test_the_budget_cuts_a_run_wherever_it_is(tmp_path):
     """A budget that runs out inside a unit of work (here a C++ build that hangs): the
     watchdog writes the section in progress as cut, prints the table and ends the run
     (exit 3) at the budget, without waiting for the unit."""
-    cmd, env, out = gpu_check(tmp_path, "--budget", "15")
+    cmd, env, out = gpu_check(tmp_path, "--budget", "6")
     hang = ("import sys, time, runpy\n"
             f"sys.path[:0] = [{str(ROOT / 'scripts')!r}]\n"
             "import gpu_check_env\n"
