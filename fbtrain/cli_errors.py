@@ -12,6 +12,7 @@ SIGTERM. Anything else is a bug: it keeps its traceback (exit 1, Python's).
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import sys
 from collections.abc import Iterator
@@ -77,6 +78,10 @@ def fail(error: BaseException, argv: list[str] | None = None) -> NoReturn:
     if code is None:
         raise error
     report(error, argv)
+    if isinstance(error, FbtrainError) and error.skip_teardown:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     raise SystemExit(code)
 
 

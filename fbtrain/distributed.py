@@ -69,6 +69,11 @@ class PeerLost(UserError):
     checkpoint, from which ``--resume auto`` continues."""
 
     exit_code = 1
+    # With a peer gone, the gloo group can deadlock the interpreter's teardown: freeing the
+    # DDP Reducer destroys the group, whose destructor joins its worker threads holding the
+    # GIL, while a worker needs the GIL to free a failed collective's tensors (seen as a
+    # hang after the line was printed). Nothing is left to save by then.
+    skip_teardown = True
 
 
 # What a collective raises when the other end of its connection has gone: gloo's TCP

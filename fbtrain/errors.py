@@ -24,9 +24,12 @@ EXIT_USAGE = 2  # bad input, as click's own usage errors
 
 
 class FbtrainError(Exception):
-    """A failure fbtrain reports as its message (one line per problem) and ``exit_code``."""
+    """A failure fbtrain reports as its message (one line per problem) and ``exit_code``.
+    ``skip_teardown``: once reported, the process ends at once (``os._exit``), without
+    Python's teardown, for a failure that leaves objects whose destruction can hang."""
 
     exit_code: int = EXIT_FAILED
+    skip_teardown: bool = False
 
 
 class UserError(FbtrainError):

@@ -174,3 +174,13 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture
+def extensions(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An empty TORCH_EXTENSIONS_DIR, here and for subprocesses."""
+    root = tmp_path / "extensions"
+    root.mkdir()
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(root))
+    monkeypatch.delenv("CXX", raising=False)
+    return root

@@ -51,16 +51,6 @@ def _tiny_source(tmp_path: Path, answer: int = 42) -> Path:
     return source
 
 
-@pytest.fixture
-def extensions(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """An empty TORCH_EXTENSIONS_DIR, here and for subprocesses."""
-    root = tmp_path / "extensions"
-    root.mkdir()
-    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(root))
-    monkeypatch.delenv("CXX", raising=False)
-    return root
-
-
 def _builder(source: Path, env: dict[str, str] | None = None,
              new_session: bool = False) -> subprocess.Popen:
     """A subprocess building ``source`` (stdout: its answer; stderr: fbtrain's lines)."""

@@ -115,3 +115,32 @@ def test_resume_from_a_damaged_cuda_rng_state_is_one_line_exit_2(
     assert result.stderr.splitlines() == [
         f"error: {last}: cannot restore training state: rng: malformed RNG state: rng.cuda: "
         "Expected a CUDA generator state of 16 bytes, got 7"]
+
+
+# A process that reports an error with skip_teardown, then would run Python's teardown (an
+# atexit handler stands for it: the DDP Reducer's destructor that can deadlock).
+SKIP_TEARDOWN_CHILD = """
+import atexit, sys
+from pathlib import Path
+from fbtrain.cli_errors import fail
+from fbtrain.distributed import PeerLost
+atexit.register(lambda: Path(sys.argv[1]).write_text("teardown ran"))
+print("done at step 4")
+fail(PeerLost("rank 1 of 2 stopped"))
+"""
+
+
+def test_a_lost_peer_ends_the_process_without_pythons_teardown(tmp_path: Path) -> None:
+    """PeerLost is reported (its line, stdout flushed first) and the process ends with its
+    code at once: the gloo group's teardown after a peer died can hang (issue 38.9's
+    killed-rank test hung once in CI this way), so it must not run."""
+    import subprocess
+    import sys
+
+    marker = tmp_path / "teardown"
+    proc = subprocess.run([sys.executable, "-c", SKIP_TEARDOWN_CHILD, str(marker)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stdout == "done at step 4\n"
+    assert proc.stderr == "error: rank 1 of 2 stopped\n"
+    assert not marker.exists()

@@ -276,6 +276,17 @@ def test_fused_tape_holds_the_masks_the_python_core_draws(use_core):
     assert 0 < (tape.mask_h == 0).double().mean() < 1
 
 
+def _assert_float32_agreement(want_run: tuple, got_run: tuple) -> None:
+    """Two float32 steps (``_step``'s results) agree to float32 rounding: logits within
+    1e-4, each gradient within 1e-4 of its largest entry."""
+    (want_logits, _, _, want), (got_logits, _, _, got) = want_run, got_run
+    torch.testing.assert_close(got_logits, want_logits, rtol=0, atol=1e-4)
+    for name in want:
+        scale = want[name].abs().max().item()
+        torch.testing.assert_close(got[name], want[name], rtol=0, atol=1e-4 * scale,
+                                   msg=lambda m, n=name: f"{n}: {m}")
+
+
 def test_fused_float32_step_matches_the_cpp_core(use_core):
     """One float32 training step at the main job's width (d_model 128, 4 heads, d_ff 512)
     with 2 layers, batch 16, 4 steps, dropout 0.1, against the C++ core (in the interpreter
@@ -294,12 +305,7 @@ def test_fused_float32_step_matches_the_cpp_core(use_core):
         use_core(name)
         torch.manual_seed(3)
         runs.append(_step(model, tokens))
-    (want_logits, _, _, want), (got_logits, _, _, got) = runs
-    torch.testing.assert_close(got_logits, want_logits, rtol=0, atol=1e-4)
-    for name in want:
-        scale = want[name].abs().max().item()
-        torch.testing.assert_close(got[name], want[name], rtol=0, atol=1e-4 * scale,
-                                   msg=lambda m, n=name: f"{n}: {m}")
+    _assert_float32_agreement(*runs)
 
 
 @pytest.fixture
@@ -340,12 +346,7 @@ def test_fused_gradients_stay_ieee_float32_under_high_matmul_precision(use_core,
         runs.append(_step(model, tokens))
     assert seen == ["highest"]
     assert torch.get_float32_matmul_precision() == "high"
-    (want_logits, _, _, want), (got_logits, _, _, got) = runs
-    torch.testing.assert_close(got_logits, want_logits, rtol=0, atol=1e-4)
-    for name in want:
-        scale = want[name].abs().max().item()
-        torch.testing.assert_close(got[name], want[name], rtol=0, atol=1e-4 * scale,
-                                   msg=lambda m, n=name: f"{n}: {m}")
+    _assert_float32_agreement(*runs)
 
 
 @pytest.mark.parametrize("setup", ["default", "legacy high", "legacy medium", "new tf32"])

@@ -35,15 +35,6 @@ def _other_ninja() -> Path | None:
 OTHER_NINJA = _other_ninja()
 
 
-@pytest.fixture
-def extensions(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    root = tmp_path / "extensions"
-    root.mkdir()
-    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(root))
-    monkeypatch.delenv("CXX", raising=False)
-    return root
-
-
 def _build(source: Path, path: str) -> subprocess.CompletedProcess:
     """Build (or load) ``source`` in a subprocess whose PATH is ``path``."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PATH": path}
