@@ -42,10 +42,13 @@ def test_a_stop_on_an_evaluation_step_still_logs_that_validation_point(tmp_path,
     """Ctrl-C landing on step 2 (an evaluation step) used to lose its ``val/loss`` for good;
     the resume now evaluates step 2 before training on: the same figure as the run that
     was never stopped, and the same weights after."""
-    straight = run(config_from_dict(make_raw(tmp_path, "straight", train={
-        "max_steps": 4, "eval_every": 2}, checkpoint={"every": 4})), quiet=True)
-    raw = make_raw(tmp_path, "stopped", train={"max_steps": 4, "eval_every": 2},
-                   checkpoint={"every": 4})
+    # A constant rate high enough that step 4 evaluates worse than step 2: best.pt is then
+    # step 2's, which in the stopped run only the catch-up evaluation's save writes.
+    train = {"max_steps": 4, "eval_every": 2, "lr": 0.2, "schedule": "constant",
+             "warmup_steps": 0}
+    straight = run(config_from_dict(make_raw(tmp_path, "straight", train=train,
+                                             checkpoint={"every": 4})), quiet=True)
+    raw = make_raw(tmp_path, "stopped", train=train, checkpoint={"every": 4})
     with pytest.raises(TrainingError, match="interrupted at step 2"):
         run(config_from_dict(raw), quiet=True, on_step=_stop_at(2))
     stopped = tmp_path / "runs" / "stopped"
@@ -58,8 +61,11 @@ def test_a_stop_on_an_evaluation_step_still_logs_that_validation_point(tmp_path,
 
     assert validation(stopped) == validation(straight)
     assert sorted(validation(stopped)) == [0, 2, 4]
-    assert_same_tensors(load_checkpoint(straight / "checkpoints" / "last.pt")["model"],
-                        load_checkpoint(stopped / "checkpoints" / "last.pt")["model"])
+    assert load_checkpoint(straight / "checkpoints" / "best.pt")["step"] == 2
+    for name in ("last.pt", "best.pt"):
+        want, got = (load_checkpoint(d / "checkpoints" / name) for d in (straight, stopped))
+        assert got["step"] == want["step"], name
+        assert_same_tensors(want["model"], got["model"])
 
 
 def test_a_resumed_run_closes_with_the_runs_totals(tmp_path, capsys, own_sigint):
