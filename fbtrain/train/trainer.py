@@ -231,24 +231,8 @@ class Trainer:
             record.update(self._train_metrics(result))
         if self.on_step is not None:
             self.on_step(step)
-        improved = False
         evaluated = step % cfg.train.eval_every == 0 or final
-        doing = ""  # the read-only work under way, named if a signal cuts it short
-        try:
-            if evaluated:
-                doing = "evaluation"
-                improved = self._evaluate(record, signals)
-            if record:
-                self.logger.log(step, record)
-                record = {}
-            if sample_due(self.cfg.train, self.progress.step, evaluated):
-                doing = "sample"
-                self._log_sample(signals)
-            doing = ""
-        except StopRequested:
-            pass
-        if record:  # the training figures of a step whose evaluation was cut short
-            self.logger.log(step, record)
+        improved, cut = self._evaluate_and_sample(record, signals, evaluated)
         # Under DDP the stop the ranks agreed on at the step; alone, any signal so far.
         stop = result.stop if self.ctx.enabled else signals.received
         every = step % cfg.checkpoint.every == 0
@@ -261,7 +245,7 @@ class Trainer:
             # and a cut-short final sample must not leave an older one as "the last".
             self.ctx.barrier()  # torchrun ends every rank once one exits: let rank 0 finish
             raise TrainingError(report.interrupted_line(step, stop, self.manager.last_path,
-                                                        final=final, cut=doing),
+                                                        final=final, cut=cut),
                                 EXIT_CODES[stop])
 
     def _train_metrics(self, result: StepResult) -> dict[str, Any]:
@@ -317,21 +301,39 @@ class Trainer:
         """The evaluation (and sample) of the step resumed from, which a stop cut short:
         logged at that step as the uninterrupted run would have, before training on; a new
         best is saved as best.pt, and last.pt is saved with the figure."""
-        record: dict[str, Any] = {}
-        improved = False
-        self.logger.info(f"step {self.progress.step}: its evaluation was cut short by the "
-                         "stop; evaluating it now")
+        step = self.progress.step
+        self.logger.info(f"step {step}: its evaluation was cut short by the stop; "
+                         "evaluating it now")
+        # Stopped again, it is cut short again: the loop's first step saves and stops.
+        improved, _ = self._evaluate_and_sample({}, signals, evaluated=True)
+        if self.progress.val_step == step:  # evaluated now (rank 0): saved with its figure,
+            # step-N.pt too where the stop's own save wrote one
+            self._save(numbered=step % self.cfg.checkpoint.every == 0, best=improved)
+
+    def _evaluate_and_sample(self, record: dict[str, Any], signals: StopSignals,
+                             evaluated: bool) -> tuple[bool, str]:
+        """Evaluate (``evaluated``), log ``record`` with the validation figures, then sample
+        when due. A stop cuts this short; ``record`` (the step's training figures) is logged
+        all the same. Returns whether the evaluation made a new best, and what a stop cut
+        short: "evaluation", "sample" or ""."""
+        step = self.progress.step
+        improved, doing = False, ""
         try:
-            improved = self._evaluate(record, signals)
+            if evaluated:
+                doing = "evaluation"
+                improved = self._evaluate(record, signals)
             if record:
-                self.logger.log(self.progress.step, record)
-            if sample_due(self.cfg.train, self.progress.step, evaluated=True):
+                self.logger.log(step, record)
+                record = {}
+            if sample_due(self.cfg.train, step, evaluated):
+                doing = "sample"
                 self._log_sample(signals)
+            doing = ""
         except StopRequested:
-            pass  # stopped again: the loop's first step saves and stops
-        if record:  # step-N.pt too where the stop's save wrote one
-            self._save(numbered=self.progress.step % self.cfg.checkpoint.every == 0,
-                       best=improved)
+            pass
+        if record:  # the training figures of a step whose evaluation was cut short
+            self.logger.log(step, record)
+        return improved, doing
 
     def _evaluate(self, record: dict[str, Any], signals: StopSignals,
                   candidate: bool = True) -> bool:
