@@ -297,7 +297,7 @@ def round_trips(s: Sizes) -> dict[str, float]:
     D, F, H, L, T = s.d_model, s.d_ff, s.n_heads, s.n_layers, s.seq_len
     nk, nf = math.ceil(D / BK), math.ceil(F / BK)
     dk = 2 ** math.ceil(math.log2(max(16, D // H)))
-    bw = max(2, WINDOW_TILE // dk)
+    bw = max(1, WINDOW_TILE // dk)
     ells = [min(t, s.window) for t in range(T)]
     nw = sum(math.ceil(min(SPLIT, e) / bw) for e in ells if e) / max(1, sum(1 for e in ells
                                                                              if e))
@@ -315,8 +315,8 @@ def round_trips(s: Sizes) -> dict[str, float]:
         "ff_out": nf + 1,
         "ffo_back": 2 * nk + 2,  # the LayerNorm backwards' sums, the matmul's chunks
         "ffi_back": nf + 1,
-        "att_back": 2 * nk + 1 + 2 * nw,  # LN2' sums, do's chunks; a window chunk loads
-        # values and scores, then (after its stores) keys and gradients: two
+        "att_back": 2 * nk + 1 + 2 * nw,  # LN2' sums, do's chunks; the window twice: values,
+        # scores and dv's chunks, then ds (read back), keys and dk's: a round trip a chunk each
         "q_back": nk * sp + cc / L + 1,  # per chunk the splits' dqu; the memory's chunks
     }
 

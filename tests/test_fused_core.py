@@ -127,6 +127,26 @@ def test_fused_widths_and_heads_match_reference(d_model, n_heads, d_ff, batch, s
     _assert_close(got, ref_grads, TOL)
 
 
+@pytest.mark.parametrize("kind", ["feedback_kv", "feedback"])
+def test_a_window_chunk_of_one_slot_matches_reference(kind, use_core, monkeypatch):
+    """At head width 128 the attention kernels take the window one slot a chunk (BW =
+    WINDOW_TILE / d_k = 1: [16, 1, d_k] tiles); here a 16-wide tile forces that at d_k 16,
+    with windows of 4 slots split over programs of 3 (the last split one slot)."""
+    monkeypatch.setattr(fused_core, "WINDOW_TILE", 16)
+    monkeypatch.setattr(fused_core, "SPLIT", 3)
+    assert fused_core._blocks(32, 2)["BW"] == 1
+    use_core("fused")
+    model = randomized(small(kind, d_model=32, n_heads=2, n_layers=2,
+                             memory_norm="layernorm", mem_len=4))
+    tokens = torch.randint(0, 11, (3, 6))
+    ref_logits = reference_forward(model, tokens)
+    loss_of(ref_logits).backward()
+    ref_grads = grads(model)
+    logits, _, _, got = _step(model, tokens)
+    torch.testing.assert_close(logits, ref_logits, rtol=0, atol=TOL)
+    _assert_close(got, ref_grads, TOL)
+
+
 @pytest.fixture
 def program_order(monkeypatch):
     """``program_order(kind)``: from now on the interpreter runs each launch's programs in

@@ -194,7 +194,9 @@ def att_back(
         prob_row = (rows * H + h) * n_pos
         j_lo = sp * SPLIT
         j_hi = tl.minimum(ell, j_lo + SPLIT)
-        dqu = tl.full([BLOCK_B, BDK], 0.0, do.dtype)
+        # Pass 1: the values' gradients and the scores' (ds, recorded). Two passes, as in
+        # attend, keep half the window tiles live at once (one pass held 234-255 registers
+        # where the loads are not 16-byte aligned).
         for j0 in range(j_lo, j_hi, BW):
             j = j0 + tl.arange(0, BW)
             jmask = j < j_hi
@@ -217,6 +219,17 @@ def att_back(
             tl.store(dv_ptr + slot_off, dvt + pu[:, :, None] * do[:, None, :], mask=kw)
             ds = tl.where(rj, p * (dp - rowdot[:, None]), 0.0)  # the softmax backward
             tl.store(ds_rec + prob_row[:, None] + pos[None, :], ds, mask=rj)
+        tl.debug_barrier()  # pass 2 reads what other threads of this program wrote
+        # Pass 2: the query's and the keys' gradients from ds.
+        dqu = tl.full([BLOCK_B, BDK], 0.0, do.dtype)
+        for j0 in range(j_lo, j_hi, BW):
+            j = j0 + tl.arange(0, BW)
+            jmask = j < j_hi
+            pos = n_pos - ell + j
+            rj = rmask[:, None] & jmask[None, :]
+            kw = rj[:, :, None] & kmask[None, None, :]
+            slot_off = ((head[:, None] + lo + j[None, :]) * DK)[:, :, None] + dks[None, None, :]
+            ds = tl.load(ds_rec + prob_row[:, None] + pos[None, :], mask=rj, other=0.0)
             kt = tl.load(k_ptr + slot_off, mask=kw, other=0.0)
             rtt = tl.load(rt + (h * DK + dks[None, :]) * n_pos + pos[:, None],
                           mask=jmask[:, None] & kmask[None, :], other=0.0)  # [BW, BDK]

@@ -44,10 +44,11 @@ SPLIT = 32  # window slots per attention program (a step's window split over pro
 
 def _blocks(D: int, H: int) -> dict[str, int]:
     """The power-of-two tiles for width D and H heads (16 at least: tl.dot's minimum), and
-    the window chunk that keeps a [BLOCK_B, BW, d_k] tile at ``WINDOW_TILE`` per row."""
+    the window chunk that keeps a [BLOCK_B, BW, d_k] tile at ``WINDOW_TILE`` per row (one
+    slot at least: at d_k 128 a 2-slot minimum doubled the tile, to 243-255 registers)."""
     bdk = max(16, triton.next_power_of_2(D // H))
     return {"BD": max(16, triton.next_power_of_2(D)), "BDK": bdk,
-            "BW": max(2, WINDOW_TILE // bdk)}
+            "BW": max(1, WINDOW_TILE // bdk)}
 
 
 def _splits(ell: int) -> int:
