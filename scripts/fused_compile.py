@@ -25,9 +25,10 @@ What the check holds each kernel to (:meth:`Usage.problems`):
   capability 9.0, 166,912 = 163 KiB on 8.0; CUDA C++ Programming Guide, "Technical
   Specifications per Compute Capability"), past which the launch fails;
 - at most 232 registers a thread (the hardware's 255 less a margin: a kernel at 248-255
-  spills after the next small change or Triton release), and registers x threads within
-  the 65,536 registers of a multiprocessor (else "too many resources requested for
-  launch");
+  spills after the next small change or Triton release; the core gives ptxas that ceiling,
+  ``launch.MAX_REGISTERS``, so there a kernel that needs more spills), and registers x
+  threads within the 65,536 registers of a multiprocessor (else "too many resources
+  requested for launch");
 - in its SASS (``cuobjdump -sass``): no tensor-core instruction (``HMMA``, ``HGMMA``: the
   kernels are IEEE float32 or float64, no TF32), and in its Triton IR no dot in TF32
   (Triton rewrites a broadcast multiply and sum, ``tl.sum(a[:, :, None] * b[None], 1)``,
@@ -337,7 +338,7 @@ def fused_cases(sizes: dict, shared_kv: bool, variant: str = "aligned") -> list[
         if key not in seen:  # (unaligned: the launches that differed only in alignment)
             seen.add(key)
             out.append((c.name, c.fn, c.signature,
-                        {**c.constexprs, **fused.launch_options(c.name, dtype)}, c.grid,
+                        {**c.constexprs, **fused.launch_options(c.name)}, c.grid,
                         divisible))
     return out
 

@@ -18,7 +18,8 @@ Interface for tools (kept stable):
   kernel the core launches at those sizes (a call of ``window`` steps from empty memory,
   forward and backward), with the signature and constants it launches with, ready for
   ``triton.compile(ASTSource(fn, signature, constexprs), target=GPUTarget("cuda", 90, 32))``
-  with the options :func:`launch_options` gives (warps, stages), as the core launches them.
+  with the options :func:`launch_options` gives (warps, stages, register ceiling), as the core
+  launches them.
 - :func:`launch_variants` (the same, plus ``dtype``) -> [:class:`CompileCase`]: the same
   kernels, one per set of 16-byte-aligned pointers as launched (what Triton's launcher
   specialises on), in float32 or float64.

@@ -15,24 +15,24 @@ from fbtrain.models.core.fused import backward, forward
 
 # Launch options, as compiled for the resource check (scripts/fused_compile.py). No
 # software pipelining: the inner loops are a few chunks long, and its staged copies of the
-# chunks spilled registers. The attention kernels' window tiles want 8 warps' registers;
-# q_back at 4 warps kept a 24-byte stack frame on sm_90 at D 128 (80 registers: not
-# pressure; at 8 it has none).
+# chunks spilled registers. The attention kernels' window tiles want 8 warps' registers.
 NUM_STAGES = 1
-WARPS = {"attend": 8, "att_back": 8, "q_back": 8}  # else 4
-# In float64 (the exact checks gpu_check runs on the device) ff_in and ffi_back at 4 warps
-# kept an 8-16 byte stack frame on sm_90 (Triton 3.6, at 64-80 registers: not pressure);
-# at 8 they keep none (scripts/fused_compile.py, its fp64 variant).
-WARPS_FP64 = {"ff_in": 8, "ffi_back": 8}
+WARPS = {"attend": 8, "att_back": 8}  # else 4
+# The register ceiling ptxas is given (.maxnreg): the hardware's 255 less a margin, so a
+# kernel that comes to need more after a change or a Triton release spills, which the
+# compile check catches, while the hardware still has room. Without a ceiling ptxas aims
+# kernels at 64 or 128 registers a thread (more blocks a multiprocessor) and spills a few
+# bytes to get there, differently under each Triton version: out_proj on sm_80 under
+# Triton 3.7 at 64 registers and 16 bytes of stack, attend on sm_90 under 3.9 at 128 and
+# 16 (scripts/fused_compile.py; docs/performance.md has the table).
+MAX_REGISTERS = 232
 
 
-def launch_options(name: str, dtype: Any = None) -> dict[str, int]:
-    """The Triton launch options kernel ``name`` runs with (``num_warps``, ``num_stages``)
-    on tensors of ``dtype`` (a torch dtype; None: float32)."""
-    warps = WARPS.get(name, 4)
-    if dtype is not None and str(dtype) == "torch.float64":
-        warps = WARPS_FP64.get(name, warps)
-    return {"num_warps": warps, "num_stages": NUM_STAGES}
+def launch_options(name: str) -> dict[str, int]:
+    """The Triton launch options kernel ``name`` runs with (``num_warps``, ``num_stages``,
+    ``maxnreg``), in float32 and float64 alike."""
+    return {"num_warps": WARPS.get(name, 4), "num_stages": NUM_STAGES,
+            "maxnreg": MAX_REGISTERS}
 
 
 FORWARD_KERNELS = ("attend", "out_proj", "ff_in", "ff_out")
@@ -79,7 +79,7 @@ def launch(name: str, grid: tuple[int, ...], args: dict[str, Any],
         return
     first = next(iter(args.values()))
     if first.is_cuda:
-        _JIT[name][grid](**args, **constexprs, **launch_options(name, first.dtype))
+        _JIT[name][grid](**args, **constexprs, **launch_options(name))
     else:
         _INTERPRETED[name][grid](**args, **constexprs)
 
