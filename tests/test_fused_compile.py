@@ -6,7 +6,7 @@ overflow. Compiled kernels are cached in this test run's own folder.
 `make test` compiles what the lent H200 launches (sm_90, the aligned variant, both configs)
 and the checks' own tests. The whole table (sm_80 too, and the unaligned and float64
 variants: about 100 compiles, minutes on two cores) runs with FBTRAIN_COMPILE_TABLE=all, as
-.ci/run does under the dev extra's Triton and under triton 3.6.0."""
+.ci/run does: in `make test` under the dev extra's Triton, then under triton 3.6.0."""
 
 from __future__ import annotations
 
