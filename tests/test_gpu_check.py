@@ -30,13 +30,15 @@ def bare_python(tmp_path: Path) -> tuple[list[str], dict[str, str]]:
     dependencies but not fbtrain, as on a lent GPU machine: no site processing (so no
     editable install's path hook), the environment's packages by PYTHONPATH alone. The
     C++ core comes from the build folder the other tests use (an explicit
-    TORCH_EXTENSIONS_DIR wins over gpu_check's own), so it is not rebuilt here."""
-    from torch.utils import cpp_extension
+    TORCH_EXTENSIONS_DIR wins over gpu_check's own; torch's default root would not do:
+    without the variable torch builds in a subfolder of it, <python>_<accelerator>), so it
+    is not rebuilt here."""
+    from fbtrain.models.core import native
 
+    core_folder = native.build_directory(native.extension_name(*native._core_recipe()))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("FBTRAIN_", "TRITON_"))}
     env["PYTHONPATH"] = os.pathsep.join(site.getsitepackages())
-    env["TORCH_EXTENSIONS_DIR"] = (os.environ.get("TORCH_EXTENSIONS_DIR")
-                                   or cpp_extension.get_default_build_root())
+    env["TORCH_EXTENSIONS_DIR"] = str(core_folder.parent)
     env["PYTHONUNBUFFERED"] = "1"
     return [sys.executable, "-S"], env
 
@@ -59,10 +61,15 @@ def test_the_bare_python_has_no_fbtrain(tmp_path):
 def test_cpu_stand_in_writes_every_section_and_ends_with_its_table(tmp_path):
     """From the repo root, without CUDA: every section runs its toy version (or says it
     needs CUDA) within the budget, each section's file is written and whole, and the last
-    lines printed are the summary table, one row per section, in order."""
+    lines printed are the summary table, one row per section, in order. The C++ core is
+    loaded from the tests' own build, not compiled again (a minute of the suite)."""
+    from fbtrain.models.core import native
+
+    native.native_ops()  # (built here first, where no test has yet)
     cmd, env, out = gpu_check(tmp_path, "--budget", "150", "--steps", "6")
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "compiling the C++ core" not in proc.stdout + proc.stderr
     reports = {name: json.loads((out / f"{name}.json").read_text()) for name in SECTIONS}
     assert [r["section"] for r in reports.values()] == list(SECTIONS)
     assert reports["a_env"]["versions"]["torch"] == torch.__version__
