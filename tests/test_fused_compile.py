@@ -279,8 +279,8 @@ KNOWN_FAILING = {
     ("main", 90, "aligned", "attend"): (
         "3.9.", "Triton 3.9: ptxas fills the 232-register ceiling and parks one value (the "
                 "thread index x 2) on the stack, 8 bytes: one store at the start, one load "
-                "later, outside every loop. 3.6-3.8 pass; a ceiling of 200 or 224 parks it "
-                "too, 168 or 240 not (docs/performance.md)"),
+                "later, outside every loop. 3.6-3.8 pass; other ceilings move such parks "
+                "to other rows and versions (docs/performance.md)"),
 }
 
 
