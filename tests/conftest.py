@@ -22,6 +22,14 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
+# A shell without job control starts a background job (`make test &`, `( ... & )`) with
+# SIGINT ignored, and every process it starts inherits that: the CLI children of the
+# Ctrl-C tests would then ignore the SIGINT they are sent (one hung for its 600 s timeout).
+# As the tests' own process would at a terminal, take Ctrl-C again: a Python handler is
+# reset to the default in each child, where an ignored signal stays ignored.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
 
 @pytest.fixture(autouse=True)
 def _stop_signals_as_they_were() -> Iterator[None]:
