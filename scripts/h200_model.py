@@ -287,13 +287,19 @@ def launch_s(k: Launch, records_bytes: float) -> float:
                k.l2_bytes / (L2_BW * a), (k.hbm_bytes + records_bytes) / HBM_BW)
 
 
-def round_trips(s: Sizes) -> dict[str, float]:
+def round_trips(s: Sizes, stages: int = 1) -> dict[str, float]:
     """Serial memory round trips of one program of each fused kernel at ``s`` (averaged
     over a call's steps, the memory's projection over the layers), counted from the loops
-    of forward.py and backward.py with ``num_stages=1``: each iteration of a loop that
-    loads waits for its loads once; a prologue's or epilogue's loads once. ``nk``: chunks
-    of BK over the width, ``nf`` over d_ff, ``nw`` window chunks a split (``SPLIT`` slots
-    in chunks of ``WINDOW_TILE / d_k``), ``sp`` splits a head's window."""
+    of forward.py and backward.py: each iteration of a loop that loads waits for its loads
+    once; a prologue's or epilogue's loads once. ``nk``: chunks of BK over the width, ``nf``
+    over d_ff, ``nw`` window chunks a split (``SPLIT`` slots in chunks of ``WINDOW_TILE /
+    d_k``), ``sp`` splits a head's window.
+
+    ``stages``: Triton's ``num_stages`` (the core launches 1). At 2 or more Triton
+    pipelines the matmul loops (``tl.dot`` over chunks, no loop inside: the sm_90 SASS then
+    holds LDGSTS, cp.async, in ff_in, ff_out, ffo_back, ffi_back, q_back and attend, none in
+    out_proj and att_back), ``stages - 1`` chunks in flight: such a loop of n chunks waits
+    n / (stages - 1) times (at 2 it hides only the arithmetic, which this term leaves out)."""
     D, F, H, L, T = s.d_model, s.d_ff, s.n_heads, s.n_layers, s.seq_len
     nk, nf = math.ceil(D / BK), math.ceil(F / BK)
     dk = 2 ** math.ceil(math.log2(max(16, D // H)))
@@ -303,21 +309,25 @@ def round_trips(s: Sizes) -> dict[str, float]:
                                                                              if e))
     sp = sum(max(1, math.ceil(e / SPLIT)) for e in ells) / T
     n_kv_parts = 2 * s.n_kv
+
+    def dot_loop(n: float) -> float:  # a matmul loop's waits at ``stages``
+        return n / max(1, stages - 1)
+
     # attend: the memory (layer 0 only: mix chunks, the norm's two passes, each key/value
     # part's projection chunks), LN1's two passes, the query's chunks, the window's two
     # passes (scores, then the weighted sum), the records' loads.
-    memory = (nk + 2 * nk + n_kv_parts * nk) / L
+    memory = (nk + 2 * nk + n_kv_parts * dot_loop(nk)) / L
     cc = math.ceil(n_kv_parts * D / BK)  # q_back's chunks of the memory's projection
     return {
-        "attend": memory + 3 * nk + 2 * nw + 1,
+        "attend": memory + 2 * nk + dot_loop(nk) + 2 * nw + 1,
         "out_proj": nk * (2 * sp + 1) + 1,  # per chunk: the splits' maxima, then sums
-        "ff_in": 3 * nk + 1,  # LN2's two passes, the matmul's chunks
-        "ff_out": nf + 1,
-        "ffo_back": 2 * nk + 2,  # the LayerNorm backwards' sums, the matmul's chunks
-        "ffi_back": nf + 1,
+        "ff_in": 2 * nk + dot_loop(nk) + 1,  # LN2's two passes, the matmul's chunks
+        "ff_out": dot_loop(nf) + 1,
+        "ffo_back": nk + dot_loop(nk) + 2,  # the LayerNorm backwards' sums, the matmul's
+        "ffi_back": dot_loop(nf) + 1,
         "att_back": 2 * nk + 1 + 2 * nw,  # LN2' sums, do's chunks; the window twice: values,
         # scores and dv's chunks, then ds (read back), keys and dk's: a round trip a chunk each
-        "q_back": nk * sp + cc / L + 1,  # per chunk the splits' dqu; the memory's chunks
+        "q_back": nk * sp + dot_loop(cc) / L + 1,  # per chunk the splits' dqu; the memory's
     }
 
 
@@ -348,14 +358,15 @@ def kernel_predictions(s: Sizes) -> dict[str, dict[str, float]]:
             for k in kernels}
 
 
-def fused_row(path: str, s: Sizes, c: Counts) -> Row:
+def fused_row(path: str, s: Sizes, c: Counts, stages: int = 1) -> Row:
     """The fused core (graphed, by its counts): see the module docstring. Each launch takes
-    the larger of its throughput and latency terms (the latter's range: ``latency_ms``)."""
+    the larger of its throughput and latency terms (the latter's range: ``latency_ms``);
+    ``stages``: as :func:`round_trips`."""
     f = step_flops(s)
     n = max(1.0, c.triton)
     hbm = step_hbm_bytes(s)
     kernels = fused_kernels(s)
-    trips = round_trips(s)
+    trips = round_trips(s, stages)
     each = n / len(kernels)
     through = {k.name: launch_s(k, hbm["records"] / n) for k in kernels}
     sweep_s = sum(each * t for t in through.values())
@@ -521,6 +532,15 @@ def main(argv: list[str] | None = None) -> int:
         heading = (f"{title}: {s0.kind}, d_model {s0.d_model}, {s0.n_layers} layers, length "
                    f"{s0.seq_len}, dropout {s0.dropout:g} (own batch {s0.batch})")
         print("\n".join(["", *format_rows(heading, rows), "", f"per step: {counted}"]))
+        if "fused graphed" in c:  # what pipelining would move (round_trips: stages)
+            now, piped = (fused_row("fused graphed", s0, c["fused graphed"], stages)
+                          for stages in (1, 3))
+            print(f"what-if, num_stages 3 (the core launches 1): fused graphed at batch "
+                  f"{s0.batch}, latency term {piped.latency_ms[0]:.1f}-"
+                  f"{piped.latency_ms[1]:.1f} ms (at 1: {now.latency_ms[0]:.1f}-"
+                  f"{now.latency_ms[1]:.1f}); round trips a token-layer "
+                  f"{sum(round_trips(s0, 3).values()):.0f} (at 1: "
+                  f"{sum(round_trips(s0).values()):.0f})")
         report[title] = {"sizes": asdict(s0), "rows": [asdict(r) for r in rows],
                          "counts": {p: asdict(v) for p, v in c.items()}}
     if args.json:

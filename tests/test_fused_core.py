@@ -80,6 +80,17 @@ def _assert_close(got: dict, want: dict, tol: float) -> None:
                                    msg=lambda m, n=name: f"{n}: {m}")
 
 
+def _assert_matches_reference(model: torch.nn.Module, tokens: torch.Tensor) -> None:
+    """One call of ``model`` (float64, its core the fused one) against tests/reference.py:
+    logits and every parameter's gradient of a fixed random loss to ``TOL``."""
+    ref_logits = reference_forward(model, tokens)
+    loss_of(ref_logits).backward()
+    ref_grads = grads(model)
+    logits, _, _, got = _step(model, tokens)
+    torch.testing.assert_close(logits, ref_logits, rtol=0, atol=TOL)
+    _assert_close(got, ref_grads, TOL)
+
+
 @pytest.mark.parametrize(("kind", "memory_norm", "mem_len", "split"), [
     ("feedback_kv", "none", None, 32), ("feedback_kv", "layernorm", 3, 2),
     ("feedback", "none", 3, 32), ("feedback", "layernorm", None, 2)])
@@ -119,12 +130,7 @@ def test_fused_widths_and_heads_match_reference(d_model, n_heads, d_ff, batch, s
     model = randomized(small("feedback_kv", d_model=d_model, n_heads=n_heads, d_ff=d_ff,
                              n_layers=1, mem_len=10))
     tokens = torch.randint(0, 11, (batch, steps))
-    ref_logits = reference_forward(model, tokens)
-    loss_of(ref_logits).backward()
-    ref_grads = grads(model)
-    logits, _, _, got = _step(model, tokens)
-    torch.testing.assert_close(logits, ref_logits, rtol=0, atol=TOL)
-    _assert_close(got, ref_grads, TOL)
+    _assert_matches_reference(model, tokens)
 
 
 @pytest.mark.parametrize("kind", ["feedback_kv", "feedback"])
@@ -139,12 +145,7 @@ def test_a_window_chunk_of_one_slot_matches_reference(kind, use_core, monkeypatc
     model = randomized(small(kind, d_model=32, n_heads=2, n_layers=2,
                              memory_norm="layernorm", mem_len=4))
     tokens = torch.randint(0, 11, (3, 6))
-    ref_logits = reference_forward(model, tokens)
-    loss_of(ref_logits).backward()
-    ref_grads = grads(model)
-    logits, _, _, got = _step(model, tokens)
-    torch.testing.assert_close(logits, ref_logits, rtol=0, atol=TOL)
-    _assert_close(got, ref_grads, TOL)
+    _assert_matches_reference(model, tokens)
 
 
 @pytest.fixture
@@ -202,13 +203,8 @@ def test_programs_of_a_launch_exchange_nothing(order, kind, memory_norm, d_model
     model = randomized(small(kind, d_model=d_model, n_heads=n_heads, n_layers=2,
                              memory_norm=memory_norm, mem_len=4))
     tokens = torch.randint(0, 11, (batch, 6))
-    ref_logits = reference_forward(model, tokens)
-    loss_of(ref_logits).backward()
-    ref_grads = grads(model)
     runs = program_order(order)
-    logits, _, _, got = _step(model, tokens)
-    torch.testing.assert_close(logits, ref_logits, rtol=0, atol=TOL)
-    _assert_close(got, ref_grads, TOL)
+    _assert_matches_reference(model, tokens)
     # The order really was another: many launches of several programs, each program once.
     multi = [r for r in runs if len(r) > 1]
     assert len(multi) > 20

@@ -33,6 +33,19 @@ def test_round_trips_follow_each_kernels_loops():
         "att_back": 2 * 2 + 1 + 2 * 1, "q_back": 2 * 1 + 2 + 1}
 
 
+def test_pipelined_matmul_loops_wait_once_per_stages_less_one_chunks():
+    """num_stages 3: the matmul loops (the query's and the memory's projection chunks in
+    attend, ff_in's and ffo_back's matmul, ff_out, ffi_back, q_back's memory chunks) wait
+    once every two chunks; out_proj and att_back, which Triton does not pipeline, and every
+    other loop keep theirs. num_stages 2 overlaps only the arithmetic: no change."""
+    assert m.round_trips(TOY, 2) == m.round_trips(TOY)
+    assert m.round_trips(TOY, 3) == {
+        "attend": (2 + 2 * 2 + 2 * 1) / 2 + 2 * 2 + 1 + 2 * 1 + 1,
+        "out_proj": 2 * (2 * 1 + 1) + 1,
+        "ff_in": 2 * 2 + 1 + 1, "ff_out": 2 + 1, "ffo_back": 2 + 1 + 2, "ffi_back": 2 + 1,
+        "att_back": 2 * 2 + 1 + 2 * 1, "q_back": 2 * 1 + 1 + 1}
+
+
 def test_a_launch_waits_its_round_trips_per_wave():
     lo, hi = m.ROUND_TRIP_US
     assert m.launch_latency_s(1, 10, lo) == pytest.approx((1.0 + 10 * lo) * 1e-6)
