@@ -181,6 +181,29 @@ def test_section_files_are_written_whole_or_not_at_all(tmp_path, monkeypatch):
     assert [p.name for p in tmp_path.iterdir()] == ["a_env.json"]
 
 
+def test_the_float32_agreement_keeps_every_relu_input_clear_of_zero(monkeypatch):
+    """Section b's fused-against-ATen float32 step sets both models' feed-forward weights
+    with reference.keep_relus_clear_of_zero before the step (at gpu.yaml's sizes some relu
+    input would lie within rounding of zero and flip a gate in one path only); here in
+    Triton's interpreter at the stand-in's sizes, where the two agree."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    import gpu_check_steps
+
+    kept = []
+    real = gpu_check_steps.keep_relus_clear_of_zero
+
+    def spy(model):
+        kept.append(next(model.parameters()).device.type)
+        real(model)
+
+    monkeypatch.setattr(gpu_check_steps, "keep_relus_clear_of_zero", spy)
+    result = gpu_check_steps.fused_agreement(torch.device("cpu"), gpu_check_steps.TOY_SIZES,
+                                             2, 4)
+    assert kept == ["cpu", "cpu"]  # each path's model, set before it moves to the device
+    assert result["ok"], result
+
+
 def test_gpu_check_counts_kernels_launch_calls_and_busy_time_once():
     """The profile's device work: each kernel's time once (not again through the CPU op
     that launched it), no user annotation counted as a kernel, and the host's launch

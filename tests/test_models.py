@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from reference import reference_forward
+from reference import keep_relus_clear_of_zero, reference_forward
 
 from fbtrain.checkpoint import CheckpointError, load_model, save_checkpoint
 from fbtrain.config import ModelConfig
@@ -116,14 +116,40 @@ def test_fast_core_matches_reference_float64(kind, mem_len, memory_norm, core_pa
 
 
 @pytest.mark.parametrize("kind", FEEDBACK_KINDS)
+def test_relu_inputs_kept_clear_of_zero(kind):
+    """reference.keep_relus_clear_of_zero, which the float32 comparisons (and gpu_check's
+    on the device) rest on: every relu input in [0.5, 1.5] or [-1.5, -0.5] for any tokens,
+    half the units live, the LayerNorms randomised as drawn; and the block adds no constant
+    to the stream that it did not add as drawn (its output where LN2(x) = 0, the live
+    units' 1 through ff2, is ff2's drawn bias)."""
+    model = randomized(small(kind))
+    drawn = [layer.ff2.bias.clone() for layer in model.layers]
+    keep_relus_clear_of_zero(model)
+    for layer, bias in zip(model.layers, drawn, strict=True):
+        live = (layer.ff1.bias > 0).double()
+        torch.testing.assert_close(layer.ff2.weight @ live + layer.ff2.bias, bias)
+    seen = []
+    for layer in model.layers:
+        layer.ff1.register_forward_hook(lambda module, args, out: seen.append(out))
+    reference_forward(model, torch.randint(0, 11, (5, 16)))
+    inputs = torch.cat([s.flatten() for s in seen])
+    assert inputs.numel() == 5 * 16 * 3 * 24
+    assert inputs.abs().min() >= 0.5 and inputs.abs().max() <= 1.5
+    assert (inputs > 0).double().mean() == 0.5
+
+
+@pytest.mark.parametrize("kind", FEEDBACK_KINDS)
 def test_float32_core_matches_float64(kind, core_name):
     """The reference tests run in float64; training runs in float32, whose attention loops
     are vectorised with other instructions. Same weights in float32: logits and gradients
-    within float32 rounding of the float64 ones. (The worst gradient error relative to the
-    largest gradient was 1.7e-5 on the C++ core and 1.1e-4 on the PyTorch core for this
-    draw; over six other draws 3e-6 to 2.7e-5 on both: this draw is ill-conditioned, not
-    one core less accurate. Hence 2e-4.)"""
+    within float32 rounding of the float64 ones, each gradient within 1e-4 of its largest
+    entry. Every relu input is kept clear of zero (reference.keep_relus_clear_of_zero):
+    one within rounding of it may take its gate one way in float32 and the other in
+    float64, which moves a gradient by more than rounding (this draw, left as drawn,
+    came to the bound's edge in feedback_kv's ln1 weights on both cores, and past it
+    under a bound of 1e-4)."""
     model = randomized(small(kind, mem_len=5))
+    keep_relus_clear_of_zero(model)
     model32 = copy.deepcopy(model).float()
     tokens = torch.randint(0, 11, (3, 12))
     weights = torch.randn(3, 12, 11, dtype=torch.float64)  # one loss for both precisions
@@ -133,7 +159,7 @@ def test_float32_core_matches_float64(kind, core_name):
                                atol=1e-4)
     for (name, p64), p32 in zip(model.named_parameters(), model32.parameters(), strict=True):
         scale = p64.grad.abs().max().item()
-        torch.testing.assert_close(p32.grad.double(), p64.grad, rtol=0, atol=2e-4 * scale,
+        torch.testing.assert_close(p32.grad.double(), p64.grad, rtol=0, atol=1e-4 * scale,
                                    msg=lambda m, n=name: f"{n}: {m}")
 
 
