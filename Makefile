@@ -59,10 +59,9 @@ train: install
 # In: the fused core's float32 step against the C++ core (its kernels run in Triton's
 # interpreter on numpy, which the setting does not reach, but the C++ core's side moves).
 # Left out of the second pass: the fused core's launch counts (test_launches' *fused_core*,
-# counts, not floats), and the
-# files whose checks compare a computation only with itself or hold no float result
-# (checkpoint files and RNG streams, signals and locks, export copies, the programs'
-# generator): the same there under any dispatch.
+# counts, not floats), and the files whose checks compare a computation only with itself
+# or hold no float result (checkpoint files and RNG streams, signals and locks, export
+# copies, the programs' generator): the same there under any dispatch.
 NUMERIC_TESTS := tests/test_models.py tests/test_cores.py tests/test_core_spec.py \
 	tests/test_batches.py tests/test_train.py tests/test_evaluate.py tests/test_sample.py \
 	tests/test_legacy_checkpoints.py tests/test_launches.py \

@@ -84,7 +84,7 @@ def keep_relus_clear_of_zero(model: FeedbackTransformer) -> None:
     bound >= |LN2(x)| for any x (sqrt(D) max|gamma| + |beta|), so |LN2(x) . w| <= 0.5 by
     Cauchy-Schwarz; and ff2's bias less ff2's weights times the live units' constant 1, so
     the block still adds a varying term to the residual stream, not one large constant
-    (which made the LayerNorms ill-conditioned: gradients 5e-5 apart in float32).
+    (which leaves the LayerNorms' gradients ill-conditioned in float32).
 
     For comparing two float32 computations that sum in other orders: an input within their
     rounding of zero (about 1e-7 of its terms) may pass one relu and not the other, and
