@@ -893,6 +893,32 @@ def test_auto_precision_is_bf16_only_where_the_chosen_gpu_has_it(gpu, expected, 
     assert autocast_dtype("bf16", torch.device("cpu")) == torch.bfloat16
 
 
+def test_precision_fp32_and_auto_train_the_same_numbers_on_the_cpu(tmp_path: Path) -> None:
+    """On the CPU ``auto`` is plain float32 too: the CUDA matmul setting it makes on a GPU
+    (TF32, :func:`fbtrain.device.matmul_precision`) never reaches the CPU's matmuls."""
+    losses = {}
+    for precision in ("auto", "fp32"):
+        cfg = make_cfg(tmp_path, name=precision, run={"precision": precision},
+                       train={"max_steps": 3, "eval_every": 3})
+        losses[precision] = train_losses(run(cfg, quiet=True))
+    assert losses["auto"] == losses["fp32"] and len(losses["auto"]) == 3
+
+
+def test_matmul_precision_sets_cuda_tf32_under_auto_and_puts_it_back() -> None:
+    from fbtrain.device import matmul_precision
+
+    flags = torch.backends.cuda.matmul
+    before = flags.fp32_precision
+    with matmul_precision("auto", torch.device("cuda")):
+        assert flags.fp32_precision == "tf32"
+        with matmul_precision("fp32", torch.device("cuda")):
+            assert flags.fp32_precision == "ieee"
+        assert flags.fp32_precision == "tf32"
+    assert flags.fp32_precision == before
+    with matmul_precision("auto", torch.device("cpu")):
+        assert flags.fp32_precision == before  # the CPU's run sets nothing
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_bf16_steps(tmp_path: Path) -> None:
