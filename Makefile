@@ -1,4 +1,5 @@
-# fbtrain: make install | train | quick | dev | test | lint | bench | bench-sample | gpu-check | clean
+# fbtrain: make install | train | quick | dev | test | lint | bench | bench-sample | gpu-check |
+#          gpu-memory | clean
 # Needs Python (3.10 or newer), make, and for the fast C++ core a C++ compiler (g++); the
 # rest, ninja included, goes into $(VENV). Without a compiler fbtrain runs on its slower
 # PyTorch core.
@@ -23,7 +24,7 @@ PIP := $(BIN)/python -m pip install -q --disable-pip-version-check
 STAMP := $(VENV)/.installed
 DEV_STAMP := $(VENV)/.installed-dev
 
-.PHONY: install dev train quick test lint bench bench-sample gpu-check clean distclean
+.PHONY: install dev train quick test lint bench bench-sample gpu-check gpu-memory clean distclean
 
 # What training needs and nothing more; `make test` and `make lint` add the dev extra.
 install: $(STAMP)
@@ -107,6 +108,14 @@ gpu-check:
 	$$py -c 'import torch' 2>/dev/null || { $(MAKE) dev && py=$(BIN)/python; }; \
 	echo "$$py scripts/gpu_check.py --require-cuda --out $(GPU_CHECK_DIR)"; \
 	$$py scripts/gpu_check.py --require-cuda --out $(GPU_CHECK_DIR) $(if $(DATA),--data $(DATA))
+
+# The peak device memory of one training step at each curriculum stage of $(CONFIG), on fake
+# CUDA (scripts/fakecuda: no GPU needed, a C++ compiler is; minutes a stage at gpu.yaml's
+# sizes). make gpu-memory CONFIG=configs/gpu.yaml BATCH=512
+BATCH ?=
+gpu-memory: install
+	$(BIN)/python scripts/fakecuda/run.py memory --config $(CONFIG) \
+	    $(if $(BATCH),--set train.batch_size=$(BATCH))
 
 # Build and tool caches; keeps $(VENV) and runs/ (see distclean).
 clean:
