@@ -175,7 +175,11 @@ def run(data: dict, device: torch.device, budget: Budget) -> tuple[str, str]:
             data[name] = {"error": f"{type(e).__name__}: {e}"}
         if cuda:
             torch.cuda.empty_cache()
-    return "ok" if data.get("core_build", {}).get("ok", True) else "FAIL", _summary(data)
+    # A unit the budget left undone is SKIPPED (a string), not a failure; a build that
+    # failed or raised is.
+    build = data["core_build"]
+    failed = isinstance(build, dict) and not build.get("ok", False)
+    return ("FAIL" if failed else "ok"), _summary(data)
 
 
 def _summary(data: dict) -> str:
