@@ -2,23 +2,20 @@
 scripts/gpu_check.py, and the helpers both use.
 
 b decides whether anything after it can be trusted: feedback_kv and feedback in float64
-against tests/reference.py (logits, loss, every gradient) on the ATen path and on the fused
-core; the fused core's float32 step against the ATen path's; and graphed steps (the core's
-graphs, and whole-step graphs) against eager ones bit for bit.
+against tests/reference.py (logits, loss, every gradient) on the ATen path, and graphed
+steps (the core's graphs, and whole-step graphs) against eager ones bit for bit.
 
 c decides the GPU design: ms/step and tokens/s of feedback_kv at the main job's and
 configs/gpu.yaml's sizes (each at its last curriculum length), batch 32 and 512, bf16
 autocast and fp32, on each path - ATen eager, ATen with the core's CUDA graphs, whole-step
-graphs, the fused core under the core's graphs and under whole-step graphs - with the
-host's launch calls and the kernels the GPU ran per step (torch.profiler). Rows run in the
-order of what they decide (gpu.yaml first, bf16 first), so a budget that runs out cuts the
-least decisive ones.
+graphs - with the host's launch calls and the kernels the GPU ran per step (torch.profiler).
+Rows run in the order of what they decide (gpu.yaml first, bf16 first), so a budget that
+runs out cuts the least decisive ones.
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib.metadata
 import os
 import statistics
 import tempfile
@@ -29,7 +26,6 @@ from pathlib import Path
 import benchmark
 import torch
 from gpu_check_report import NEEDS_CUDA, SKIPPED, Budget
-from reference import keep_relus_clear_of_zero  # tests/, on the path benchmark sets
 
 from fbtrain.config import load_config
 from fbtrain.models import build_model
@@ -40,19 +36,14 @@ GPU_CONFIG = ROOT / "configs" / "gpu.yaml"
 MAIN_CONFIG = ROOT / "configs" / "tiny_shakespeare.yaml"
 # The CPU stand-in's sizes: every unit at these, on the CPU.
 TOY_SIZES = dict(d_model=32, n_heads=2, d_ff=64, n_layers=2, dropout=0.0, max_rel_pos=64)
-OLDEST_TRITON = (3, 6)  # the oldest Triton the kernels are compile-checked with
 # Host-side CUDA runtime/driver calls that queue work on the GPU (torch.profiler records
 # them as CPU events): what a launch-bound step spends its host time on.
 LAUNCH_CALLS = frozenset({"cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel",
                           "cuLaunchKernelEx", "cudaGraphLaunch", "cudaMemcpyAsync",
                           "cudaMemsetAsync"})
-# The fused core's float32 bound against the ATen path (tests/test_fused_core.py's, against
-# the C++ core): logits absolute, gradients relative to each one's largest entry.
-FUSED_FP32_TOL = 1e-4
 # c's paths: name -> ($FBTRAIN_CORE, $FBTRAIN_CUDA_GRAPHS).
 PATHS = {"aten_eager": ("auto", "0"), "aten_core_graphs": ("auto", "1"),
-         "aten_step_graph": ("auto", "step"), "fused_core_graphs": ("fused", "1"),
-         "fused_step_graph": ("fused", "step")}
+         "aten_step_graph": ("auto", "step")}
 
 
 def config_sizes(path: Path) -> tuple[dict, int, int]:
@@ -82,31 +73,6 @@ def env_vars(**values: str) -> Iterator[None]:
 def path_env(core: str, graphs_value: str) -> contextlib.AbstractContextManager[None]:
     """$FBTRAIN_CORE and $FBTRAIN_CUDA_GRAPHS for the block."""
     return env_vars(FBTRAIN_CORE=core, **{graphs.GRAPHS_ENV: graphs_value})
-
-
-def fused_unavailable(device: torch.device) -> str | None:
-    """Why the fused core cannot run on ``device`` in this process (one line), or None:
-    no Triton, a Triton older than the oldest checked, or no CUDA and no interpreter."""
-    from fbtrain.models.core import select
-
-    why = select.fused_unavailable()
-    if why is not None:
-        return why
-    version = importlib.metadata.version("triton")
-    parts = tuple(int(p) for p in version.split(".")[:2] if p.isdigit())
-    if parts < OLDEST_TRITON:
-        return (f"Triton {version} is older than {'.'.join(map(str, OLDEST_TRITON))}, the "
-                "oldest its kernels are checked with")
-    if device.type != "cuda" and not os.environ.get("TRITON_INTERPRET"):
-        return "no CUDA and no TRITON_INTERPRET"
-    return None
-
-
-def fused_runs() -> bool:
-    """Whether $FBTRAIN_CORE=fused gives the fused core here (not its fallback)."""
-    from fbtrain.models.core import select
-
-    return type(select.core()).__name__ == "FusedCore"
 
 
 def device_work(events) -> dict:
@@ -140,32 +106,6 @@ def grads_of_step(model: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor
     return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def fused_agreement(device: torch.device, sizes: dict, batch: int, seq_len: int) -> dict:
-    """The fused core's float32 training step against the ATen path's eager one (same
-    weights, dropout 0, every relu input kept clear of zero: at gpu.yaml's sizes some of
-    the 12M would lie within float32 rounding of it and flip a gate, a gradient's whole
-    share, in one path and not the other): the largest logit difference and the largest
-    gradient difference relative to that gradient's largest entry, each against
-    FUSED_FP32_TOL."""
-    results = []
-    for core in ("auto", "fused"):
-        with path_env(core, "0"):
-            torch.manual_seed(0)
-            model = build_model(benchmark.model_config("feedback_kv", {**sizes, "dropout": 0.0}),
-                                benchmark.VOCAB).train()
-            keep_relus_clear_of_zero(model)
-            model.to(device)
-            x = torch.randint(0, benchmark.VOCAB, (batch, seq_len), device=device)
-            results.append(grads_of_step(model, x))
-    (logits, grads), (f_logits, f_grads) = results
-    logit_diff = (f_logits - logits).abs().max().item()
-    grad_rel = max(((f_grads[n] - g).abs().max() / g.abs().max().clamp_min(1e-30)).item()
-                   for n, g in grads.items())
-    return {"logits_max_abs_diff": logit_diff, "grads_max_rel_diff": grad_rel,
-            "tolerance": FUSED_FP32_TOL,
-            "ok": logit_diff <= FUSED_FP32_TOL and grad_rel <= FUSED_FP32_TOL}
-
-
 def core_graphs_agree(kind: str, sizes: dict, batch: int, seq_len: int,
                       device: torch.device) -> dict:
     """Two forward/backward steps (dropout 0.1, same seed) eager and under the core's CUDA
@@ -196,12 +136,12 @@ def core_graphs_agree(kind: str, sizes: dict, batch: int, seq_len: int,
     return {"captured": captured, "bitwise_equal": equal, "ok": captured and equal}
 
 
-def step_graph_agree(core: str, precision: str, device: torch.device) -> dict:
+def step_graph_agree(precision: str, device: torch.device) -> dict:
     """scripts/step_graph_check.py's comparison: whole-step graphs against eager training,
     bit for bit, at the main job's widths (dropout 0.1, a shape change, clipping)."""
     import step_graph_check
 
-    with tempfile.TemporaryDirectory() as tmp, env_vars(FBTRAIN_CORE=core):
+    with tempfile.TemporaryDirectory() as tmp:
         row = step_graph_check.check(Path(tmp), device, precision, step_graph_check.MAIN)
     row["ok"] = bool(row["bitwise_equal"] and row["captured"])
     return row
@@ -214,35 +154,22 @@ def run_correctness(data: dict, device: torch.device, budget: Budget) -> tuple[s
     sizes = benchmark.SIZES if cuda else TOY_SIZES
     cases = ([(k, n) for k in ("feedback_kv", "feedback") for n in ("none", "layernorm")]
              if cuda else [("feedback_kv", "none"), ("feedback", "layernorm")])
-    fused_why = fused_unavailable(device)
     units: list[tuple[str, Callable[[], dict], float]] = []
-    # On the CPU (the fused core in Triton's interpreter) a short batch keeps it quick.
     shape = (4, 24) if cuda else (2, 6)
-    # On the CPU one case of each kind, the other kind's on the fused core (the stand-in
-    # runs the code paths, within a test's time).
-    for kind, norm in cases if cuda else cases[1:]:
+    for kind, norm in cases:
         units.append((f"aten_float64/{kind}/memory_norm={norm}", lambda k=kind, n=norm:
-                      _exact("auto", k, n, device, sizes, shape), 3.0))
-    for kind, norm in cases if cuda else cases[:1]:
-        units.append((f"fused_float64/{kind}/memory_norm={norm}", lambda k=kind, n=norm:
-                      _exact("fused", k, n, device, sizes, shape), 10.0))
-    units.append(("fused_float32_vs_aten", lambda: fused_agreement(
-        device, gpu_sizes if cuda else TOY_SIZES, 16 if cuda else 2, 64 if cuda else 4), 10.0))
+                      _exact(k, n, device, sizes, shape), 3.0))
     if cuda:
         for kind in ("feedback_kv", "feedback"):
             units.append((f"core_graphs_bitwise/{kind}", lambda k=kind: core_graphs_agree(
                 k, gpu_sizes, 16, 64, device), 10.0))
-        for core, precision in (("auto", "fp32"), ("auto", "bf16"), ("fused", "fp32")):
-            units.append((f"step_graph_bitwise/{core}/{precision}", lambda c=core, p=precision:
-                          step_graph_agree(c, p, device), 15.0))
+        for precision in ("fp32", "bf16"):
+            units.append((f"step_graph_bitwise/{precision}", lambda p=precision:
+                          step_graph_agree(p, device), 15.0))
     else:
         data["core_graphs_bitwise"] = data["step_graph_bitwise"] = NEEDS_CUDA
     passed = failed = 0
     for name, fn, need in units:
-        if "fused" in name and fused_why is not None:
-            data[name] = f"not run: {fused_why}"
-            failed += cuda  # on a GPU the fused core must run
-            continue
         if not budget.allows(need):
             data[name] = SKIPPED
             continue
@@ -257,18 +184,14 @@ def run_correctness(data: dict, device: torch.device, budget: Budget) -> tuple[s
         failed += not ok
     skipped = sum(v == SKIPPED for v in data.values())
     summary = f"{passed} checks passed, {failed} failed, {skipped} skipped: budget"
-    if fused_why is not None:
-        summary += f"; fused core not run ({fused_why})"
     return ("FAIL" if failed else "PASS"), summary
 
 
-def _exact(core: str, kind: str, norm: str, device: torch.device, sizes: dict,
+def _exact(kind: str, norm: str, device: torch.device, sizes: dict,
            shape: tuple[int, int]) -> dict:
-    """Largest |fbtrain - reference| in float64 of ``kind`` on ``core`` on a batch of
-    ``shape``, against 1e-9."""
-    with path_env(core, "0"):
-        if core == "fused" and not fused_runs():
-            return {"ok": False, "error": "FBTRAIN_CORE=fused ran another core here"}
+    """Largest |fbtrain - reference| in float64 of ``kind`` on the C++ core's ATen path (its
+    CPU loops on the stand-in) on a batch of ``shape``, against 1e-9."""
+    with path_env("auto", "0"):
         diff = benchmark.check_exact(kind, device=device, sizes={**sizes, "memory_norm": norm},
                                      shape=shape)
     return {"max_abs_diff": diff, "ok": diff < 1e-9}
@@ -308,8 +231,6 @@ def speed_row(kind: str, sizes: dict, batch: int, seq_len: int, device: torch.de
     core, graphs_value = PATHS[path]
     graphs.release()  # this row's captures alone
     with path_env(core, graphs_value):
-        if core == "fused" and not fused_runs():
-            return {"error": "FBTRAIN_CORE=fused ran another core here"}
         step, captured = _step_fn(kind, sizes, batch, seq_len, device, precision,
                                   graphs_value)
         for _ in range(3):  # warm-up: allocations, compiles, the first step of a capture
@@ -346,7 +267,6 @@ def run_speed(data: dict, device: torch.device, budget: Budget, repeats: int,
     left after it. Launches and kernels are profiled at the first batch only (they do not
     depend on the batch; a profile of tens of thousands of kernels takes seconds)."""
     cuda = device.type == "cuda"
-    fused_why = fused_unavailable(device) if cuda else None
     if cuda:
         configs = {"gpu.yaml": config_sizes(GPU_CONFIG),
                    "main job": config_sizes(MAIN_CONFIG)}
@@ -362,9 +282,6 @@ def run_speed(data: dict, device: torch.device, budget: Budget, repeats: int,
             for pname, precision in precisions:
                 for path in paths:
                     key = f"{label}/T={seq_len}/batch={batch}/{pname}/{path}"
-                    if path.startswith("fused") and fused_why is not None:
-                        rows[key] = f"not run: {fused_why}"
-                        continue
                     if not budget.allows((15.0 if cuda else 1.0) + reserve_s):
                         rows[key] = SKIPPED
                         continue

@@ -23,15 +23,6 @@ C++ by ``fbtrain::forward_sweep`` / ``fbtrain::backward_sweep``), ``core other``
 of the core's ops: set-up, recorded LayerNorms, the weight-gradient matmuls) and ``rest``
 (embedding, logits, loss, autograd's copies, the optimizer step).
 
-The fused core (``--core fused``, ``$FBTRAIN_CORE=fused``) runs its Triton kernels in
-Triton's interpreter here (``TRITON_INTERPRET=1``, set here): each launch of a Triton kernel
-is one kernel (``triton::<name>``; the interpreter's own ATen calls below it are not
-counted), and since its calls carry no sweep marks of their own, its ``forward sweep`` and
-``backward sweep`` are the whole forward and backward calls of the core (set-up and
-weight-gradient matmuls included). Triton fixes its mode when it is first imported, so
-where this process's Triton compiles (or is not imported yet), that count runs in a child
-process started with ``TRITON_INTERPRET=1`` (``--worker``).
-
 Host launches (``--graphed``): with one CUDA graph per shape (``FBTRAIN_CUDA_GRAPHS=1``,
 ``fbtrain.models.core.graphs.GraphedCore``), the host queues one replay for all the kernels
 a captured call runs, plus the copies into the graph's static inputs and the clones out
@@ -58,8 +49,8 @@ measurement.
 
     python scripts/launch_count.py                      # feedback_kv, B 16, T 64, D 128, L 4
     python scripts/launch_count.py --kind feedback --dropout 0.1 --json counts.json
-    python scripts/launch_count.py --core fused --graphed
-    python scripts/launch_count.py --core fused --step-graph --tiny
+    python scripts/launch_count.py --graphed
+    python scripts/launch_count.py --step-graph --tiny
     python scripts/launch_count.py --table              # both kinds, dropout, eager/graphed
 """
 
@@ -80,9 +71,6 @@ import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
-
-import fused_compile  # noqa: E402  (scripts/: whether this process's Triton interprets)
 
 from fbtrain.config import ModelConfig, TrainConfig  # noqa: E402
 from fbtrain.models import build_model  # noqa: E402
@@ -129,8 +117,6 @@ SWEEP_MARKS = {"fbtrain::forward_sweep": "forward sweep",
 CORE_OPS = ("fbtrain::core_forward", "fbtrain::core_backward", "fbtrain::core_call")
 CORE_MARK = "fbtrain::core_call"  # around a core call made here (the graphs' copies are in it)
 GRAPH_REPLAY = "fbtrain::graph_replay"  # the CPU stand-in of one cudaGraphLaunch
-TRITON_PREFIX = "triton::"  # one launch of a Triton kernel (launch_marks)
-CORES = ("aten", "fused")
 TINY_WIDTHS = dict(d_model=16, n_heads=2, d_ff=32)
 
 
@@ -165,15 +151,12 @@ def count_events(events) -> dict:
     def launching(event, inside: bool = False, replayed: bool = False,
                   device_reads: bool = False) -> bool:
         """Counts ``event``'s own launch where it has one; True if it or an op below does.
-        ``inside``: the event runs inside one of ONE_KERNEL or a Triton kernel (not
-        counted); ``replayed``: inside a GRAPH_REPLAY (a kernel, but no host launch);
-        ``device_reads``: inside one of DEVICE_READS (no sync counted)."""
+        ``inside``: the event runs inside one of ONE_KERNEL (not counted); ``replayed``:
+        inside a GRAPH_REPLAY (a kernel, but no host launch); ``device_reads``: inside one
+        of DEVICE_READS (no sync counted)."""
         if inside:
             return True
         name = event.name
-        if name.startswith(TRITON_PREFIX):
-            count(event, replayed)
-            return True
         if name == GRAPH_REPLAY:
             host[section_of(event)][name] += 1
             replayed = True
@@ -248,48 +231,17 @@ class MarkedCore:
 
 
 @contextlib.contextmanager
-def launch_marks() -> Iterator[None]:
-    """Every launch of a Triton kernel (compiled or interpreted) under a profiler mark
-    ``triton::<kernel name>`` while the block runs (nothing where Triton is missing)."""
-    try:
-        from triton.runtime.interpreter import InterpretedFunction
-        from triton.runtime.jit import JITFunction
-    except ImportError:
-        yield
-        return
-
-    def marked(run):
-        def run_marked(self, *args, grid, warmup, **kwargs):
-            if warmup:
-                return run(self, *args, grid=grid, warmup=warmup, **kwargs)
-            name = getattr(self, "__name__", None) or self.fn.__name__
-            with torch.profiler.record_function(TRITON_PREFIX + name):
-                return run(self, *args, grid=grid, warmup=warmup, **kwargs)
-        return run_marked
-
-    with contextlib.ExitStack() as stack:
-        for cls in (JITFunction, InterpretedFunction):
-            stack.enter_context(mock.patch.object(cls, "run", marked(cls.run)))
-        yield
-
-
-@contextlib.contextmanager
-def core_setting(core: str, graphed: bool) -> Iterator[None]:
-    """The core the count runs: the ATen path (``aten``: the C++ core with
-    ``FBTRAIN_CORE_ATEN=1``) or the fused core in Triton's interpreter (``fused``), behind
-    GraphedCore with ReplayStandIn where ``graphed`` (and whole-step graphs, where used, with
-    StepReplayStandIn). Its calls are marked CORE_MARK (the
-    graphs' copies are in it), and a core other than the C++ one (which marks its own
-    sweeps) has its calls marked as the sweeps, inside any graph."""
-    from fbtrain.models.core import autograd, graphs, native
+def core_setting(graphed: bool) -> Iterator[None]:
+    """The core the count runs: the ATen path (the C++ core with ``FBTRAIN_CORE_ATEN=1``),
+    behind GraphedCore with ReplayStandIn where ``graphed`` (and whole-step graphs, where
+    used, with StepReplayStandIn). Its calls are marked CORE_MARK (the graphs' copies are in
+    it); the C++ core marks its own sweeps."""
+    from fbtrain.models.core import autograd, graphs
     from fbtrain.train import step_graph
 
-    env = ({"FBTRAIN_CORE_ATEN": "1", "FBTRAIN_CORE": "auto"} if core == "aten" else
-           {"FBTRAIN_CORE": "fused", "TRITON_INTERPRET": "1"})
+    env = {"FBTRAIN_CORE_ATEN": "1", "FBTRAIN_CORE": "auto"}
 
     def wrap(inner, like):
-        if inner is not native.NativeCore:
-            inner = MarkedCore(inner, ("fbtrain::forward_sweep", "fbtrain::backward_sweep"))
         return MarkedCore(graphs.GraphedCore(inner) if graphed else inner,
                           (CORE_MARK, CORE_MARK))
 
@@ -298,29 +250,24 @@ def core_setting(core: str, graphed: bool) -> Iterator[None]:
         stack.enter_context(mock.patch.object(autograd, "maybe_graphed", wrap))
         stack.enter_context(mock.patch.object(graphs, "_Graph", ReplayStandIn))
         stack.enter_context(mock.patch.object(step_graph, "_StepGraph", StepReplayStandIn))
-        stack.enter_context(launch_marks())
         yield
 
 
 def count_step(kind: str = "feedback_kv", batch: int = 16, seq_len: int = 64,
                dropout: float = 0.0, sizes: dict | None = None,
-               optimizer: bool = True, core: str = "aten", graphed: bool = False,
+               optimizer: bool = True, graphed: bool = False,
                step_graph: bool = False) -> dict:
     """Profile one training step (forward, cross-entropy, backward, AdamW step) of ``kind``
-    on ``core`` (:func:`core_setting`) after one warm-up step; :func:`count_events` of it,
+    on the ATen path (:func:`core_setting`) after one warm-up step; :func:`count_events` of it,
     plus the step's token-layer count under ``"token_layers"``. ``step_graph``: the
     trainer's whole-step graphs instead (:func:`whole_step`; the core ungraphed inside)."""
     sizes = {k: v for k, v in {**SIZES, **(sizes or {})}.items() if k != "dropout"}
     if step_graph and (graphed or not optimizer):
         raise ValueError("a whole-step graph holds the core and the optimizer step")
-    if core == "fused" and not fused_compile.triton_interpreting():
-        return _count_in_child(dict(kind=kind, batch=batch, seq_len=seq_len, dropout=dropout,
-                                    sizes=sizes, optimizer=optimizer, core=core,
-                                    graphed=graphed, step_graph=step_graph))
     saved = torch.get_num_threads()
     torch.set_num_threads(1)  # one shard, as on a GPU
     try:
-        with core_setting(core, graphed):
+        with core_setting(graphed):
             torch.manual_seed(0)
             model = build_model(ModelConfig(kind=kind, dropout=dropout, **sizes), VOCAB)
             model.train()
@@ -363,34 +310,6 @@ def whole_step(model, opt, x):
     return lambda: graphs.step(x, x, 1e-4)
 
 
-def _count_in_child(kwargs: dict) -> dict:
-    """:func:`count_step` in a child process whose Triton interprets (TRITON_INTERPRET=1
-    from its start): the counts, Counters again."""
-    import subprocess
-
-    proc = subprocess.run([sys.executable, __file__, "--worker"], input=json.dumps(kwargs),
-                          capture_output=True, text=True,
-                          env={**os.environ, "TRITON_INTERPRET": "1"})
-    if proc.returncode != 0:
-        raise RuntimeError(f"counting the fused core failed: "
-                           f"{proc.stderr.strip().splitlines()[-3:]}")
-    raw = json.loads(proc.stdout.strip().splitlines()[-1])
-    counts = {key: {sec: collections.Counter(c) for sec, c in raw[key].items()}
-              for key in ("launches", "host_launches", "syncs")}
-    counts["token_layers"] = raw["token_layers"]
-    return counts
-
-
-def _worker() -> int:
-    """The child of :func:`_count_in_child`: count_step's keywords (JSON on stdin) -> its
-    counts (JSON, one line)."""
-    kwargs = json.loads(sys.stdin.read())
-    if not fused_compile.triton_interpreting():  # (else count_step would start another)
-        raise SystemExit("error: the worker's Triton does not interpret (TRITON_INTERPRET)")
-    print(json.dumps(count_step(**kwargs)))
-    return 0
-
-
 def summary(counts: dict, us_per_launch: float) -> dict:
     """Totals per section and per token-layer, host launches, syncs, and the modelled
     launch-bound floor (host launches x ``us_per_launch``)."""
@@ -413,7 +332,7 @@ def summary(counts: dict, us_per_launch: float) -> dict:
 
 def core_per_token_layer(s: dict) -> float:
     """The core's kernels per token-layer, forward and backward together (its sweeps and
-    its other calls): the figure the fused core's target of 8 is about."""
+    its other calls)."""
     per = s["per_token_layer"]
     return per["forward sweep"] + per["backward sweep"] + per["core other"]
 
@@ -421,30 +340,26 @@ def core_per_token_layer(s: dict) -> float:
 TABLE_ROWS = [(kind, dropout) for kind in ("feedback_kv", "feedback") for dropout in (0.0, 0.1)]
 
 
-def table(cores: tuple[str, ...], batch: int, seq_len: int, sizes: dict | None = None,
+def table(batch: int, seq_len: int, sizes: dict | None = None,
           us_per_launch: float = 5.0, out=print) -> list[dict]:
-    """The before/after table: per core, kind and dropout, the kernels per token-layer
+    """The table: per kind and dropout, the kernels per token-layer
     (forward sweep, backward sweep, whole step) and the host launches per step, eager and
     graphed. Prints a markdown row per entry as it is counted; returns the rows."""
-    out("| core | kind | dropout | fwd sweep / token-layer | bwd sweep / token-layer | "
+    out("| kind | dropout | fwd sweep / token-layer | bwd sweep / token-layer | "
         "core / token-layer | step / token-layer | kernels / step | host launches / step, "
         "eager | host launches / step, graphed |")
-    out("|---|---|---|---|---|---|---|---|---|---|")
+    out("|---|---|---|---|---|---|---|---|---|")
     rows = []
-    for core in cores:
-        for kind, dropout in TABLE_ROWS:
-            eager = summary(count_step(kind, batch, seq_len, dropout, sizes, core=core),
-                            us_per_launch)
-            graphed = summary(count_step(kind, batch, seq_len, dropout, sizes, core=core,
-                                         graphed=True), us_per_launch)
-            per = eager["per_token_layer"]
-            row = {"core": core, "kind": kind, "dropout": dropout, "eager": eager,
-                   "graphed": graphed}
-            rows.append(row)
-            out(f"| {core} | {kind} | {dropout:g} | {per['forward sweep']:.1f} | "
-                f"{per['backward sweep']:.1f} | {core_per_token_layer(eager):.1f} | "
-                f"{eager['per_token_layer_total']:.1f} | {eager['launches_total']} | "
-                f"{eager['host_launches_total']} | {graphed['host_launches_total']} |")
+    for kind, dropout in TABLE_ROWS:
+        eager = summary(count_step(kind, batch, seq_len, dropout, sizes), us_per_launch)
+        graphed = summary(count_step(kind, batch, seq_len, dropout, sizes, graphed=True),
+                          us_per_launch)
+        per = eager["per_token_layer"]
+        rows.append({"kind": kind, "dropout": dropout, "eager": eager, "graphed": graphed})
+        out(f"| {kind} | {dropout:g} | {per['forward sweep']:.1f} | "
+            f"{per['backward sweep']:.1f} | {core_per_token_layer(eager):.1f} | "
+            f"{eager['per_token_layer_total']:.1f} | {eager['launches_total']} | "
+            f"{eager['host_launches_total']} | {graphed['host_launches_total']} |")
     return rows
 
 
@@ -452,9 +367,6 @@ def main() -> int:
     """Print (and optionally write) the counts of one step, or the before/after table."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--kind", default="feedback_kv", choices=("feedback_kv", "feedback"))
-    parser.add_argument("--core", default="aten", choices=(*CORES, "all"),
-                        help="the C++ core's ATen path (default) or the fused core, "
-                             "interpreted")
     parser.add_argument("--graphed", action="store_true",
                         help="host launches with one CUDA graph per shape (a replay: one)")
     parser.add_argument("--step-graph", action="store_true",
@@ -462,11 +374,10 @@ def main() -> int:
                              "(FBTRAIN_CUDA_GRAPHS=step: the trainer's StepGraphs)")
     parser.add_argument("--table", action="store_true",
                         help="both kinds, dropout 0 and 0.1, eager and graphed: one "
-                             "markdown row each (--core all: both cores)")
+                             "markdown row each")
     parser.add_argument("--tiny", action="store_true",
                         help=f"count at tiny widths and batch 2 ({TINY_WIDTHS}): the same "
-                             "counts (they follow the steps and layers alone), much faster "
-                             "for the interpreted fused core")
+                             "counts (they follow the steps and layers alone), faster")
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--dropout", type=float, default=0.0)
@@ -474,30 +385,23 @@ def main() -> int:
                         help="modelled host cost of one kernel launch (microseconds)")
     parser.add_argument("--top", type=int, default=12, help="ops listed per section")
     parser.add_argument("--json", type=Path)
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.worker:
-        return _worker()
-    if args.core == "all" and not args.table:
-        parser.error("--core all is for --table; one count takes aten or fused")
     if args.step_graph and (args.graphed or args.table):
         parser.error("--step-graph counts one step; it is neither --graphed nor --table")
     sizes, batch = ({**SIZES, **TINY_WIDTHS}, 2) if args.tiny else (SIZES, args.batch)
     if args.table:
         print(f"batch {batch}, length {args.seq_len}, sizes {sizes}: one training step")
-        result = table(tuple(CORES) if args.core == "all" else (args.core,), batch,
-                       args.seq_len, sizes, us_per_launch=args.us_per_launch,
+        result = table(batch, args.seq_len, sizes, us_per_launch=args.us_per_launch,
                        out=lambda line: print(line, flush=True))
     else:
         counts = count_step(args.kind, batch, args.seq_len, args.dropout, sizes,
-                            core=args.core, graphed=args.graphed, step_graph=args.step_graph)
+                            graphed=args.graphed, step_graph=args.step_graph)
         result = s = summary(counts, args.us_per_launch)
         mode = ("the whole step graphed (one replay per step)" if args.step_graph else
                 "graphed (one replay per captured call)" if args.graphed else "eager")
-        where = ("the ATen path (FBTRAIN_CORE_ATEN=1, 1 shard)" if args.core == "aten" else
-                 "the fused core (Triton's interpreter, FBTRAIN_CORE=fused)")
         print(f"{args.kind}, batch {batch}, length {args.seq_len}, dropout "
-              f"{args.dropout}, sizes {sizes}: one training step on {where}, {mode}")
+              f"{args.dropout}, sizes {sizes}: one training step on the ATen path "
+              f"(FBTRAIN_CORE_ATEN=1, 1 shard), {mode}")
         print(f"  {'section':16s} {'launches':>9s} {'/token-layer':>13s} {'host launches':>14s} "
               f"{'host syncs':>11s}")
         for sec in SECTIONS:

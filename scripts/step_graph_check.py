@@ -1,8 +1,7 @@
 """Whole-step CUDA graphs (FBTRAIN_CUDA_GRAPHS=step) against eager training on a GPU: one
 prepared check for a first GPU run, a minute or two.
 
-For each core that runs here (the default and FBTRAIN_CORE=fused) and each precision
-(fp32, and bf16 autocast where the GPU has it): a run trains STEPS steps eagerly
+For each precision (fp32, and bf16 autocast where the GPU has it): a run trains STEPS steps eagerly
 (``train_step``) and a second, from the same seed, through the step graphs
 (``graphed_train_step``), at the main job's widths with dropout 0.1, clipping, a shape change
 after three steps and a float32-exact learning rate; the two must agree bit for bit (every
@@ -25,12 +24,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import random
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -44,7 +41,6 @@ from fbtrain.checkpoint.files import CheckpointManager  # noqa: E402
 from fbtrain.config import config_from_dict  # noqa: E402
 from fbtrain.device import autocast_dtype  # noqa: E402
 from fbtrain.distributed import DistContext  # noqa: E402
-from fbtrain.models.core.select import fused_unavailable  # noqa: E402
 from fbtrain.train import step_graph  # noqa: E402
 from fbtrain.train.setup import Run, set_up  # noqa: E402
 from fbtrain.train.signals import StopSignals  # noqa: E402
@@ -180,12 +176,6 @@ def check(tmp: Path, device: torch.device, precision: str, sizes: dict) -> dict[
     return row
 
 
-@contextlib.contextmanager
-def core_env(core: str) -> Iterator[None]:
-    with mock.patch.dict(os.environ, {"FBTRAIN_CORE": core}):
-        yield
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", type=Path, help="also write the report here")
@@ -199,7 +189,6 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda" if cuda else "cpu")
     sizes = MAIN if cuda else TOY
     precisions = ["fp32"] + (["bf16"] if autocast_dtype("auto", device) else [])
-    cores = ["auto"] + (["fused"] if cuda and fused_unavailable() is None else [])
     if not cuda:
         print("no CUDA: the CPU stand-in at toy sizes (its figures mean nothing)", flush=True)
     report: dict[str, Any] = {"device": torch.cuda.get_device_name(device) if cuda else "cpu",
@@ -208,19 +197,15 @@ def main(argv: list[str] | None = None) -> int:
                 mock.patch.object(step_graph, "_StepGraph", ReplayStandIn))
     failed = False
     with stand_in, tempfile.TemporaryDirectory() as tmp:
-        for core in cores:
-            for precision in precisions:
-                key = f"{core}/{precision}"
-                with core_env(core):
-                    try:
-                        row = check(Path(tmp) / key.replace("/", "-"), device, precision,
-                                    sizes)
-                    except Exception as e:  # a failed pair is reported, the rest still run
-                        row = {"error": f"{type(e).__name__}: {e}"}
-                report["rows"][key] = row
-                ok = row.get("bitwise_equal") and row.get("captured")
-                failed |= not ok
-                print(f"{key}: {'ok' if ok else 'FAILED'} {json.dumps(row)}", flush=True)
+        for precision in precisions:
+            try:
+                row = check(Path(tmp) / precision, device, precision, sizes)
+            except Exception as e:  # a failed pair is reported, the rest still run
+                row = {"error": f"{type(e).__name__}: {e}"}
+            report["rows"][precision] = row
+            ok = row.get("bitwise_equal") and row.get("captured")
+            failed |= not ok
+            print(f"{precision}: {'ok' if ok else 'FAILED'} {json.dumps(row)}", flush=True)
     if args.json:
         args.json.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
     return 1 if failed else 0

@@ -47,7 +47,7 @@ def broken_build(monkeypatch, fresh_resolution) -> native.CoreBuildError:
     return error
 
 
-@pytest.mark.parametrize("value", ["", "auto", "native", "python", " Python ", "fused"])
+@pytest.mark.parametrize("value", ["", "auto", "native", "python", " Python "])
 def test_core_choice_accepts(value, monkeypatch):
     monkeypatch.setenv("FBTRAIN_CORE", value)
     assert select.core_choice() == (value.strip().lower() or "auto")
@@ -61,7 +61,7 @@ def test_invalid_core_choice_is_one_clear_line(monkeypatch):
         build_model(ModelConfig(kind="feedback_kv", d_model=16, n_heads=2, d_ff=24,
                                 n_layers=1), 11)
     assert str(info.value) == ("FBTRAIN_CORE='fast' is not a core; use one of auto, native, "
-                               "python, fused")
+                               "python")
     assert isinstance(info.value, UserError)
 
 

@@ -19,11 +19,6 @@ from fbtrain.models.core.autograd import flatten_layers  # noqa: E402
 from fbtrain.models.core.native import NativeCore  # noqa: E402
 from fbtrain.models.core.spec import CoreInputs, CoreSpec  # noqa: E402
 
-try:
-    import triton.language as tl
-except ImportError:  # the tests that launch Triton kernels skip
-    tl = None
-
 TINY = dict(d_model=8, n_heads=2, d_ff=16, n_layers=1, max_rel_pos=16)
 
 # One attending token-layer of feedback_kv (one layer, no dropout, no key/value bias) on the
@@ -135,40 +130,6 @@ def test_aten_path_reads_no_tensor_on_the_host(kind):
     assert [g.shape for g in grads.layers] == [t.shape for t in inputs.layers]
 
 
-def _scaled_add(x_ptr, r_ptr, w_ptr, out_ptr, D: tl.constexpr):
-    """out = (x + r) * w, one row of D per program (``triton.jit``-ed in the test; only
-    Triton builtins, which its interpreter runs in a process that imported Triton to
-    compile)."""
-    row = tl.program_id(0)
-    cols = tl.arange(0, D)
-    x = tl.load(x_ptr + row * D + cols) + tl.load(r_ptr + row * D + cols)
-    tl.store(out_ptr + row * D + cols, x * tl.load(w_ptr + cols))
-
-
-def test_each_triton_launch_is_one_kernel_and_nothing_below_it_counts(monkeypatch):
-    """Three launches of an interpreted Triton kernel inside a sweep mark: three kernels of
-    that sweep, none of the interpreter's own ATen calls, and each one host launch."""
-    triton = pytest.importorskip("triton", reason="Triton is not installed")
-    from torch.profiler import ProfilerActivity, profile, record_function
-
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    kernel = triton.jit(_scaled_add)
-    D = 16
-    x, r = torch.randn(4, D, dtype=torch.float64), torch.randn(4, D, dtype=torch.float64)
-    w = torch.randn(D, dtype=torch.float64)
-    out = torch.empty_like(x)
-    with (launch_count.launch_marks(), profile(activities=[ProfilerActivity.CPU]) as prof,
-          record_function("fbtrain::forward_sweep")):
-        for _ in range(3):
-            kernel[(4,)](x, r, w, out, D=D)
-        torch.add(x, r)  # and one ATen kernel beside them
-    assert torch.equal(out, (x + r) * w)  # the interpreter really ran it
-    counts = launch_count.count_events(prof.events())
-    assert counts["launches"]["forward sweep"] == {"triton::_scaled_add": 3, "aten::add": 1}
-    assert counts["host_launches"]["forward sweep"] == counts["launches"]["forward sweep"]
-    assert not any(counts["launches"][s] for s in ("backward sweep", "core other", "rest"))
-
-
 def test_graphed_step_queues_one_host_launch_per_captured_call():
     """With one CUDA graph per shape (the CPU stand-in of GraphedCore's replay), the sweeps'
     kernels still run on the device but the host queues one replay per core call, plus the
@@ -194,41 +155,6 @@ def test_graphed_step_queues_one_host_launch_per_captured_call():
     assert s["launch_bound_floor_ms"] == pytest.approx(s["host_launches_total"] * 5e-3)
 
 
-def _fused_or_skip() -> None:
-    pytest.importorskip("triton", reason="Triton is not installed")
-    try:
-        from fbtrain.models.core import fused  # noqa: F401
-    except ImportError as e:
-        pytest.skip(f"the fused core is not on this branch ({e})")
-
-
-@pytest.mark.parametrize("kind", ["feedback_kv", "feedback"])
-def test_fused_core_runs_at_most_8_kernels_a_token_layer(kind):
-    """The fused core (interpreted), with dropout: one more step adds at most 8 kernels per
-    layer to its forward and backward together, it makes no host sync, and graphed the host
-    queues one replay per core call."""
-    _fused_or_skip()
-    sizes = {**TINY, "n_layers": 2}
-
-    def count(seq_len: int, graphed: bool = False) -> dict:
-        return launch_count.count_step(kind, batch=3, seq_len=seq_len, sizes=sizes,
-                                       dropout=0.1, optimizer=False, core="fused",
-                                       graphed=graphed)
-
-    short, long = count(3), count(4)
-    added = sum(sum(long["launches"][s].values()) - sum(short["launches"][s].values())
-                for s in ("forward sweep", "backward sweep", "core other"))
-    assert 0 < added <= 8 * sizes["n_layers"]
-    assert any(op.startswith(launch_count.TRITON_PREFIX)
-               for op in long["launches"]["forward sweep"])
-    assert not any(sum(long["syncs"][s].values()) for s in ("forward sweep", "backward sweep"))
-    graphed = count(4, graphed=True)
-    for sec in ("forward sweep", "backward sweep"):
-        assert graphed["launches"][sec] == long["launches"][sec]
-    replays = sum(c[launch_count.GRAPH_REPLAY] for c in graphed["host_launches"].values())
-    assert replays == 2
-
-
 def _queued(counts: dict, key: str) -> dict[str, collections.Counter]:
     """The sections of ``counts[key]`` that hold anything."""
     return {sec: c for sec, c in counts[key].items() if c}
@@ -252,15 +178,3 @@ def test_whole_step_graph_queues_a_handful_of_launches_and_reads_once():
         assert counts["launches"]["rest"]["aten::_fused_adamw_"] == 2  # its two groups
     s = launch_count.summary(counts, 5.0)
     assert s["host_launches_total"] == sum(STEP_GRAPH_HOST.values()) <= STEP_GRAPH_TARGET
-
-
-def test_fused_core_whole_step_graph_queues_the_same_handful():
-    """The fused core (interpreted) inside a whole-step graph: its Triton kernels run in the
-    replay, and the host queues what it queues for the ATen path."""
-    _fused_or_skip()
-    counts = launch_count.count_step(batch=3, seq_len=4, sizes={**TINY, "n_layers": 2},
-                                     dropout=0.1, core="fused", step_graph=True)
-    assert _queued(counts, "host_launches") == {"rest": STEP_GRAPH_HOST}
-    assert _queued(counts, "syncs") == {"rest": {"fbtrain::host_sync": 1}}
-    assert any(op.startswith(launch_count.TRITON_PREFIX)
-               for op in counts["launches"]["forward sweep"])

@@ -217,7 +217,7 @@ def test_step_graphs_say_in_one_line_why_they_cannot_run(tmp_path, monkeypatch, 
             dataclasses.replace(run, **{"ctx": cuda, **change})) == why
     monkeypatch.setenv("FBTRAIN_CORE", "python")
     assert step_graph.step_graph_problem(dataclasses.replace(run, ctx=cuda)) == (
-        "the PyTorch core syncs with the host (it needs the C++ or the fused core)")
+        "the PyTorch core syncs with the host (it needs the C++ core)")
     # A model that runs no core (the transformer) does not need a capturable one.
     coreless = dataclasses.replace(run, ctx=cuda, raw_model=torch.nn.Linear(2, 2))
     assert step_graph.step_graph_problem(coreless) == ""
@@ -271,14 +271,14 @@ def test_the_gpu_check_script_runs_on_its_cpu_stand_in(tmp_path, monkeypatch, ca
 
     out = tmp_path / "check.json"
     assert step_graph_check.main(["--json", str(out)]) == 0
-    row = json.loads(out.read_text())["rows"]["auto/fp32"]
+    row = json.loads(out.read_text())["rows"]["fp32"]
     assert row["bitwise_equal"] and row["captured"] and row["eager_repeatable"]
     assert row["graphed_ms"] > 0 and row["eager_ms"] > 0
     monkeypatch.setattr(step_graph_check, "LR", 1e-3)
     assert step_graph_check.main(["--json", str(out)]) == 1
-    row = json.loads(out.read_text())["rows"]["auto/fp32"]
+    row = json.loads(out.read_text())["rows"]["fp32"]
     assert row["eager_repeatable"] and row["captured"] and not row["bitwise_equal"]
-    assert "auto/fp32: FAILED" in capsys.readouterr().out
+    assert "fp32: FAILED" in capsys.readouterr().out
     assert step_graph_check.main(["--require-cuda"]) == 1
     assert capsys.readouterr().err == "error: no CUDA device; this check is for a CUDA machine\n"
 

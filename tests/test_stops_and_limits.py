@@ -8,7 +8,6 @@ rank of two gloo processes.
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import resource
 import signal
@@ -174,14 +173,6 @@ def test_the_start_line_names_the_core_and_an_idle_switch_says_so(
     idle = (f"FBTRAIN_CUDA_GRAPHS={graphs} does nothing here: CUDA graphs need a CUDA device, "
             "and this run is on cpu")
     assert (idle in out) == (graphs != "0")
-
-
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
-def test_the_fused_core_in_the_interpreter_is_named_so(monkeypatch: pytest.MonkeyPatch) -> None:
-    """FBTRAIN_CORE=fused TRITON_INTERPRET=1 ran at 2 tokens/s under 'cpu (2 threads, fp32)'."""
-    monkeypatch.setenv("FBTRAIN_CORE", "fused")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert select.core_label(select.core()) == "fused core (Triton interpreter)"
 
 
 # ----------------------------------------------------------------------------- item 8

@@ -87,9 +87,9 @@ def has_core(run: Run) -> bool:
 
 
 def device_text(run: Run) -> str:
-    """``cpu (2 threads, fp32, C++ core)`` or ``cuda:0 (NVIDIA H200, bf16 autocast, fused
-    core (Triton))``: where, at what precision, and (feedback kinds) which core runs, as
-    $FBTRAIN_CORE chose it (an interpreter, far slower, must not look like the C++ core)."""
+    """``cpu (2 threads, fp32, C++ core)`` or ``cuda:0 (NVIDIA H200, bf16 autocast, C++
+    core)``: where, at what precision, and (feedback kinds) which core runs, as
+    $FBTRAIN_CORE chose it (the PyTorch core, far slower, must not look like the C++ one)."""
     dtype = {None: "fp32", torch.bfloat16: "bf16 autocast",
              torch.float16: "fp16 autocast"}[run.amp_dtype]
     if has_core(run):

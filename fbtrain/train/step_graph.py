@@ -95,8 +95,8 @@ def step_graph_problem(run: Run) -> str:
     if cfg.train.context != "reset":
         return f"train.context {cfg.train.context}'s memory changes shape between segments"
     chosen = core() if hasattr(run.raw_model, "core_params") else None  # a feedback kind's
-    if chosen not in (None, NativeCore) and not getattr(chosen, "capturable", False):
-        return "the PyTorch core syncs with the host (it needs the C++ or the fused core)"
+    if chosen not in (None, NativeCore):
+        return "the PyTorch core syncs with the host (it needs the C++ core)"
     if not all(group.get("fused") for group in run.optimizer.param_groups):
         return "the optimizer is not fused AdamW (it must read the learning rate on the device)"
     return ""
