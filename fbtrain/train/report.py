@@ -18,7 +18,6 @@ from fbtrain.config.kinds import model_kind
 from fbtrain.evaluate import LN2
 from fbtrain.metrics.console import fit_parts, format_duration
 from fbtrain.models import count_parameters
-from fbtrain.models.core.graphs import idle_graphs_note
 from fbtrain.models.core.select import core, core_label
 from fbtrain.train.batches import CarriedStreams
 
@@ -114,9 +113,6 @@ def announcement(run: Run, progress: Progress, resume_path: Path | None,
                  f"{cfg.model.n_heads} heads)")
     ranks = f" x {run.ctx.world_size} ranks (DDP)" if run.ctx.enabled else ""
     lines.append(f"device: {device_text(run)}{ranks}")
-    idle = idle_graphs_note(run.ctx.device, has_core(run))
-    if idle:
-        lines.append(idle)
     labelled = " (targets only where labelled; accuracy reported)" if data.labelled else ""
     lines.append(f"data: {data.n_tokens[0]:,} train / {data.n_tokens[1]:,} val "
                  f"{data.tokenizer.unit}s{labelled}, vocabulary {data.tokenizer.vocab_size}")

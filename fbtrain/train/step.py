@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -19,7 +20,6 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from fbtrain.device import autocast
 from fbtrain.distributed import DistContext
 from fbtrain.errors import EXIT_FAILED, TrainingError
 from fbtrain.models.state import MemoryState
@@ -49,23 +49,35 @@ class StepResult:
     accuracy: float | None = None  # over the scored targets, for a labelled dataset
 
 
-def train_step(run: Run, index: int, signals: StopSignals, last: Path) -> StepResult:
+MicroBatch = tuple[Tensor, Tensor, MemoryState | None]  # inputs, targets [rows, T], memory
+# The whole step as a CUDA graph (fbtrain.train.step_graph.StepGraphs): step_body and the
+# update for a step's micro-batches at a learning rate; the figures step_body returns.
+GraphedStep = Callable[[list[MicroBatch], float], Tensor]
+
+
+def train_step(run: Run, index: int, signals: StopSignals, last: Path,
+               graphs: GraphedStep | None = None) -> StepResult:
     """Train the step with 0-based ``index``. A non-finite loss stops it before the update
-    (a :class:`TrainingError` naming ``last``, the newest checkpoint, if there is one)."""
+    (a :class:`TrainingError` naming ``last``, the newest checkpoint, if there is one).
+
+    Eager, or through ``graphs``: the same body (:func:`step_body`), read, stop rules and
+    result; the graph makes the update itself, skipped on the device on the same test
+    :func:`check_finite` makes on the host."""
     seq_len, batch = run.curriculum.seq_len_at(index), run.curriculum.batch_size_at(index)
     start = time.perf_counter()
     lr = run.schedule.apply(run.optimizer, index)
     micro_batches = run.batches.micro_batches(seq_len, batch, run.ctx.device)
-    figures = read_figures(run, step_body(run, micro_batches), signals)
+    stats = step_body(run, micro_batches) if graphs is None else graphs(micro_batches, lr)
+    figures = read_figures(run, stats, signals)
     check_finite(run, index + 1, figures.loss, figures.grad_norm, last)
-    run.scaler.step(run.optimizer)  # skips the step if fp16 gradients overflowed
-    run.scaler.update()
+    if graphs is None:
+        run.scaler.step(run.optimizer)  # skips the step if fp16 gradients overflowed
+        run.scaler.update()
     tokens = sum(x.numel() for x, _, _ in micro_batches) * run.ctx.world_size
     return step_result(run, figures, lr, seq_len, batch, tokens, start)
 
 
-def step_body(run: Run, micro_batches: list[tuple[Tensor, Tensor, MemoryState | None]]
-              ) -> Tensor:
+def step_body(run: Run, micro_batches: list[MicroBatch]) -> Tensor:
     """Forward and backward over this rank's ``micro_batches`` (inputs and targets
     ``[rows, T]``, the memory each starts from), then the gradients unscaled and clipped:
     everything of a step but the update, with no read on the host.
@@ -85,7 +97,7 @@ def step_body(run: Run, micro_batches: list[tuple[Tensor, Tensor, MemoryState | 
         # DDP all-reduces gradients on the last micro-batch only.
         sync = micro == cfg.train.grad_accum - 1 or not ctx.enabled
         with contextlib.nullcontext() if sync else run.model.no_sync():
-            with autocast(cfg.run.precision, device):
+            with _autocast(run):
                 logits, new_state = run.model(x, state)
             ce_sum, _, right = score_sums(logits, y)
             loss = ce_sum / denominator
@@ -99,6 +111,15 @@ def step_body(run: Run, micro_batches: list[tuple[Tensor, Tensor, MemoryState | 
     accuracy = correct.float() / denominator
     return torch.stack([loss_sum.float(), grad_norm.float(), accuracy.float(), memory_rms,
                         scored.float()])
+
+
+def _autocast(run: Run) -> contextlib.AbstractContextManager:
+    """The run's autocast, without its cache of cast weights: the graphed step captures
+    this body, and cast copies cached during a capture would be the graph's, freed under it
+    (PyTorch's CUDA graph notes). The casts give the same values either way."""
+    if run.amp_dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(run.ctx.device.type, dtype=run.amp_dtype, cache_enabled=False)
 
 
 def clip_value(grad_clip: float) -> float:

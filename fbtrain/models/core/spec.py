@@ -198,11 +198,6 @@ class BackwardInputs(NamedTuple):
         """Every tensor, ``outputs`` and its tape spread out in place, ``layers`` last."""
         return tuple(flatten(self))
 
-    @classmethod
-    def from_flat(cls, flat: Sequence[Any], n_tape: int) -> BackwardInputs:
-        """The inverse of :meth:`flat`, given the tape's length."""
-        return unflatten(cls, flat, [n_tape])
-
 
 # Contract records nested in others, by field name.
 _NESTED: dict[str, type] = {"outputs": CoreOutputs}
