@@ -10,11 +10,11 @@ what each one decides):
   a_env          GPU, clocks, driver, torch, CUDA; a large copy's bandwidth, a large bf16
                  matmul's rate, an empty kernel's cost eager and as a graph node; the C++
                  core's build (gpu_check_env.py)
-  b_correctness  float64 against tests/reference.py on the ATen path; core graphs and
-                 whole-step graphs against eager, bit for bit (gpu_check_steps.py)
+  b_correctness  float64 against tests/reference.py on the ATen path; whole-step CUDA
+                 graphs against eager training, bit for bit (gpu_check_steps.py)
   c_speed        ms/step, tokens/s, host launches and kernels per step at the main job's
-                 and gpu.yaml's sizes, batch 32 and 512, bf16 and fp32, on every path
-                 (gpu_check_steps.py)
+                 and gpu.yaml's sizes, batch 32 and 512, bf16 and fp32, the trainer's
+                 step eager and graphed (gpu_check_steps.py)
   d_train        200 steps of configs/gpu.yaml in bf16 on generated text: the loss falls
   e_cuda_tests   ``pytest -m cuda`` (tests/test_on_cuda.py and every other cuda test)
 
@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     data = report.begin("b_correctness", "float64 vs reference, graphed vs eager")
     report.end(*gpu_check_steps.run_correctness(data, device, budget))
 
-    data = report.begin("c_speed", "ms/step and tokens/s on every path")
+    data = report.begin("c_speed", "ms/step and tokens/s, eager and graphed")
     # What sections d and e need after it, held back from c's rows.
     report.end(*gpu_check_steps.run_speed(data, device, budget, args.repeats if cuda else 1,
                                           reserve_s=LATER_SECTIONS_S if cuda else 0.0))

@@ -20,7 +20,7 @@ cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA
 @pytest.mark.cuda
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_whole_step_graphs_train_as_eager_does_bitwise(precision, tmp_path):
-    """Whole-step graphs (FBTRAIN_CUDA_GRAPHS=step) against eager training from one seed:
+    """Whole-step graphs (FBTRAIN_CUDA_GRAPHS=1) against eager training from one seed:
     captured, and every step's figures, weight and AdamW state equal bit for bit (dropout,
     clipping and a shape change included; scripts/step_graph_check.py's comparison)."""
     if precision == "bf16" and not torch.cuda.is_bf16_supported():
