@@ -57,16 +57,12 @@ train: install
 # checkpoint) may then fall outside its tolerance. MKL_ENABLE_INSTRUCTIONS does the same
 # for MKL's matmuls on an Intel CPU (MKL ignores it on an AMD one); the C++ core is
 # compiled -mavx2 -mfma on every x86 machine, so it does not change (its ATen calls do).
-# In: the fused core's float32 step against the C++ core (its kernels run in Triton's
-# interpreter on numpy, which the setting does not reach, but the C++ core's side moves).
-# Left out of the second pass: the fused core's launch counts (test_launches' *fused_core*,
-# counts, not floats), and the files whose checks compare a computation only with itself
+# Left out of the second pass: the files whose checks compare a computation only with itself
 # or hold no float result (checkpoint files and RNG streams, signals and locks, export
 # copies, the programs' generator): the same there under any dispatch.
 NUMERIC_TESTS := tests/test_models.py tests/test_cores.py tests/test_core_spec.py \
 	tests/test_batches.py tests/test_train.py tests/test_evaluate.py tests/test_sample.py \
-	tests/test_legacy_checkpoints.py tests/test_launches.py \
-	tests/test_fused_core.py::test_fused_float32_step_matches_the_cpp_core
+	tests/test_legacy_checkpoints.py tests/test_launches.py
 AVX2 := ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2
 # Test processes (pytest-xdist), each with one torch thread: on two cores two processes
 # of single-threaded tiny models keep both busy, where one process's threads mostly wait
@@ -86,7 +82,7 @@ test: dev
 	$(PYTEST)
 	@# Torch ignoring the setting would make the second pass a plain repeat: refuse that.
 	@$(AVX2) $(BIN)/python -c 'import sys, torch; c = torch.backends.cpu.get_cpu_capability(); print("again, dispatch held to", c); sys.exit(c == "AVX512")'
-	$(AVX2) $(PYTEST) $(NUMERIC_TESTS) -k 'not (test_launches and fused_core)'
+	$(AVX2) $(PYTEST) $(NUMERIC_TESTS)
 
 lint: dev
 	$(BIN)/ruff check .

@@ -18,7 +18,6 @@ from fbtrain.config.kinds import model_kind
 from fbtrain.evaluate import LN2
 from fbtrain.metrics.console import fit_parts, format_duration
 from fbtrain.models import count_parameters
-from fbtrain.models.core.graphs import idle_graphs_note
 from fbtrain.models.core.select import core, core_label
 from fbtrain.train.batches import CarriedStreams
 
@@ -87,9 +86,9 @@ def has_core(run: Run) -> bool:
 
 
 def device_text(run: Run) -> str:
-    """``cpu (2 threads, fp32, C++ core)`` or ``cuda:0 (NVIDIA H200, bf16 autocast, fused
-    core (Triton))``: where, at what precision, and (feedback kinds) which core runs, as
-    $FBTRAIN_CORE chose it (an interpreter, far slower, must not look like the C++ core)."""
+    """``cpu (2 threads, fp32, C++ core)`` or ``cuda:0 (NVIDIA H200, bf16 autocast, C++
+    core)``: where, at what precision, and (feedback kinds) which core runs, as
+    $FBTRAIN_CORE chose it (the PyTorch core, far slower, must not look like the C++ one)."""
     dtype = {None: "fp32", torch.bfloat16: "bf16 autocast",
              torch.float16: "fp16 autocast"}[run.amp_dtype]
     if has_core(run):
@@ -114,9 +113,6 @@ def announcement(run: Run, progress: Progress, resume_path: Path | None,
                  f"{cfg.model.n_heads} heads)")
     ranks = f" x {run.ctx.world_size} ranks (DDP)" if run.ctx.enabled else ""
     lines.append(f"device: {device_text(run)}{ranks}")
-    idle = idle_graphs_note(run.ctx.device, has_core(run))
-    if idle:
-        lines.append(idle)
     labelled = " (targets only where labelled; accuracy reported)" if data.labelled else ""
     lines.append(f"data: {data.n_tokens[0]:,} train / {data.n_tokens[1]:,} val "
                  f"{data.tokenizer.unit}s{labelled}, vocabulary {data.tokenizer.vocab_size}")

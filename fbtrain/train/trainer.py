@@ -49,7 +49,6 @@ from fbtrain.evaluate import loss_figures
 from fbtrain.inference import inference
 from fbtrain.metrics.logger import MetricsLogger, text_block
 from fbtrain.metrics.tensorboard import hparams_of
-from fbtrain.models.core.graphs import graphs_choice
 from fbtrain.rng import sample_generator, sample_seed
 from fbtrain.rundir import RunDirLock, write_run_files
 from fbtrain.rundir_checks import check_path_length, check_writable
@@ -59,7 +58,7 @@ from fbtrain.train.oom import is_allocation_failure, out_of_memory
 from fbtrain.train.setup import Progress, Run, Seams, checkpoint_payload, set_up
 from fbtrain.train.signals import EXIT_CODES, StopRequested, StopSignals
 from fbtrain.train.step import EXIT_NONFINITE, StepResult, TrainingError, train_step
-from fbtrain.train.step_graph import step_function
+from fbtrain.train.step_graph import graphs_requested, step_function
 
 EVAL_BATCH = 64  # validation windows per forward: no gradients, so wide batches are cheap
 
@@ -81,7 +80,7 @@ def run(cfg: Config, *, resume: str | None = None, quiet: bool = False,
     runs after each trained step, before its evaluation and save (for tests). ``seams``:
     how the data, the model and checkpoint files are made (:class:`Seams`; for harnesses).
     """
-    graphs_choice()  # a bad $FBTRAIN_CUDA_GRAPHS is refused before anything is made
+    graphs_requested()  # a bad $FBTRAIN_CUDA_GRAPHS is refused before anything is made
     with session(cfg.run.device) as ctx, matmul_precision(cfg.run.precision, ctx.device):
         trainer = Trainer(cfg, ctx, quiet=quiet, on_step=on_step, seams=seams)
         try:
@@ -202,7 +201,7 @@ class Trainer:
             self._evaluate_untrained(signals)
         elif self._evaluation_missed():
             self._catch_up_evaluation(signals)
-        # train_step, or its whole-step CUDA graphs where $FBTRAIN_CUDA_GRAPHS=step asks
+        # train_step, through whole-step CUDA graphs where $FBTRAIN_CUDA_GRAPHS asks
         step = step_function(self.run) if progress.step < max_steps else train_step
         while progress.step < max_steps:
             seq_len = plan.seq_len_at(progress.step)
