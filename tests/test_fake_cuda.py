@@ -45,21 +45,23 @@ def syncs_by_phase(report: dict[str, Any]) -> dict[str, Counter]:
     return phases
 
 
-def check_dtypes(report: dict[str, Any], precision: str) -> None:
+def check_dtypes(report: dict[str, Any], precision: str, feedback: bool = True) -> None:
     """The dtype flow: ``auto`` runs the head in bf16 and every float32 matmul (the core's)
     on TF32 tensor cores; ``fp32`` runs everything in IEEE float32. LayerNorm, softmax and
-    the loss take float32 either way."""
+    the loss take float32 either way. A feedback model's core (its matmuls, or under
+    inference_mode its whole op) takes float32."""
     rows = report["dtypes"]
     matmuls = [r for r in rows if r["op"] == "matmul"]
-    core = [r for r in matmuls if r["where"].startswith("fbtrain/models/core/")]
-    assert core, "no matmul of the core was recorded"
-    assert all(set(r["dtypes"]) == {"float32"} for r in core), core
+    core = [r for r in rows if r["op"] == "core" or
+            (r["op"] == "matmul" and r["where"].startswith("fbtrain/models/core/"))]
+    assert bool(core) == feedback, core
+    assert all(set(r["dtypes"]) <= {"float32", "int64", "bool"} for r in core), core
     for r in rows:
         if r["op"] in ("layer_norm", "softmax", "loss"):
             assert r["dtypes"][0] == "float32", r
     if precision == "fp32":
-        assert all(set(r["dtypes"]) <= {"float32", "int64"} for r in rows), rows
-        assert {r["precision"] for r in matmuls} == {"ieee"}
+        assert all(set(r["dtypes"]) <= {"float32", "int64", "bool"} for r in rows), rows
+        assert {r["precision"] for r in matmuls + core} == {"ieee"}
     else:
         assert all(r["precision"] == "tf32" for r in core), core
         assert any("bfloat16" in r["dtypes"] for r in matmuls), "the head did not run bf16"
@@ -92,7 +94,7 @@ def test_training_on_fake_cuda(kind: str, context: str, data: str, precision: st
     # Set-up copies the model and data to the device, once; nothing else syncs.
     phases.pop("setup")
     assert not phases, phases
-    check_dtypes(report, precision)
+    check_dtypes(report, precision, feedback=kind != "transformer")
 
 
 def test_eval_on_fake_cuda_reads_the_host_once() -> None:

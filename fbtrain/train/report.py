@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from fbtrain.config.kinds import model_kind
 from fbtrain.evaluate import LN2
 from fbtrain.metrics.console import fit_parts, format_duration
 from fbtrain.models import count_parameters
@@ -148,11 +147,8 @@ def step_metrics(run: Run, result: StepResult, tokens: int, rate: float | None
     }
     if result.accuracy is not None:
         metrics["accuracy"] = result.accuracy
-    model, device = run.raw_model, run.ctx.device
-    if model_kind(run.cfg.model.kind).memory_mix:
-        with torch.no_grad():
-            weights = model.memory_weights().float().tolist()
-        metrics.update({f"mem_weight/{i}": w for i, w in enumerate(weights)})
+    metrics.update({f"mem_weight/{i}": w for i, w in enumerate(result.memory_weights)})
+    device = run.ctx.device
     if device.type == "cuda":
         metrics["peak_mem_mib"] = torch.cuda.max_memory_allocated(device) / 2**20
     return metrics

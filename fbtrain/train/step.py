@@ -13,13 +13,14 @@ import contextlib
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
+from fbtrain.config.kinds import model_kind
 from fbtrain.distributed import DistContext
 from fbtrain.errors import EXIT_FAILED, TrainingError
 from fbtrain.models.state import MemoryState
@@ -47,6 +48,7 @@ class StepResult:
     #                     0-dim on the CPU: read in the step's one host read)
     seconds: float  # the step's own time, for tokens/s
     accuracy: float | None = None  # over the scored targets, for a labelled dataset
+    memory_weights: list[float] = field(default_factory=list)  # after the update, if mixed
 
 
 MicroBatch = tuple[Tensor, Tensor, MemoryState | None]  # inputs, targets [rows, T], memory
@@ -68,11 +70,10 @@ def train_step(run: Run, index: int, signals: StopSignals, last: Path,
     lr = run.schedule.apply(run.optimizer, index)
     micro_batches = run.batches.micro_batches(seq_len, batch, run.ctx.device)
     stats = step_body(run, micro_batches) if graphs is None else graphs(micro_batches, lr)
-    figures = read_figures(run, stats, signals)
-    check_finite(run, index + 1, figures.loss, figures.grad_norm, last)
     if graphs is None:
-        run.scaler.step(run.optimizer)  # skips the step if fp16 gradients overflowed
-        run.scaler.update()
+        update(run, stats)
+    figures = read_figures(run, with_memory_weights(run, stats), signals)
+    check_finite(run, index + 1, figures.loss, figures.grad_norm, last)
     tokens = sum(x.numel() for x, _, _ in micro_batches) * run.ctx.world_size
     return step_result(run, figures, lr, seq_len, batch, tokens, start)
 
@@ -154,6 +155,35 @@ def loss_denominator(ctx: DistContext, scored: Tensor) -> Tensor:
     return total / ctx.world_size if ctx.enabled else total
 
 
+def update(run: Run, stats: Tensor) -> None:
+    """AdamW's step, skipped on the device where :func:`step_body`'s ``stats`` hold a
+    non-finite loss or gradient norm (the test :func:`check_finite` then makes on the host
+    and stops on): so the step's one host read can come after the update and carry what
+    the update made (the memory weights the log records), and a refused step still leaves
+    the weights as they were. The optimizer is fused AdamW (``found_inf`` is how it takes
+    such a gate, as from GradScaler). Under fp16 loss scaling the scaler gates instead: it
+    skips a step whose gradients overflowed, which a non-finite loss makes them."""
+    if run.scaler.is_enabled():
+        run.scaler.step(run.optimizer)
+        run.scaler.update()
+        return
+    finite = torch.isfinite(stats[0]) & torch.isfinite(stats[1])
+    run.optimizer.found_inf = (~finite).float()
+    try:
+        run.optimizer.step()
+    finally:
+        del run.optimizer.found_inf
+
+
+def with_memory_weights(run: Run, stats: Tensor) -> Tensor:
+    """``stats`` and, for a model that mixes its memory, its memory weights after the
+    update (``[L+1]``, float32): what the step's record logs, read with its figures."""
+    if not model_kind(run.cfg.model.kind).memory_mix:
+        return stats
+    with torch.no_grad():
+        return torch.cat([stats, run.raw_model.memory_weights().float()])
+
+
 class Figures(NamedTuple):
     """A step's figures on the host, the same on every rank (:func:`read_figures`)."""
 
@@ -163,6 +193,7 @@ class Figures(NamedTuple):
     memory_rms: Tensor  # 0-dim float32 on the CPU: rank 0's (StepResult.memory_rms)
     scored: bool  # whether the step scored any target, on any rank
     stop: int | None  # the signal that asks to stop after this step, if any
+    memory_weights: list[float]  # after the update (empty unless the model mixes memory)
 
 
 def read_figures(run: Run, stats: Tensor, signals: StopSignals) -> Figures:
@@ -178,17 +209,20 @@ def read_figures(run: Run, stats: Tensor, signals: StopSignals) -> Figures:
     where it is zero), and the memory RMS is rank 0's (every other rank adds 0, exactly).
     """
     ctx = run.ctx
+    n_weights = len(stats) - 5  # with_memory_weights
     if ctx.enabled:
         # One flag per signal; a stop any rank was asked for stops every rank.
         flags = torch.tensor([float(signals.received == sig) for sig in EXIT_CODES],
                              device=ctx.device)
         stats = torch.cat([stats, flags])
-        if not ctx.is_main:
+        if not ctx.is_main:  # rank 0's memory RMS and weights (the others add 0, exactly)
             stats[3] = 0.0
+            stats[5:5 + n_weights] = 0.0
         ctx.all_reduce_sum(stats)
     with torch.profiler.record_function(HOST_SYNC):
         host = stats.to("cpu", copy=True)
-    loss, norm, accuracy, _, scored, *counts = host.tolist()
+    loss, norm, accuracy, _, scored, *rest = host.tolist()
+    weights, counts = rest[:n_weights], rest[n_weights:]
     stop = signals.received
     if ctx.enabled:
         n = ctx.world_size
@@ -196,7 +230,7 @@ def read_figures(run: Run, stats: Tensor, signals: StopSignals) -> Figures:
         asked = {sig for sig, count in zip(EXIT_CODES, counts, strict=True) if count}
         # This rank's own signal when it has one (its exit code must match what it says).
         stop = stop or next((s for s in STOP_PRIORITY if s in asked), None)
-    return Figures(loss, norm, accuracy, host[3], scored > 0, stop)
+    return Figures(loss, norm, accuracy, host[3], scored > 0, stop, weights)
 
 
 def step_result(run: Run, figures: Figures, lr: float, seq_len: int, batch: int,
@@ -210,7 +244,8 @@ def step_result(run: Run, figures: Figures, lr: float, seq_len: int, batch: int,
         # was made as ever (a zero gradient), so training numbers do not change.
         loss = norm = accuracy = math.nan
     return StepResult(loss, norm, lr, seq_len, batch, tokens, figures.stop, figures.memory_rms,
-                      time.perf_counter() - start, accuracy if run.data.labelled else None)
+                      time.perf_counter() - start, accuracy if run.data.labelled else None,
+                      figures.memory_weights)
 
 
 def check_finite(run: Run, step: int, loss: float, grad_norm: float, last: Path) -> None:
