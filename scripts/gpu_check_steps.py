@@ -7,8 +7,12 @@ graphed training against eager training bit for bit.
 
 c decides the GPU design: ms/step and tokens/s of the trainer's feedback_kv step at the
 main job's and configs/gpu.yaml's sizes (each at its last curriculum length), batch 32 and
-512, bf16 autocast and fp32, eager and through whole-step CUDA graphs, with the host's
-launch calls and the kernels the GPU ran per step (torch.profiler).
+512, bf16 autocast (the core's float32 matmuls on TF32) and fp32 (IEEE), eager and through
+whole-step CUDA graphs, with the host's launch calls and the kernels the GPU ran per step
+(torch.profiler), and what fake CUDA predicts here (tests/test_fake_cuda.py,
+``make gpu-memory``) checked on the real thing: the host syncs of a step
+(``torch.cuda.set_sync_debug_mode``: one is designed) and its peak memory
+(``torch.cuda.max_memory_allocated``, beside docs/performance.md's fake-CUDA table).
 Rows run in the order of what they decide (gpu.yaml first, bf16 first), so a budget that
 runs out cuts the least decisive ones.
 """
@@ -158,6 +162,7 @@ def step_fn(sizes: dict, batch: int, seq_len: int, device: torch.device, precisi
     Without CUDA the graph is the check's CPU stand-in (the code paths run)."""
     import step_graph_check
 
+    from fbtrain.device import matmul_precision
     from fbtrain.train import step_graph
     from fbtrain.train.signals import StopSignals
     from fbtrain.train.step import train_step
@@ -169,6 +174,7 @@ def step_fn(sizes: dict, batch: int, seq_len: int, device: torch.device, precisi
                                                   step_graph_check.ReplayStandIn))
         run = step_graph_check.make_run(tmp, "speed", device, precision,
                                         {**sizes, "batch": batch, "lengths": (seq_len,) * 2})
+        stack.enter_context(matmul_precision(precision, device))  # as trainer.run sets it
         graphs = step_graph.StepGraphs(run) if path == "aten_step_graph" else None
         index = iter(range(10**9))
         signals, last = StopSignals(), tmp / "last.pt"
@@ -196,6 +202,8 @@ def speed_row(sizes: dict, batch: int, seq_len: int, device: torch.device, preci
         row: dict = {"ms_per_step": ms, "tokens_per_sec": batch * seq_len / ms * 1000,
                      "steps_timed": repeats}
         row.update(captured())
+        if device.type == "cuda":
+            row.update(host_syncs_and_peak(step, device))
         if profile and device.type == "cuda":
             from torch.profiler import ProfilerActivity
             from torch.profiler import profile as torch_profile
@@ -209,6 +217,30 @@ def speed_row(sizes: dict, batch: int, seq_len: int, device: torch.device, preci
     if device.type == "cuda":
         torch.cuda.empty_cache()  # this row's graph pool and activations
     return row
+
+
+def host_syncs_and_peak(step: Callable[[], object], device: torch.device) -> dict:
+    """One more step, watched: the host syncs CUDA reports for it (sync debug mode "warn":
+    one warning a sync; fake CUDA's tests hold the design to one) and its peak allocated
+    memory (fake CUDA's MemTracker predicts this figure, less the CUDA context)."""
+    import warnings
+
+    sync(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    sync(device)
+    syncs = [str(w.message).splitlines()[0][:120] for w in caught
+             if "synchroniz" in str(w.message)]
+    return {"host_syncs": len(syncs), "host_sync_messages": syncs[:5],
+            "peak_mib": torch.cuda.max_memory_allocated(device) / 2**20,
+            "held_before_mib": before / 2**20}
 
 
 def run_speed(data: dict, device: torch.device, budget: Budget, repeats: int,
@@ -258,6 +290,8 @@ def row_line(row: dict) -> str:
     if "ms_per_step" not in row:
         return f"ERROR {row.get('error')}"
     line = f"{row['ms_per_step']:.1f} ms/step, {row['tokens_per_sec']:.0f} tokens/s"
+    if "host_syncs" in row:
+        line += f", {row['host_syncs']} host syncs, peak {row['peak_mib'] / 1024:.2f} GiB"
     if "kernels" in row:
         share = row["busy_share"]
         line += (f", {row['host_launches']} host launches, {row['kernels']} kernels, busy "
