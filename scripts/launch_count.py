@@ -95,7 +95,9 @@ OWN_KERNEL = frozenset(f"aten::{n}" for n in (
 # - a matmul with bias and relu (_addmm_activation): a CPU runs the relu apart; CUDA puts it
 #   in cuBLASLt's epilogue (addmm_out_cuda_impl's Lt path: 1-D bias, contiguous output,
 #   more than one row, as the core's feed-forward matmul has at batch 2 and up).
-ONE_KERNEL = frozenset({"aten::baddbmm_", "aten::_addmm_activation"})
+# (aten::addmm with a 1-D bias is one cuBLASLt call with a bias epilogue on CUDA; a CPU
+# copies the bias into the output first.)
+ONE_KERNEL = frozenset({"aten::baddbmm_", "aten::_addmm_activation", "aten::addmm"})
 # Ops whose CPU kernel reads scalars on the host (fused AdamW's CPU kernel reads each step
 # count, a tensor rate and found_inf with item()) where CUDA's reads them on the device
 # (aten/src/ATen/native/cuda/fused_adam_utils.cuh): syncs below them are not counted.
