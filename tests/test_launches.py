@@ -25,9 +25,10 @@ TINY = dict(d_model=8, n_heads=2, d_ff=16, n_layers=1, max_rel_pos=16)
 # One attending token-layer of feedback_kv (one layer, no dropout, no key/value bias) on the
 # ATen path, counted by hand from csrc/feedback_core.cpp. Forward: LayerNorm, folded query
 # projection into scratch (addmm with its bias), content + position scores (baddbmm, which
-# first copies the position scores: copy_), the queries copied into the tape (copy_), softmax, probabilities @ values (bmm), output
-# projection (addmm_) + residual (add_), LayerNorm, W1 with its bias and relu
-# (_addmm_activation), W2 (addmm_) + residual (add_); per step: the memory mix and its
+# first copies the position scores: copy_), the queries copied into the tape (copy_),
+# softmax, probabilities @ values (bmm), output projection (addmm_) + residual (add_),
+# LayerNorm, W1 with its bias and relu (_addmm_activation), W2 (addmm_) + residual (add_);
+# per step: the memory mix and its
 # keys/values (2 mm), the latter written straight into the slot-major key/value buffer.
 FORWARD_STEP = {"native_layer_norm": 2, "addmm": 1, "addmm_": 2, "_addmm_activation": 1,
                 "baddbmm": 1, "_softmax": 1, "bmm": 1, "add_": 2, "mm": 2, "copy_": 2}
