@@ -51,8 +51,8 @@ def tiny_config(tmp: Path, args: argparse.Namespace, device: str) -> dict[str, A
         raw["data"] = {"dataset": "algorithmic", "variables": 2, "program_len": 6,
                        "train_programs": 40, "valid_programs": 8, "test_programs": 8}
         raw["train"]["eval_windows"] = 4
-        raw["model"]["max_rel_pos"] = 64
-        raw["curriculum"] = [{"until_step": 2, "seq_len": 24}, {"seq_len": 32}]
+        raw["model"]["max_rel_pos"] = 24
+        raw["curriculum"] = [{"until_step": 2, "seq_len": 16}, {"seq_len": 24}]
     else:
         rng = random.Random(0)
         words = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog"]
