@@ -79,13 +79,15 @@ quick: install
 	FBTRAIN_MAKE_TARGET=quick $(BIN)/fbtrain train --config configs/tiny_shakespeare.yaml --set train.max_steps=600 \
 	    --set run.name=quick --resume auto $(if $(DATA),--set data.path=$(DATA))
 
+# Each pass ends with its 25 slowest tests (--durations) and, failing, says which it was.
 test: dev
 	@# The C++ core built (or loaded) once, before two processes would race to build it.
 	$(BIN)/python -c 'from fbtrain.models.core.select import core; core()'
-	$(PYTEST)
+	@echo "make test: pass 1 of 2, every test"
+	$(PYTEST) --durations=25 || { rc=$$?; echo "make test: pass 1 of 2 (every test) failed; pass 2 (AVX2) did not run"; exit $$rc; }
 	@# Torch ignoring the setting would make the second pass a plain repeat: refuse that.
-	@$(AVX2) $(BIN)/python -c 'import sys, torch; c = torch.backends.cpu.get_cpu_capability(); print("again, dispatch held to", c); sys.exit(c == "AVX512")'
-	$(AVX2) $(PYTEST) $(NUMERIC_TESTS) -k 'not (test_launches and fused_core)'
+	@$(AVX2) $(BIN)/python -c 'import sys, torch; c = torch.backends.cpu.get_cpu_capability(); print("make test: pass 2 of 2, the numeric tests with dispatch held to", c); sys.exit(c == "AVX512")'
+	$(AVX2) $(PYTEST) --durations=25 $(NUMERIC_TESTS) -k 'not (test_launches and fused_core)' || { rc=$$?; echo "make test: pass 2 of 2 (the numeric tests held to AVX2) failed; pass 1 passed"; exit $$rc; }
 
 lint: dev
 	$(BIN)/ruff check .

@@ -161,11 +161,15 @@ def test_make_test_runs_the_numeric_tests_again_held_to_avx2():
     (and MKL) to AVX2 and refuses to run if torch still dispatches to AVX-512."""
     commands = make_dry_run("test").splitlines()
     passes = [c for c in commands if " -m pytest" in c]
-    # Both in two processes (pytest-xdist), the first over the whole suite.
-    assert len(passes) == 2 and passes[0].endswith(" -m pytest -n 2 --dist worksteal")
-    held = passes[1]
+    # Both in two processes (pytest-xdist), the first over the whole suite; each ends with
+    # its slowest tests and, failing, a line naming the pass (its output may be long).
+    pytest = " -m pytest -n 2 --dist worksteal --durations=25"
+    assert len(passes) == 2 and passes[0].split(" || ")[0].endswith(pytest)
+    assert "pass 1 of 2 (every test) failed" in passes[0].split(" || ")[1]
+    held, failed = passes[1].split(" || ")
+    assert "pass 2 of 2 (the numeric tests held to AVX2) failed" in failed
     assert held.startswith("ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ")
-    files, deselect = held.split(" -m pytest -n 2 --dist worksteal ", 1)[1].split(" -k ", 1)
+    files, deselect = held.split(pytest + " ", 1)[1].split(" -k ", 1)
     files = files.split()
     assert deselect == "'not (test_launches and fused_core)'"  # counts, not floats
     assert "tests/test_legacy_checkpoints.py" in files and "tests/test_train.py" in files
@@ -175,7 +179,7 @@ def test_make_test_runs_the_numeric_tests_again_held_to_avx2():
     assert all((ROOT / f.split("::")[0]).is_file() for f in files), files
     check = next(c for c in commands if "get_cpu_capability" in c)
     assert check.startswith("ATEN_CPU_CAPABILITY=avx2 ") and 'sys.exit(c == "AVX512")' in check
-    assert commands.index(check) < commands.index(held)
+    assert commands.index(check) < commands.index(passes[1])
 
 
 def test_ci_runs_the_readmes_test_command():
