@@ -6,7 +6,6 @@ decides *when* to say something. Also the throughput meter behind tokens/s.
 
 from __future__ import annotations
 
-import os
 import signal
 import time
 from pathlib import Path
@@ -16,6 +15,7 @@ import torch
 
 from fbtrain.config.kinds import model_kind
 from fbtrain.evaluate import LN2
+from fbtrain.make_command import make_command
 from fbtrain.metrics.console import fit_parts, format_duration
 from fbtrain.models import count_parameters
 from fbtrain.models.core.graphs import idle_graphs_note
@@ -209,16 +209,13 @@ def summary(run: Run, progress: Progress, rate: float | None, seconds: float) ->
     return "\n".join(fit_parts(parts))
 
 
-# Set by the Makefile's train and quick recipes: the command a user runs again to resume.
-MAKE_TARGET_ENV = "FBTRAIN_MAKE_TARGET"
-
-
 def resume_hint() -> str:
-    """How to resume, in the interrupt line: ``make <target>`` again when make started
-    the run (it passes ``--resume auto``), else both forms."""
-    target = os.environ.get(MAKE_TARGET_ENV, "").strip()
-    if target and os.environ.get("MAKELEVEL"):
-        return f"run `make {target}` again to resume (it passes --resume auto)"
+    """How to resume, in the interrupt line: the make command again, with the variables it
+    was given (``make quick DATA=input.txt``), when make started the run (it passes
+    ``--resume auto``), else both forms."""
+    command = make_command()
+    if command:
+        return f"run `{command}` again to resume (it passes --resume auto)"
     return "resume with --resume auto (or run `make train` again, if make started it)"
 
 
