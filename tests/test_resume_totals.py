@@ -19,8 +19,8 @@ import pytest
 
 from fbtrain.checkpoint import load_checkpoint
 from fbtrain.config import config_from_dict
-from fbtrain.train import TrainingError, run
 from fbtrain.make_command import MAKE_TARGET_ENV, make_command
+from fbtrain.train import TrainingError, run
 from fbtrain.train.report import resume_hint
 from tests.test_train import assert_same_tensors, make_raw, records
 

@@ -16,6 +16,7 @@ import torch
 from fbtrain.config.kinds import model_kind
 from fbtrain.evaluate import LN2
 from fbtrain.make_command import make_command
+from fbtrain.messages import is_int, is_number
 from fbtrain.metrics.console import fit_parts, format_duration
 from fbtrain.models import count_parameters
 from fbtrain.models.core.graphs import idle_graphs_note
@@ -207,6 +208,31 @@ def summary(run: Run, progress: Progress, rate: float | None, seconds: float) ->
         parts.append(f"{rate:,.0f} tokens/s on {device_text(run)}")
     parts.append(f"wall {format_duration(seconds)}")
     return "\n".join(fit_parts(parts))
+
+
+def finished_lines(run_dir: Path, path: Path, payload: dict[str, Any], max_steps: int
+                   ) -> tuple[str, str]:
+    """What a run that has nothing left to train says instead of training: that it is done
+    and what to do next, then its closing line from the checkpoint ``payload`` (read from
+    ``path``): step, losses, and the run's tokens and training time (its ``clock``)."""
+    step, progress = payload["step"], payload["progress"]
+    done = (f"{run_dir} is already trained: {path.name} is at step {step} and "
+            f"train.max_steps is {max_steps}, so there is nothing to train (to train on: "
+            f"--set train.max_steps=N, more than {step}; to try it: fbtrain sample "
+            f"--checkpoint {run_dir})")
+    parts = [f"done at step {step}"]
+    if is_number(progress.get("val_loss")):
+        parts.append(f"val loss {progress['val_loss']:.4f} (bpc {progress['val_loss'] / LN2:.4f})")
+    if is_number(progress.get("best_val_loss")):
+        parts.append(f"best {progress['best_val_loss']:.4f}")
+    clock = payload.get("clock")
+    if (isinstance(clock, dict) and is_number(clock.get("seconds"))
+            and is_int(clock.get("segments"))):
+        segments = clock["segments"]
+        parts.append(f"run: {progress.get('tokens', 0):,} tokens, "
+                     f"{format_duration(clock['seconds'])} training in {segments} "
+                     f"segment{'s' if segments != 1 else ''}")
+    return done, "\n".join(fit_parts(parts))
 
 
 def resume_hint() -> str:

@@ -46,16 +46,24 @@ from fbtrain.config.kinds import model_kind
 from fbtrain.distributed import DistContext, is_peer_failure, peer_lost, session
 from fbtrain.evaluate import loss_figures
 from fbtrain.inference import inference
+from fbtrain.metrics.console import Console
 from fbtrain.metrics.logger import MetricsLogger, text_block
 from fbtrain.metrics.tensorboard import hparams_of
 from fbtrain.models.core.graphs import graphs_choice
 from fbtrain.rng import sample_generator, sample_seed
-from fbtrain.rundir import RunDirLock, write_run_files
+from fbtrain.rundir import ResumeChoice, RunDirLock, write_run_files
 from fbtrain.rundir_checks import check_path_length, check_writable
 from fbtrain.runhistory import record_segment
 from fbtrain.scoring import window_scores
 from fbtrain.train.oom import is_allocation_failure, out_of_memory
-from fbtrain.train.setup import Progress, Run, checkpoint_payload, set_up
+from fbtrain.train.setup import (
+    Progress,
+    Run,
+    checkpoint_payload,
+    finished,
+    resume_choice,
+    set_up,
+)
 from fbtrain.train.signals import EXIT_CODES, StopRequested, StopSignals
 from fbtrain.train.step import EXIT_NONFINITE, StepResult, TrainingError, train_step
 from fbtrain.train.step_graph import step_function
@@ -133,8 +141,12 @@ class Trainer:
             if self.ctx.is_main:  # what a save would fail on, refused before training
                 check_writable(self.run_dir)
             started = time.perf_counter()
+            choice = resume_choice(self.cfg, self.manager, resume)
+            if finished(self.cfg, choice):  # said before any data is loaded (or downloaded)
+                self._say_finished(choice)
+                return self.run_dir
             self.run, self.progress, resume_path = set_up(self.cfg, self.ctx, self.manager,
-                                                          resume)
+                                                          resume, choice)
             wrote = True
             # A resume with nothing to train leaves the directory's files as they were:
             # config.yaml describes the checkpoints it holds, not settings none was made with.
@@ -184,6 +196,17 @@ class Trainer:
                                           self.throughput.overall_rate,
                                           time.perf_counter() - started))
         self.ctx.barrier()
+
+    def _say_finished(self, choice: ResumeChoice) -> None:
+        """A run resumed with nothing left to train: that it is done, and its closing line
+        (no segment recorded, no file written)."""
+        assert choice.path is not None and choice.payload is not None
+        console = Console(enabled=self.ctx.is_main, quiet=self.quiet)
+        done, closing = report.finished_lines(self.run_dir, choice.path, choice.payload,
+                                              self.cfg.train.max_steps)
+        console.info(f"run directory: {self.run_dir}")
+        console.info(done)
+        console.result(closing)
 
     # ------------------------------------------------------------------ loop
 
