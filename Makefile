@@ -29,11 +29,16 @@ DEV_STAMP := $(VENV)/.installed-dev
 install: $(STAMP)
 
 # Re-runs only when pyproject.toml changes (or the venv is gone): a second `make` is instant.
+# pip is quiet (-q), so each phase says what it installs first: torch alone can take minutes.
 $(STAMP): pyproject.toml
+	@test -x $(BIN)/python || echo "make install: creating the virtual environment $(VENV) ($(PY) -m venv)"
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	@echo "make install: installing $(TORCH) from $(if $(TORCH_INDEX),$(TORCH_INDEX),PyPI (or a local index pip is set to)): a large download, can take minutes"
 	$(PIP) $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) '$(TORCH)'
+	@echo "make install: installing fbtrain (editable) and its dependencies from pyproject.toml (typer, pyyaml, tensorboard, ...)"
 	$(PIP) -e .
 	@# Compile the C++ core now (once); without a compiler say so and go on (FBTRAIN_CORE).
+	@echo "make install: loading fbtrain's C++ core (compiled on first use, about a minute)"
 	$(BIN)/python -c 'from fbtrain.models.core.select import core; core()'
 	touch $@
 
@@ -41,6 +46,7 @@ $(STAMP): pyproject.toml
 dev: $(DEV_STAMP)
 
 $(DEV_STAMP): $(STAMP)
+	@echo "make dev: installing the dev extra from pyproject.toml (pytest, pytest-xdist, ruff; Triton on Linux x86_64)"
 	$(PIP) -e '.[dev]'
 	touch $@
 

@@ -151,6 +151,13 @@ def test_make_install_installs_no_dev_tools_and_make_test_does():
     assert "[dev]" not in install and "pytest" not in install
     train = make_dry_run("train")
     assert "[dev]" not in train
+    # pip is quiet: each phase says first what it installs (torch's download takes minutes).
+    lines = install.splitlines()
+    for i, line in enumerate(lines):
+        if " -m pip install" in line:
+            package = line.split()[-1].strip("'")
+            assert lines[i - 1].startswith('echo "make install: installing '), lines[i - 1]
+            assert package in lines[i - 1] or "pyproject.toml" in lines[i - 1], lines[i - 1]
     for target in ("test", "lint"):
         assert re.search(r"pip install -q .*-e '\.\[dev\]'", make_dry_run(target))
 
