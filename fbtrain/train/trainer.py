@@ -56,6 +56,7 @@ from fbtrain.rundir_checks import check_path_length, check_writable
 from fbtrain.runhistory import record_segment
 from fbtrain.scoring import window_scores
 from fbtrain.train.oom import is_allocation_failure, out_of_memory
+from fbtrain.train.pace import Clock, Pace
 from fbtrain.train.setup import (
     Progress,
     Run,
@@ -74,7 +75,7 @@ StepHook = Callable[[int], None]  # called with the step number after each step'
 
 
 def run(cfg: Config, *, resume: str | None = None, quiet: bool = False,
-        on_step: StepHook | None = None) -> Path:
+        on_step: StepHook | None = None, clock: Clock = time.perf_counter) -> Path:
     """Train as ``cfg`` says and return the run directory.
 
     ``resume``: None starts fresh (refused with a ConfigError when the run directory already
@@ -85,11 +86,12 @@ def run(cfg: Config, *, resume: str | None = None, quiet: bool = False,
     (:func:`fbtrain.rundir.choose_resume`). ``quiet`` turns the
     console (progress, messages) off but for the one-line summary; files are written the
     same. ``on_step(step)``
-    runs after each trained step, before its evaluation and save (for tests).
+    runs after each trained step, before its evaluation and save (for tests); ``clock``
+    times the run for its ETA and closing line (a test's own, for costs it sets).
     """
     graphs_choice()  # a bad $FBTRAIN_CUDA_GRAPHS is refused before anything is made
     with session(cfg.run.device) as ctx:
-        trainer = Trainer(cfg, ctx, quiet=quiet, on_step=on_step)
+        trainer = Trainer(cfg, ctx, quiet=quiet, on_step=on_step, clock=clock)
         try:
             return trainer.fit(resume)
         except RuntimeError as e:
@@ -111,12 +113,13 @@ class Trainer:
     logger: MetricsLogger
 
     def __init__(self, cfg: Config, ctx: DistContext, *, quiet: bool = False,
-                 on_step: StepHook | None = None):
+                 on_step: StepHook | None = None, clock: Clock = time.perf_counter):
         self.cfg, self.ctx, self.quiet, self.on_step = cfg, ctx, quiet, on_step
         self.run_dir = Path(cfg.run.out_dir) / cfg.run.name
         self.manager = CheckpointManager(self.run_dir, cfg.checkpoint.keep_last)
         self.run_lock = RunDirLock(self.run_dir, enabled=ctx.is_main)
         self.throughput = report.Throughput()
+        self.pace = Pace(cfg, clock)  # where the time goes, and the ETA
         # (step, text) of the newest sample: samples go to TensorBoard, and the console
         # shows only this one, at the end (a sample every evaluation floods the terminal).
         self.last_sample: tuple[int, str] | None = None
@@ -140,7 +143,7 @@ class Trainer:
         try:
             if self.ctx.is_main:  # what a save would fail on, refused before training
                 check_writable(self.run_dir)
-            started = time.perf_counter()
+            started = self.pace.clock()
             choice = resume_choice(self.cfg, self.manager, resume)
             if finished(self.cfg, choice):  # said before any data is loaded (or downloaded)
                 self._say_finished(choice)
@@ -192,9 +195,12 @@ class Trainer:
         self.logger.end_run()
         if self.last_sample is not None:  # the one sample the console shows: the last
             self.logger.info(text_block("sample", *self.last_sample))
-        self.logger.result(report.summary(self.run, self.progress,
-                                          self.throughput.overall_rate,
-                                          time.perf_counter() - started))
+        events = self.pace.events
+        spent = report.SegmentTime(
+            wall=self.pace.clock() - started, tokens=self.throughput.tokens,
+            steps=self.throughput.seconds, evaluating=events["evaluation"].spent,
+            sampling=events["sample"].spent)
+        self.logger.result(report.summary(self.run, self.progress, spent))
         self.ctx.barrier()
 
     def _say_finished(self, choice: ResumeChoice) -> None:
@@ -229,6 +235,7 @@ class Trainer:
                 self.logger.info(report.curriculum_line(
                     prev_seq_len, seq_len, plan.batch_size_at(progress.step), progress.step))
             prev_seq_len = seq_len
+            self.pace.begin_step()
             try:
                 result = step(self.run, progress.step, signals, self.manager.last_path)
             except (MemoryError, RuntimeError) as e:
@@ -239,7 +246,8 @@ class Trainer:
             progress.step += 1
             progress.tokens += result.tokens
             self._after_step(result, signals)
-            if self._status_lacks_rate and self.throughput.overall_rate is not None:
+            self.pace.end_step(progress.step - 1)
+            if self._status_lacks_rate and self.throughput.recent_rate() is not None:
                 self._redraw_status()
 
     def _after_step(self, result: StepResult, signals: StopSignals) -> None:
@@ -272,17 +280,19 @@ class Trainer:
                                 EXIT_CODES[stop])
 
     def _train_metrics(self, result: StepResult) -> dict[str, Any]:
-        """The step's metrics, also shown on the progress line."""
-        rate = self.throughput.window_rate()
-        metrics = report.step_metrics(self.run, result, self.progress.tokens, rate)
+        """The step's metrics (tokens/s since the last record), also shown on the progress
+        line (tokens/s over the last steps, and the ETA)."""
+        metrics = report.step_metrics(self.run, result, self.progress.tokens,
+                                      self.throughput.window_rate())
         shown = {k: metrics[k] for k in ("loss", "bpc", "accuracy", "seq_len", "lr")
                  if k in metrics}
+        rate = self.throughput.recent_rate()
         if rate is not None:
             shown["tokens_per_sec"] = rate
-        self.logger.progress(self.progress.step, shown, remaining=report.remaining_seconds(
-            self.run, self.progress, self.throughput))
+        self.logger.progress(self.progress.step, shown,
+                             remaining=self.pace.remaining(self.progress.step))
         # The first steps of a process are not measured (warm-up): a line shown before any
-        # was has no rate nor ETA, and is redrawn with them after the next step.
+        # was has no rate, and is redrawn with it after the next step.
         self._status_lacks_rate = rate is None
         self._last_shown = shown
         return metrics
@@ -290,9 +300,9 @@ class Trainer:
     def _redraw_status(self) -> None:
         """The status line again, at this step, now with the rate and the ETA (its other
         figures are the last shown: a status line, not a metrics record)."""
-        shown = {**self._last_shown, "tokens_per_sec": self.throughput.overall_rate}
-        self.logger.progress(self.progress.step, shown, remaining=report.remaining_seconds(
-            self.run, self.progress, self.throughput))
+        shown = {**self._last_shown, "tokens_per_sec": self.throughput.recent_rate()}
+        self.logger.progress(self.progress.step, shown,
+                             remaining=self.pace.remaining(self.progress.step))
         self._status_lacks_rate = False
 
     # ------------------------------------------------------------------ evaluation, samples
@@ -367,7 +377,8 @@ class Trainer:
             return False
         data, progress = self.run.data, self.progress
         # The inference context `fbtrain eval` scores in too: its figure is this one.
-        with inference(self.run.raw_model, self.cfg.run.precision, self.ctx.device), \
+        with self.pace.timing("evaluation"), \
+                inference(self.run.raw_model, self.cfg.run.precision, self.ctx.device), \
                 signals.interruptible():
             scores = window_scores(self.run.raw_model, data.val_x, data.val_y, EVAL_BATCH)
         loss = scores.loss
@@ -394,7 +405,8 @@ class Trainer:
             from fbtrain.sample import generate
 
             generator = sample_generator(sample_seed(self.cfg.run.seed, self.progress.step))
-            with signals.interruptible():  # generate runs in the inference context
+            # generate runs in the inference context
+            with self.pace.timing("sample"), signals.interruptible():
                 text = generate(model, tokenizer, tokenizer.start,
                                 self.cfg.train.sample_length, generator=generator,
                                 precision=self.cfg.run.precision)[0]
@@ -420,8 +432,10 @@ class Trainer:
                 f"({summarize_names(bad)}); no checkpoint written (last good: "
                 f"{self.manager.last_path})", EXIT_NONFINITE)
         if self.ctx.is_main:
-            self.manager.save(self.progress.step, checkpoint_payload(self.run, self.progress),
-                              numbered=numbered, best=best)
+            with self.pace.timing("save"):
+                self.manager.save(self.progress.step,
+                                  checkpoint_payload(self.run, self.progress),
+                                  numbered=numbered, best=best)
 
 
 def sample_due(train: TrainConfig, step: int, evaluated: bool) -> bool:
