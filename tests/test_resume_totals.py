@@ -89,9 +89,11 @@ def test_a_resumed_run_closes_with_the_runs_totals(tmp_path, capsys, own_sigint)
     last = load_checkpoint(run_dir / "checkpoints" / "last.pt")
     assert last["clock"]["segments"] == 2 and last["clock"]["seconds"] > first["clock"]["seconds"]
     tokens = last["progress"]["tokens"]
-    closing = " | ".join(out.splitlines()[-3:])
+    closing = " | ".join(out.splitlines()[-5:])
     assert re.search(rf"\| run: {tokens:,} tokens, \d+s training in 2 segments \| this "
-                     r"segment: [\d,]+ tokens/s on cpu \([^)]*\), \d+s$", closing), closing
+                     rf"segment: {tokens - first['progress']['tokens']:,} tokens in [\d.]+s of "
+                     r"steps \| [\d,]+ tokens/s on cpu \([^)]*\) \| wall [\d.]+s: ",
+                     closing), closing
     # The resumed segment's first status line (step 4, its first step: not yet measured)
     # has no rate; the next step redraws it with the rate and the ETA.
     steps = [ln for ln in out.splitlines() if ln.startswith("step ") and "/8" in ln]
@@ -103,7 +105,7 @@ def test_an_uninterrupted_run_keeps_its_closing_line(tmp_path, capsys):
     """One segment: the closing line as before (rate, wall), no totals to tell apart."""
     run(config_from_dict(make_raw(tmp_path, train={"max_steps": 2})))
     out = capsys.readouterr().out
-    assert "segment" not in out and re.search(r"tokens/s on cpu .*\| wall \d+s", out)
+    assert "segment" not in out and re.search(r"tokens/s on cpu .*\nwall [\d.]+s: ", out)
 
 
 def under_make(monkeypatch: pytest.MonkeyPatch, target: str, makeflags: str = "") -> None:

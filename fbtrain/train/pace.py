@@ -4,13 +4,14 @@ A run's time goes to its steps, whose cost depends on the curriculum stage, and 
 evaluations, samples and checkpoint saves, which cost seconds each whatever the stage. The
 ETA adds up what is left of each:
 
-- the steps left in each stage, at that stage's measured cost a step: the wall time of its
-  loop iterations, less the evaluations, samples and saves timed in them (so logging and
-  fetching batches count). A stage not reached yet is costed per token at the rate of the
-  nearest stage before it that was measured. That is exact for a model whose step costs what
-  its tokens do (the parallel transformer); a feedback model steps through its sequence one
-  position at a time, so a later, longer stage costs somewhat more per token, and the ETA is
-  that much short until the stage's first steps are measured;
+- the steps left in each stage, at that stage's measured cost a step: the wall time from
+  the end of one step's training to the end of the next one's, less the evaluations,
+  samples and saves timed in between (so logging and fetching batches count). A stage not
+  reached yet is costed per token at the rate of the nearest stage before it that was
+  measured. That is exact for a model whose step costs what its tokens do (the parallel
+  transformer); a feedback model steps through its sequence one position at a time, so a
+  later, longer stage costs somewhat more per token, and the ETA is that much short until
+  the stage's first step is measured;
 - the evaluations, samples and saves still due, at the measured mean of each (every
   evaluation scores the same fixed windows; a save is counted at every evaluation, as if it
   made a new best, and at every ``checkpoint.every`` steps and the last one).
@@ -65,8 +66,8 @@ class Mean:
 class Pace:
     """Measures where a run's time goes and predicts the rest (:meth:`remaining`).
 
-    The trainer calls :meth:`begin_step` before each step, wraps each evaluation, sample
-    and save in :meth:`timing`, and calls :meth:`end_step` once the step's work is done.
+    The trainer calls :meth:`start` as its loop starts, :meth:`trained` as each step's
+    training ends, and wraps each evaluation, sample and save in :meth:`timing`.
     """
 
     def __init__(self, cfg: Config, clock: Clock = time.perf_counter):
@@ -76,13 +77,12 @@ class Pace:
         self.save_every = cfg.checkpoint.every
         self.steps: dict[int, Mean] = {}  # a step's seconds, by curriculum stage index
         self.events = {kind: Mean() for kind in EVENTS}
-        self._begun = clock()
-        self._in_events = 0.0  # seconds of the events timed since begin_step
-        self._done_through: int | None = None  # the step whose events are all behind
+        self._mark = clock()  # the end of the last step's training (or the loop's start)
+        self._in_events = 0.0  # seconds of the events timed since the mark
 
-    def begin_step(self) -> None:
-        """A step starts now (its training, then its logging, evaluation, sample, save)."""
-        self._begun = self.clock()
+    def start(self) -> None:
+        """The training loop starts now (set-up and any evaluation before it are behind)."""
+        self._mark = self.clock()
         self._in_events = 0.0
 
     @contextlib.contextmanager
@@ -96,22 +96,22 @@ class Pace:
             self.events[kind].add(seconds)
             self._in_events += seconds
 
-    def end_step(self, index: int) -> None:
-        """The step with 0-based ``index`` is done, its events too: record its cost."""
-        seconds = self.clock() - self._begun - self._in_events
+    def trained(self, index: int) -> None:
+        """The training of the step with 0-based ``index`` ended now: record its cost."""
+        now = self.clock()
+        seconds = now - self._mark - self._in_events
         self.steps.setdefault(self.curriculum.stage_index_at(index), Mean()).add(seconds)
-        self._done_through = index + 1
+        self._mark, self._in_events = now, 0.0
 
-    def remaining(self, step: int) -> float | None:
-        """Seconds left after ``step`` steps (the steps still to train, and the
-        evaluations, samples and saves still due, those of ``step`` itself unless they are
-        behind); None before any step was measured."""
+    def remaining(self, step: int, *, events_done: bool = False) -> float | None:
+        """Seconds left after ``step`` steps: the steps still to train, and the
+        evaluations, samples and saves still due, those of ``step`` itself too unless
+        ``events_done``. None before any step was measured."""
         costs = self._stage_costs()
         if costs is None:
             return None
         seconds = sum(costs[i] * n for i, n in self._steps_left(step).items())
-        first = step + 1 if self._done_through == step else step  # the first step not done
-        for kind, count in self._events_due(first).items():
+        for kind, count in self._events_due(step + 1 if events_done else step).items():
             seconds += count * (self.events[kind].seconds or 0.0)
         return seconds
 

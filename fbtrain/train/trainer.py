@@ -229,24 +229,24 @@ class Trainer:
             self._catch_up_evaluation(signals)
         # train_step, or its whole-step CUDA graphs where $FBTRAIN_CUDA_GRAPHS=step asks
         step = step_function(self.run) if progress.step < max_steps else train_step
+        self.pace.start()
         while progress.step < max_steps:
             seq_len = plan.seq_len_at(progress.step)
             if prev_seq_len is not None and seq_len != prev_seq_len:
                 self.logger.info(report.curriculum_line(
                     prev_seq_len, seq_len, plan.batch_size_at(progress.step), progress.step))
             prev_seq_len = seq_len
-            self.pace.begin_step()
             try:
                 result = step(self.run, progress.step, signals, self.manager.last_path)
             except (MemoryError, RuntimeError) as e:
                 if not is_allocation_failure(e):
                     raise
                 raise out_of_memory(self.run, progress.step) from None
+            self.pace.trained(progress.step)
             self.throughput.add(result.tokens, result.seconds)
             progress.step += 1
             progress.tokens += result.tokens
             self._after_step(result, signals)
-            self.pace.end_step(progress.step - 1)
             if self._status_lacks_rate and self.throughput.recent_rate() is not None:
                 self._redraw_status()
 
@@ -301,8 +301,8 @@ class Trainer:
         """The status line again, at this step, now with the rate and the ETA (its other
         figures are the last shown: a status line, not a metrics record)."""
         shown = {**self._last_shown, "tokens_per_sec": self.throughput.recent_rate()}
-        self.logger.progress(self.progress.step, shown,
-                             remaining=self.pace.remaining(self.progress.step))
+        self.logger.progress(self.progress.step, shown, remaining=self.pace.remaining(
+            self.progress.step, events_done=True))
         self._status_lacks_rate = False
 
     # ------------------------------------------------------------------ evaluation, samples
