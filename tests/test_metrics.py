@@ -315,7 +315,7 @@ def test_tokens_per_second_leave_out_warm_up_and_smooth_over_the_last_steps() ->
     window, the 2 steps alone, falls 4x)."""
     from fbtrain.train import report
 
-    meter = report.Throughput(warmup=1, window=4)
+    meter = report.Throughput(window=4, warmup=1)
     meter.add(1000, 50.0)  # the warm-up step: slow, left out of both rates
     assert meter.recent_rate() is None and meter.window_rate() is None
     for _ in range(4):

@@ -29,7 +29,10 @@ if TYPE_CHECKING:
     from fbtrain.train.step import StepResult
 
 WARMUP_STEPS = 1  # steps of each process left out of tokens/s (allocations, first kernels)
-RATE_WINDOW = 100  # the last steps the status line's tokens/s is measured over
+# The status line's tokens/s is over the steps of its last 8 lines (train.log_every steps
+# each): one line's steps are an eighth of it, so a short spell of load on a shared machine
+# moves it by a part, not several-fold.
+RATE_LINES = 8
 
 
 class Throughput:
@@ -44,7 +47,7 @@ class Throughput:
     process (the closing line's: its rate is their ratio).
     """
 
-    def __init__(self, warmup: int = WARMUP_STEPS, window: int = RATE_WINDOW):
+    def __init__(self, window: int, warmup: int = WARMUP_STEPS):
         self._skip = warmup
         self._window = [0, 0.0]  # tokens, seconds since the last window_rate()
         self._recent: deque[tuple[int, float]] = deque(maxlen=window)

@@ -118,7 +118,7 @@ class Trainer:
         self.run_dir = Path(cfg.run.out_dir) / cfg.run.name
         self.manager = CheckpointManager(self.run_dir, cfg.checkpoint.keep_last)
         self.run_lock = RunDirLock(self.run_dir, enabled=ctx.is_main)
-        self.throughput = report.Throughput()
+        self.throughput = report.Throughput(window=report.RATE_LINES * cfg.train.log_every)
         self.pace = Pace(cfg, clock)  # where the time goes, and the ETA
         # (step, text) of the newest sample: samples go to TensorBoard, and the console
         # shows only this one, at the end (a sample every evaluation floods the terminal).
