@@ -119,7 +119,7 @@ def test_the_eta_counts_an_unreached_stage_by_its_tokens(tmp_path: Path) -> None
         "max_steps": 20, "eval_every": 100, "sample_every": 0, "constant_tokens": False},
         curriculum=[{"until_step": 10, "seq_len": 8}, {"seq_len": 16}],
         checkpoint={"every": 100}))
-    pace = Pace(cfg, clock)
+    pace = Pace(cfg, window=8, clock=clock)
     assert pace.remaining(0) is None  # nothing measured yet
     pace.start()
     for index in range(4):
@@ -128,6 +128,24 @@ def test_the_eta_counts_an_unreached_stage_by_its_tokens(tmp_path: Path) -> None
     # 6 steps of stage 0 at 1 s, 10 of stage 1 (16 tokens a row, not 8) at 2 s, and the
     # last step's evaluation and save, not yet measured: 0.
     assert pace.remaining(4) == pytest.approx(6 * 1.0 + 10 * 2.0)
+
+
+def test_a_stage_costs_what_its_last_steps_cost(tmp_path: Path) -> None:
+    """A shared machine's load changes: the cost a step is the mean of the stage's last
+    ``window`` steps, so the ETA follows a slow-down within a window's steps."""
+    clock = FakeClock()
+    cfg = config_from_dict(make_raw(tmp_path, train={
+        "max_steps": 100, "eval_every": 1000, "sample_every": 0},
+        curriculum=[{"seq_len": 8}], checkpoint={"every": 1000}))
+    pace = Pace(cfg, window=4, clock=clock)
+    pace.start()
+    for index, cost in enumerate([3.0] + [1.0] * 4 + [2.0] * 3):
+        clock.advance(cost)
+        pace.trained(index)
+    assert pace.remaining(8) == pytest.approx(92 * (1.0 + 3 * 2.0) / 4)
+    clock.advance(2.0)
+    pace.trained(8)
+    assert pace.remaining(9) == pytest.approx(91 * 2.0)  # the window holds the slow steps
 
 
 @pytest.mark.parametrize(("eval_every", "save_every", "sample_every", "max_steps"),
@@ -141,7 +159,7 @@ def test_the_evaluations_samples_and_saves_due_are_the_trainers(
     cfg = config_from_dict(make_raw(tmp_path, train={
         "max_steps": max_steps, "eval_every": eval_every, "sample_every": sample_every},
         checkpoint={"every": save_every}))
-    pace = Pace(cfg)
+    pace = Pace(cfg, window=8)
     for first in range(1, max_steps + 2):
         steps = range(first, max_steps + 1)
         evaluated = [s for s in steps if s % eval_every == 0 or s == max_steps]

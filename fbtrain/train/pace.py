@@ -6,7 +6,8 @@ ETA adds up what is left of each:
 
 - the steps left in each stage, at that stage's measured cost a step: the wall time from
   the end of one step's training to the end of the next one's, less the evaluations,
-  samples and saves timed in between (so logging and fetching batches count). A stage not
+  samples and saves timed in between (so logging and fetching batches count), averaged
+  over the stage's last ``window`` steps (the load of a shared machine changes). A stage not
   reached yet is costed per token at the rate of the nearest stage before it that was
   measured. That is exact for a model whose step costs what its tokens do (the parallel
   transformer); a feedback model steps through its sequence one position at a time, so a
@@ -27,8 +28,8 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 
 from fbtrain.config import Config
 from fbtrain.config.curriculum import Curriculum
@@ -37,46 +38,44 @@ Clock = Callable[[], float]
 EVENTS = ("evaluation", "sample", "save")  # the work between steps that the ETA counts
 
 
-@dataclass
 class Mean:
-    """Seconds a piece of work took, on average, the first measurement kept apart."""
+    """Seconds a piece of work takes: the mean of its last ``window`` measurements (on a
+    shared machine the load of the last minutes says more about the next ones than that
+    of the run's start), the first one kept apart (warm-up)."""
 
-    first: float | None = None
-    total: float = 0.0
-    count: int = 0
+    def __init__(self, window: int):
+        self.first: float | None = None
+        self.recent: deque[float] = deque(maxlen=window)
+        self.spent = 0.0  # seconds of every measurement, the first included
 
     def add(self, seconds: float) -> None:
+        self.spent += seconds
         if self.first is None:
             self.first = seconds
         else:
-            self.total += seconds
-            self.count += 1
+            self.recent.append(seconds)
 
     @property
     def seconds(self) -> float | None:
-        """The mean after the first measurement; the first while it is the only one."""
-        return self.total / self.count if self.count else self.first
-
-    @property
-    def spent(self) -> float:
-        """Seconds of every measurement, the first included."""
-        return (self.first or 0.0) + self.total
+        """The mean of the recent measurements; the first while it is the only one."""
+        return sum(self.recent) / len(self.recent) if self.recent else self.first
 
 
 class Pace:
     """Measures where a run's time goes and predicts the rest (:meth:`remaining`).
 
     The trainer calls :meth:`start` as its loop starts, :meth:`trained` as each step's
-    training ends, and wraps each evaluation, sample and save in :meth:`timing`.
+    training ends, and wraps each evaluation, sample and save in :meth:`timing`. Each cost
+    is the mean of its last ``window`` measurements.
     """
 
-    def __init__(self, cfg: Config, clock: Clock = time.perf_counter):
-        self.clock = clock
+    def __init__(self, cfg: Config, window: int, clock: Clock = time.perf_counter):
+        self.clock, self.window = clock, window
         self.curriculum = Curriculum(cfg)
         self.train = cfg.train
         self.save_every = cfg.checkpoint.every
         self.steps: dict[int, Mean] = {}  # a step's seconds, by curriculum stage index
-        self.events = {kind: Mean() for kind in EVENTS}
+        self.events = {kind: Mean(window) for kind in EVENTS}
         self._mark = clock()  # the end of the last step's training (or the loop's start)
         self._in_events = 0.0  # seconds of the events timed since the mark
 
@@ -100,7 +99,8 @@ class Pace:
         """The training of the step with 0-based ``index`` ended now: record its cost."""
         now = self.clock()
         seconds = now - self._mark - self._in_events
-        self.steps.setdefault(self.curriculum.stage_index_at(index), Mean()).add(seconds)
+        stage = self.curriculum.stage_index_at(index)
+        self.steps.setdefault(stage, Mean(self.window)).add(seconds)
         self._mark, self._in_events = now, 0.0
 
     def remaining(self, step: int, *, events_done: bool = False) -> float | None:

@@ -118,8 +118,10 @@ class Trainer:
         self.run_dir = Path(cfg.run.out_dir) / cfg.run.name
         self.manager = CheckpointManager(self.run_dir, cfg.checkpoint.keep_last)
         self.run_lock = RunDirLock(self.run_dir, enabled=ctx.is_main)
-        self.throughput = report.Throughput(window=report.RATE_LINES * cfg.train.log_every)
-        self.pace = Pace(cfg, clock)  # where the time goes, and the ETA
+        # The status line's rate and the ETA's costs: over the steps of its last lines.
+        window = report.RATE_LINES * cfg.train.log_every
+        self.throughput = report.Throughput(window)
+        self.pace = Pace(cfg, window, clock)  # where the time goes, and the ETA
         # (step, text) of the newest sample: samples go to TensorBoard, and the console
         # shows only this one, at the end (a sample every evaluation floods the terminal).
         self.last_sample: tuple[int, str] | None = None
