@@ -163,3 +163,29 @@ def test_h200_model_script_prints_a_labelled_table(tmp_path: Path):
     assert [r["batch"] for r in gpu["rows"]][-3:] == [32] * 3  # gpu.yaml's own batch
     assert main["counts"]["aten eager"]["kernels"] == 28 * 256 + 64 + 40 + 200
     assert "| fused graphed | 512 |" in proc.stdout
+
+
+def test_eta_accuracy_sets_each_eta_against_the_time_that_remained(tmp_path: Path):
+    """A log and a run's TensorBoard events with set wall times: each line's ETA against the
+    time from its record to the last evaluation's, counted from 20% of the run's time on."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    run = tmp_path / "run"
+    for folder, points in ((run / "val", {0: 100.0, 4: 200.0}),
+                           (run, {1: 110.0, 2: 130.0, 3: 150.0, 4: 190.0})):
+        with SummaryWriter(str(folder)) as writer:
+            for step, wall in points.items():
+                writer.add_scalar("loss", 1.0, step, walltime=wall)
+    log = tmp_path / "train.log"
+    log.write_text("run directory: run\n"
+                   "step 1/4 | loss 2.0000 | 9 tok/s | eta 1m30s\n"  # 10% gone: not counted
+                   "step 2/4 | loss 2.0000 | 9 tok/s | eta 1m00s\n"  # 70 s remained: within
+                   "step 3/4 | loss 2.0000 | 9 tok/s | eta 10s\n"  # 50 s remained: not
+                   "step 4/4 | loss 2.0000 | 9 tok/s | eta 5s\n")  # 10 s remained: not
+    proc = run_script("eta_accuracy.py", "--log", str(log), "--run", str(run))
+    assert proc.returncode == 1, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[1].split() == ["step", "2", "30.0%", "gone", "eta", "60s", "remained",
+                                "70.0s", "ratio", "0.86"]
+    assert lines[-1] == ("from 20% of the run's time on: 1 of 3 ETAs within 25% of the time "
+                         "that remained")
