@@ -9,6 +9,8 @@ after the line) and the wall time of its last evaluation's record (the run's end
 the closing sample and summary). It prints, per line, the share of the run's time gone (from
 the step-0 evaluation), the ETA, the time that remained and their ratio, then how many lines
 from ``--after`` of the run's time on came within ``--within`` of it (exit 0), or not (1).
+The last step's line is not counted: its record is written after its evaluation, so the
+time it shows as remaining is none.
 """
 
 from __future__ import annotations
@@ -59,8 +61,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="an ETA within this share of the time that remained is good")
     args = parser.parse_args(argv)
     rows = compare(args.log, args.run)
+    last = max(step for step, *_ in rows)
     counted = [(step, eta, left) for step, gone, eta, left in rows
-               if gone >= args.after and left > 0]
+               if gone >= args.after and step != last]
     good = sum(abs(eta - left) <= args.within * left for _, eta, left in counted)
     for step, gone, eta, left in rows:
         ratio = f"{eta / left:.2f}" if left > 0 else "-"

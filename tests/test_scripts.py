@@ -181,11 +181,11 @@ def test_eta_accuracy_sets_each_eta_against_the_time_that_remained(tmp_path: Pat
                    "step 1/4 | loss 2.0000 | 9 tok/s | eta 1m30s\n"  # 10% gone: not counted
                    "step 2/4 | loss 2.0000 | 9 tok/s | eta 1m00s\n"  # 70 s remained: within
                    "step 3/4 | loss 2.0000 | 9 tok/s | eta 10s\n"  # 50 s remained: not
-                   "step 4/4 | loss 2.0000 | 9 tok/s | eta 5s\n")  # 10 s remained: not
+                   "step 4/4 | loss 2.0000 | 9 tok/s | eta 5s\n")  # the last: not counted
     proc = run_script("eta_accuracy.py", "--log", str(log), "--run", str(run))
     assert proc.returncode == 1, proc.stderr
     lines = proc.stdout.splitlines()
     assert lines[1].split() == ["step", "2", "30.0%", "gone", "eta", "60s", "remained",
                                 "70.0s", "ratio", "0.86"]
-    assert lines[-1] == ("from 20% of the run's time on: 1 of 3 ETAs within 25% of the time "
+    assert lines[-1] == ("from 20% of the run's time on: 1 of 2 ETAs within 25% of the time "
                          "that remained")
