@@ -143,8 +143,10 @@ def resume_choice(cfg: Config, manager: CheckpointManager, resume: str | None
 
 
 def finished(cfg: Config, choice: ResumeChoice) -> bool:
-    """Whether the checkpoint ``choice`` resumes from has trained ``train.max_steps`` (or
-    more) and was evaluated at its step: nothing is left to do."""
+    """Whether the run directory's own checkpoint that ``choice`` resumes from has trained
+    ``train.max_steps`` (or more) and was evaluated at its step: nothing is left to do."""
+    if choice.new_run:  # another run's checkpoint, into a new directory
+        return False
     payload = choice.payload or {}
     step, progress = payload.get("step"), payload.get("progress")
     if not (is_int(step) and step >= cfg.train.max_steps and isinstance(progress, dict)):
