@@ -30,11 +30,16 @@ DEV_STAMP := $(VENV)/.installed-dev
 install: $(STAMP)
 
 # Re-runs only when pyproject.toml changes (or the venv is gone): a second `make` is instant.
+# pip is quiet (-q), so each phase says what it installs first: torch alone can take minutes.
 $(STAMP): pyproject.toml
+	@test -x $(BIN)/python || echo "make install: creating the virtual environment $(VENV) ($(PY) -m venv)"
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	@echo "make install: installing $(TORCH) from $(if $(TORCH_INDEX),$(TORCH_INDEX),PyPI (or a local index pip is set to)): a large download, can take minutes"
 	$(PIP) $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) '$(TORCH)'
+	@echo "make install: installing fbtrain (editable) and its dependencies from pyproject.toml (typer, pyyaml, tensorboard, ...)"
 	$(PIP) -e .
 	@# Compile the C++ core now (once); without a compiler say so and go on (FBTRAIN_CORE).
+	@echo "make install: loading fbtrain's C++ core (compiled on first use, about a minute)"
 	$(BIN)/python -c 'from fbtrain.models.core.select import core; core()'
 	touch $@
 
@@ -42,6 +47,7 @@ $(STAMP): pyproject.toml
 dev: $(DEV_STAMP)
 
 $(DEV_STAMP): $(STAMP)
+	@echo "make dev: installing the dev extra from pyproject.toml (pytest, pytest-xdist, ruff; Triton on Linux x86_64)"
 	$(PIP) -e '.[dev]'
 	touch $@
 
@@ -76,13 +82,15 @@ quick: install
 	FBTRAIN_MAKE_TARGET=quick $(BIN)/fbtrain train --config configs/tiny_shakespeare.yaml --set train.max_steps=600 \
 	    --set run.name=quick --resume auto $(if $(DATA),--set data.path=$(DATA))
 
+# Each pass ends with its 25 slowest tests (--durations) and, failing, says which it was.
 test: dev
 	@# The C++ core built (or loaded) once, before two processes would race to build it.
 	$(BIN)/python -c 'from fbtrain.models.core.select import core; core()'
-	$(PYTEST)
+	@echo "make test: pass 1 of 2, every test"
+	$(PYTEST) --durations=25 || { rc=$$?; echo "make test: pass 1 of 2 (every test) failed; pass 2 (AVX2) did not run"; exit $$rc; }
 	@# Torch ignoring the setting would make the second pass a plain repeat: refuse that.
-	@$(AVX2) $(BIN)/python -c 'import sys, torch; c = torch.backends.cpu.get_cpu_capability(); print("again, dispatch held to", c); sys.exit(c == "AVX512")'
-	$(AVX2) $(PYTEST) $(NUMERIC_TESTS)
+	@$(AVX2) $(BIN)/python -c 'import sys, torch; c = torch.backends.cpu.get_cpu_capability(); print("make test: pass 2 of 2, the numeric tests with dispatch held to", c); sys.exit(c == "AVX512")'
+	$(AVX2) $(PYTEST) --durations=25 $(NUMERIC_TESTS) || { rc=$$?; echo "make test: pass 2 of 2 (the numeric tests held to AVX2) failed; pass 1 passed"; exit $$rc; }
 
 lint: dev
 	$(BIN)/ruff check .

@@ -267,17 +267,54 @@ def test_resolve_file_and_run_dir(tmp_path: Path) -> None:
 
 
 def test_resolve_missing(tmp_path: Path) -> None:
-    with pytest.raises(CheckpointError, match=r"no such checkpoint file or run directory"):
+    with pytest.raises(CheckpointError, match=r"no such checkpoint file or run directory; "
+                       r"a run directory is made by training: `fbtrain train --config FILE`"):
         resolve_checkpoint(tmp_path / "runs" / "ghost")
     empty = tmp_path / "runs" / "empty"
     (empty / "checkpoints").mkdir(parents=True)
     with pytest.raises(CheckpointError,
                        match=r"no checkpoint found \(looked for .*best\.pt, .*last\.pt\)"):
         resolve_checkpoint(empty)
+    # A run that saved nothing yet, its checkpoints/ not even made: named where they go.
+    bare = tmp_path / "runs" / "bare"
+    bare.mkdir()
+    looked = f"{bare / 'checkpoints' / 'best.pt'}, {bare / 'checkpoints' / 'last.pt'}"
+    with pytest.raises(CheckpointError, match=rf"\(looked for {re.escape(looked)}\)"):
+        resolve_checkpoint(bare)
+    # A misspelt run: the runs beside it are named.
+    with pytest.raises(CheckpointError, match=(
+            rf"{re.escape(str(tmp_path / 'runs'))} holds {re.escape(str(empty))}\)")):
+        resolve_checkpoint(tmp_path / "runs" / "emtpy")
     with pytest.raises(CheckpointError, match=r"looked for .*last\.pt\)"):
         resolve_checkpoint(empty, prefer="last")
     with pytest.raises(ValueError, match="prefer"):
         resolve_checkpoint(empty, prefer="newest")
+
+
+def test_resolve_a_folder_of_runs_lists_them(tmp_path: Path) -> None:
+    runs = tmp_path / "runs"
+    for name in ("b", "a"):
+        CheckpointManager(runs / name, keep_last=1).save(1, {"step": 1})
+    (runs / "not-a-run").mkdir()
+    with pytest.raises(CheckpointError, match=(
+            rf"^{re.escape(str(runs))}: a folder of runs, not a run; give one of them: "
+            rf"{re.escape(str(runs / 'a'))}, {re.escape(str(runs / 'b'))}$")):
+        resolve_checkpoint(runs)
+
+
+def test_a_config_given_as_a_checkpoint_is_named_a_config(tmp_path: Path) -> None:
+    """``--checkpoint configs/tiny.yaml`` (or a run's config.yaml): it says what the file
+    is and what to do with it, not "not a PyTorch checkpoint file"."""
+    CheckpointManager(tmp_path / "run", keep_last=1).save(1, {"step": 1})
+    for config, run in ((tmp_path / "tiny.yaml", None),
+                        (tmp_path / "run" / "config.yaml", tmp_path / "run")):
+        config.write_text("run:\n  name: tiny\n")
+        hint = f"; its run's model: --checkpoint {run}" if run else ""
+        with pytest.raises(CheckpointError, match=(
+                rf"^{re.escape(str(config))}: this looks like a config, not a checkpoint: "
+                rf"train with it by `fbtrain train --config {re.escape(str(config))}`"
+                rf"{re.escape(hint)}$")):
+            load_checkpoint(config)
 
 
 # ----------------------------------------------------------------------------- RNG

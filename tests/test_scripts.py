@@ -62,3 +62,29 @@ def test_corpus_load_reports_first_and_cached_runs(tmp_path: Path):
         assert report[run]["splits"] == {"train": 17999, "val": 999, "test": 999}
         assert report[run]["dtype"] == "torch.uint8" and report[run]["peak_rss_mb"] > 0
         assert f"{run}: load " in proc.stdout
+
+
+def test_eta_accuracy_sets_each_eta_against_the_time_that_remained(tmp_path: Path):
+    """A log and a run's TensorBoard events with set wall times: each line's ETA against the
+    time from its record to the last evaluation's, counted from 20% of the run's time on."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    run = tmp_path / "run"
+    for folder, points in ((run / "val", {0: 100.0, 4: 200.0}),
+                           (run, {1: 110.0, 2: 130.0, 3: 150.0, 4: 190.0})):
+        with SummaryWriter(str(folder)) as writer:
+            for step, wall in points.items():
+                writer.add_scalar("loss", 1.0, step, walltime=wall)
+    log = tmp_path / "train.log"
+    log.write_text("run directory: run\n"
+                   "step 1/4 | loss 2.0000 | 9 tok/s | eta 1m30s\n"  # 10% gone: not counted
+                   "step 2/4 | loss 2.0000 | 9 tok/s | eta 1m00s\n"  # 70 s remained: within
+                   "step 3/4 | loss 2.0000 | 9 tok/s | eta 10s\n"  # 50 s remained: not
+                   "step 4/4 | loss 2.0000 | 9 tok/s | eta 5s\n")  # the last: not counted
+    proc = run_script("eta_accuracy.py", "--log", str(log), "--run", str(run))
+    assert proc.returncode == 1, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[1].split() == ["step", "2", "30.0%", "gone", "eta", "60s", "remained",
+                                "70.0s", "ratio", "0.86"]
+    assert lines[-1] == ("from 20% of the run's time on: 1 of 2 ETAs within 25% of the time "
+                         "that remained")

@@ -28,6 +28,7 @@ from fbtrain.checkpoint.state import (
     Stateful,
     expect_dict,
     make_checkpoint,
+    refuse_other_model,
     restore_checkpoint,
 )
 from fbtrain.config import Config
@@ -42,7 +43,7 @@ from fbtrain.distributed import DistContext
 from fbtrain.messages import is_int, is_number
 from fbtrain.models import build_model
 from fbtrain.rng import GlobalRng, rank_seed, seed_everything
-from fbtrain.rundir import choose_resume
+from fbtrain.rundir import ResumeChoice, choose_resume
 from fbtrain.runhistory import Segment, changed_settings, describe_changes
 from fbtrain.train.batches import CarriedStreams, RandomWindows
 from fbtrain.train.clock import RunClock
@@ -145,16 +146,41 @@ class Run:
     segment: Segment = Segment()  # the run's id and what history.jsonl records of this start
 
 
+def resume_choice(cfg: Config, manager: CheckpointManager, resume: str | None
+                  ) -> ResumeChoice:
+    """Where the run starts (:func:`~fbtrain.rundir.choose_resume`), a checkpoint of another
+    model refused before anything is loaded or downloaded. Call with the run directory's
+    lock held (the trainer takes it first): the choice is made from what the directory
+    holds."""
+    choice = choose_resume(resume, manager)
+    if choice.path is not None and choice.payload is not None:
+        refuse_other_model(choice.path, choice.payload, cfg.model)
+    return choice
+
+
+def finished(cfg: Config, choice: ResumeChoice) -> bool:
+    """Whether the run directory's own checkpoint that ``choice`` resumes from has trained
+    ``train.max_steps`` (or more) and was evaluated at its step: nothing is left to do."""
+    if choice.new_run:  # another run's checkpoint, into a new directory
+        return False
+    payload = choice.payload or {}
+    step, progress = payload.get("step"), payload.get("progress")
+    if not (is_int(step) and step >= cfg.train.max_steps and isinstance(progress, dict)):
+        return False  # to train, or a checkpoint whose problems the resume reports
+    return progress.get("val_step", step) == step
+
+
 def set_up(cfg: Config, ctx: DistContext, manager: CheckpointManager, resume: str | None,
-           seams: Seams | None = None) -> tuple[Run, Progress, Path | None]:
+           choice: ResumeChoice | None = None, seams: Seams | None = None
+           ) -> tuple[Run, Progress, Path | None]:
     """Build the run (fresh, resumed or warm-started): ``(run, progress, resumed_from)``.
 
-    Call with the run directory's lock held (the trainer takes it first): which checkpoint
-    to continue from is decided from what the directory holds.
+    Call with the run directory's lock held: ``choice`` is :func:`resume_choice` of
+    ``resume``, made here when not given.
     """
     clock = RunClock()  # this segment starts now
     seams = seams or Seams()
-    choice = choose_resume(resume, manager)
+    choice = choice or resume_choice(cfg, manager, resume)
     resume_path, payload = choice.path, choice.payload
     init_path, init = warm_start_source(cfg, payload)
     seed_everything(cfg.run.seed)

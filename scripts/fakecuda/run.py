@@ -148,7 +148,7 @@ def memory(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             ctx = DistContext(device=harness.DEVICE)
             manager = CheckpointManager(Path(tmp) / "runs" / f"stage{stage}", 0)
             run, _, _ = setup.set_up(cfg, ctx, manager, None,
-                                     harness.seams(mode, harness.Checkpoints()))
+                                     seams=harness.seams(mode, harness.Checkpoints()))
             # AdamW's moments as after a first step (a step's peak holds them), made
             # before the tracker starts so that it counts them as the optimizer's.
             for p in run.params:
