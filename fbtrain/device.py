@@ -53,6 +53,35 @@ def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
 
 
 @contextlib.contextmanager
+def matmul_precision(precision: str, device: torch.device) -> Iterator[None]:
+    """Within: CUDA's float32 matmuls at ``precision``; after: the setting as it was.
+
+    Everything but ``fp32`` lets cuBLAS use TF32 tensor cores for float32 matmuls (inputs
+    rounded to a 10-bit mantissa, products accumulated in float32; what nanoGPT and
+    torchtitan enable): the feedback core keeps float32 tensors even under autocast (its
+    hand-written backward and the memory it accumulates want one precision), and without
+    TF32 a Hopper GPU runs its matmuls on the non-tensor-core path. ``fp32`` is IEEE
+    float32. A CPU's matmuls are left as they are (the CUDA flag does not reach them).
+    """
+    if device.type != "cuda":
+        yield
+        return
+    flags = torch.backends.cuda.matmul
+    value = "ieee" if precision == "fp32" else "tf32"
+    if hasattr(flags, "fp32_precision"):  # torch 2.9 and on
+        before, flags.fp32_precision = flags.fp32_precision, value
+    else:
+        before, flags.allow_tf32 = flags.allow_tf32, value == "tf32"
+    try:
+        yield
+    finally:
+        if hasattr(flags, "fp32_precision"):
+            flags.fp32_precision = before
+        else:
+            flags.allow_tf32 = before
+
+
+@contextlib.contextmanager
 def autocast(precision: str, device: torch.device) -> Iterator[None]:
     dtype = autocast_dtype(precision, device)
     if dtype is None:

@@ -77,7 +77,7 @@ def evaluate_split(
     device = next(model.parameters()).device
     # prediction i reads inputs[..i], scores targets[i]; a compact (uint8) split stays
     # compact on the device, only the windows run are widened
-    inputs, targets = (t.to(device) for t in as_stream(ids))
+    inputs, targets = (t.to(device, non_blocking=True) for t in as_stream(ids))
     n = len(targets)
     if n < 1:
         raise ArgumentError("need at least one prediction to score, got an empty split")
@@ -156,9 +156,11 @@ def _score_reset_windows(add: Any, inputs: Tensor, targets: Tensor, seq_len: int
     starts = list(range(0, n, seq_len))
     batched = [a for a in starts if a >= history and a + seq_len <= n]
     span = torch.arange(history + seq_len, device=device)
+    # The batched starts step by seq_len, so a batch's index is made on the device from its
+    # first start (a list copied from the host would be a blocking copy every batch).
     for i in range(0, len(batched), batch_size):
-        index = torch.tensor(batched[i:i + batch_size], device=device)[:, None] + span
-        index -= history
+        starts_i = torch.arange(len(batched[i:i + batch_size]), device=device) * seq_len
+        index = (starts_i + (batched[i] - history))[:, None] + span
         y = window(targets, index)
         y[:, :history] = IGNORE_INDEX
         add(window(inputs, index), y)

@@ -21,7 +21,7 @@ from torch import nn
 
 from fbtrain.config import RunConfig
 from fbtrain.config.schema import PRECISIONS
-from fbtrain.device import autocast
+from fbtrain.device import autocast, matmul_precision
 from fbtrain.rng import preserve_rng
 
 
@@ -35,7 +35,7 @@ def inference(model: nn.Module, precision: str, device: torch.device | str) -> I
     frozen = getattr(model, "frozen_weights", contextlib.nullcontext)
     try:
         with preserve_rng(device), torch.inference_mode(), frozen(), \
-                autocast(precision, device):
+                autocast(precision, device), matmul_precision(precision, device):
             yield
     finally:
         model.train(was_training)

@@ -113,12 +113,15 @@ def next_tokens(
     top_k: int | None = None,
     top_p: float | None = None,
     generator: torch.Generator | None = None,
-) -> Tensor:
-    """Pick one token per row of logits [N, V] -> LongTensor [N] (on the logits' device).
+) -> tuple[Tensor, Tensor]:
+    """Pick one token per row of logits [N, V] -> LongTensors [N]: on the logits' device
+    (for the next step) and on the host (for the text), after one host sync.
 
     ``temperature == 0`` is greedy (argmax; top-k/top-p cannot change the argmax). Otherwise
     tokens are drawn with ``torch.multinomial`` from ``generator``, on the generator's device
-    (so a CPU generator gives the same draws whether the model runs on CPU or CUDA).
+    (so a CPU generator gives the same draws whether the model runs on CPU or CUDA). The
+    one read carries the finiteness check with the probabilities a host generator draws
+    from, or with the tokens drawn on the device.
 
     Raises :class:`NonFiniteLogits` when a logit is NaN or inf (no distribution to draw
     from; multinomial would fail with a traceback), or a token's log-probability is below
@@ -127,11 +130,9 @@ def next_tokens(
     """
     logits = logits.float()
     log_probs = torch.log_softmax(logits, dim=-1)
-    if not bool((log_probs >= -MAX_TOKEN_LOSS).all()):  # NaN compares False: refused too
-        raise NonFiniteLogits("the model's predictions are NaN or inf (its weights are so "
-                              "large that the logits overflow)")
+    sane = (log_probs >= -MAX_TOKEN_LOSS).all()  # 0-dim; NaN compares False: refused too
     if temperature == 0:
-        return logits.argmax(dim=-1)
+        return _read_tokens(logits.argmax(dim=-1), sane)
     scaled = logits / temperature
     probs = torch.softmax(filter_logits(scaled, top_k, top_p), dim=-1)
     # The tiny-temperature rule: softmax(logits / T) tends to a one-hot on the argmax as T
@@ -140,14 +141,32 @@ def next_tokens(
     # of its unscaled logits - instead of from a softmax of inf - inf = NaN. Rows that stay
     # finite are drawn as usual, and every row still takes its draw from the generator, so
     # the other rows' text does not depend on whether one row overflowed.
-    greedy = ~torch.isfinite(scaled.amax(dim=-1))  # [N]
-    if bool(greedy.any()):
-        one_hot = torch.nn.functional.one_hot(logits.argmax(dim=-1), logits.shape[-1])
-        probs = torch.where(greedy[:, None], one_hot.to(probs.dtype), probs)
+    greedy = ~torch.isfinite(scaled.amax(dim=-1))  # [N]; applied always: no host read
+    one_hot = torch.nn.functional.one_hot(logits.argmax(dim=-1), logits.shape[-1])
+    probs = torch.where(greedy[:, None], one_hot.to(probs.dtype), probs)
     if generator is not None and generator.device != probs.device:
-        probs = probs.to(generator.device)
-    picked = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-    return picked.to(logits.device)
+        # The probabilities and the check come to the host together, the one read.
+        host = torch.cat([probs, sane.to(probs.dtype).expand(len(probs), 1)], dim=1).cpu()
+        _check_finite(bool(host[0, -1]))
+        picked = torch.multinomial(host[:, :-1], 1, generator=generator).squeeze(-1)
+        return picked.to(logits.device, non_blocking=True), picked
+    # A refused row must not reach the draw (NaN probabilities fail it): a uniform row
+    # instead, and the check is raised after the read.
+    probs = torch.where(sane, probs, torch.ones_like(probs))
+    return _read_tokens(torch.multinomial(probs, 1, generator=generator).squeeze(-1), sane)
+
+
+def _read_tokens(picked: Tensor, sane: Tensor) -> tuple[Tensor, Tensor]:
+    """``picked`` [N] and its host copy, read with the check ``sane`` (0-dim) in one sync."""
+    host = torch.cat([picked, sane.long()[None]]).cpu()
+    _check_finite(bool(host[-1]))
+    return picked, host[:-1]
+
+
+def _check_finite(sane: bool) -> None:
+    if not sane:
+        raise NonFiniteLogits("the model's predictions are NaN or inf (its weights are so "
+                              "large that the logits overflow)")
 
 
 # Bytes the sampling loop keeps per generated token outside the model: the int64 output
@@ -271,11 +290,11 @@ def generate(
     decoders = [tokenizer.decoder() for _ in range(num_samples)]
     out = torch.empty(num_samples, length, dtype=torch.long)
     with inference(model, precision, device):
-        tokens = ids.to(device).unsqueeze(0).expand(num_samples, -1)  # [N, P]
+        tokens = ids.to(device, non_blocking=True).unsqueeze(0).expand(num_samples, -1)  # [N, P]
         logits, state = model(tokens)  # the prompt, once
         for i in range(length):
-            token = next_tokens(logits[:, -1], temperature, top_k, top_p, generator)  # [N]
-            token_cpu = token.cpu()
+            # [N] on the device and on the host: one host sync a token
+            token, token_cpu = next_tokens(logits[:, -1], temperature, top_k, top_p, generator)
             out[:, i] = token_cpu
             if on_text is not None:
                 for s, t in enumerate(token_cpu.tolist()):

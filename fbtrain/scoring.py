@@ -8,7 +8,7 @@ usual mean cross-entropy.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -41,18 +41,45 @@ def count_scored(targets: Tensor) -> Tensor:
 @dataclass
 class Scores:
     """Running sums of :func:`score_sums` (float64 for the loss); ``loss`` and ``accuracy``
-    are means over the scored targets (NaN when none was scored)."""
+    are means over the scored targets (NaN when none was scored).
 
-    loss_sum: float = 0.0
-    count: int = 0
-    correct: int = 0
+    Each batch's sums stay on the device until a figure is asked for: then they are read
+    in one host sync, however many batches, and added up in the order they came."""
+
+    _loss_sum: float = 0.0
+    _count: int = 0
+    _correct: int = 0
+    _pending: list[Tensor] = field(default_factory=list)  # [3] float64 each, on the device
 
     def add(self, logits: Tensor, targets: Tensor) -> None:
         ce, count, correct = score_sums(logits, targets)
-        values = torch.stack([ce.detach().double(), count.double(), correct.double()]).tolist()
-        self.loss_sum += values[0]
-        self.count += int(values[1])
-        self.correct += int(values[2])
+        self._pending.append(torch.stack([ce.detach().double(), count.double(),
+                                          correct.double()]))
+
+    def _settle(self) -> None:
+        if not self._pending:
+            return
+        rows = torch.stack(self._pending).tolist()  # the one read
+        self._pending.clear()
+        for loss, count, correct in rows:
+            self._loss_sum += loss
+            self._count += int(count)
+            self._correct += int(correct)
+
+    @property
+    def loss_sum(self) -> float:
+        self._settle()
+        return self._loss_sum
+
+    @property
+    def count(self) -> int:
+        self._settle()
+        return self._count
+
+    @property
+    def correct(self) -> int:
+        self._settle()
+        return self._correct
 
     @property
     def loss(self) -> float:

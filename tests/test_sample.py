@@ -419,7 +419,7 @@ def test_next_tokens_overflowing_row_is_greedy_others_sampled() -> None:
     t = 1e-39
     logits = torch.tensor([[0.0, 3.0, 1.0, -3.0],  # / t overflows: greedy, token 1
                            [0.0, 1e-40, 2e-40, 3e-40]])  # / t stays finite: sampled
-    picks = {tuple(sample.next_tokens(logits, t, generator=gen(s)).tolist())
+    picks = {tuple(sample.next_tokens(logits, t, generator=gen(s))[1].tolist())
              for s in range(40)}
     assert {p[0] for p in picks} == {1}
     assert len({p[1] for p in picks}) > 1
@@ -427,8 +427,8 @@ def test_next_tokens_overflowing_row_is_greedy_others_sampled() -> None:
     # it had not overflowed.
     tame = torch.tensor([[0.0, 3e-39, 1e-39, -3e-39], [0.0, 1e-40, 2e-40, 3e-40]])
     for s in range(20):
-        assert (sample.next_tokens(logits, t, generator=gen(s))[1]
-                == sample.next_tokens(tame, t, generator=gen(s))[1])
+        assert (sample.next_tokens(logits, t, generator=gen(s))[1][1]
+                == sample.next_tokens(tame, t, generator=gen(s))[1][1])
 
 
 def test_next_tokens_refuses_logits_whose_loss_overflows() -> None:

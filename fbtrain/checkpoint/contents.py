@@ -143,7 +143,8 @@ def load_model(
     :func:`resolve_checkpoint`) or a folder written by :func:`export_model` (its
     ``payload`` then holds no optimizer, only what the folder holds). The model is built
     from ``payload["model_config"]`` and ``len(payload["vocab"])``, given the saved
-    weights, put in eval mode and moved to ``device``; the tokenizer is the saved
+    weights (built on ``device``: its initial weights are never made on the host only to
+    be copied over) and put in eval mode; the tokenizer is the saved
     vocabulary's (``payload["tokenizer"]``: char, the default, or word). Anything missing
     or not matching (keys, shapes, config fields) is a one-line :class:`CheckpointError`.
     """
@@ -168,7 +169,8 @@ def load_model(
         raise CheckpointError(f"{file}: bad 'vocab': {e}") from None
     try:
         cfg = ModelConfig(**raw_cfg)
-        model = build_model(cfg, tokenizer.vocab_size)
+        with torch.device(device):
+            model = build_model(cfg, tokenizer.vocab_size)
     except (TypeError, ArgumentError) as e:  # a key ModelConfig lacks; a value it refuses
         raise CheckpointError(f"{file}: bad 'model_config': {e}") from None
     state = strip_wrapper_prefixes(state)
@@ -182,7 +184,7 @@ def load_model(
                               "checkpoint is damaged or its training diverged")
     model.load_state_dict(state)
     model.eval()
-    return model.to(device), tokenizer, payload
+    return model, tokenizer, payload
 
 
 def resolve_model(path: str | Path, prefer: str = "best") -> Path:

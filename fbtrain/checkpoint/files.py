@@ -20,6 +20,7 @@ import re
 import shutil
 import warnings
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -182,12 +183,16 @@ class CheckpointManager:
     Only one process (rank 0) should save into a run directory at a time.
     """
 
-    def __init__(self, run_dir: Path, keep_last: int):
+    def __init__(self, run_dir: Path, keep_last: int,
+                 write: Callable[[Path, dict[str, Any]], None] | None = None):
+        """``write(path, payload)`` writes one checkpoint file (:func:`save_checkpoint`
+        unless given: a harness whose tensors cannot be serialized passes its own)."""
         if keep_last < 0:
             raise ValueError(f"keep_last must be >= 0, got {keep_last}")
         self.run_dir = Path(run_dir)
         self.dir = self.run_dir / CHECKPOINT_DIR
         self.keep_last = keep_last
+        self.write = write or save_checkpoint
 
     @property
     def last_path(self) -> Path:
@@ -234,7 +239,7 @@ class CheckpointManager:
         crash part-way it is never older than a numbered snapshot. Returns the path of the
         numbered file when one was written, else ``last.pt``.
         """
-        save_checkpoint(self.last_path, payload)
+        self.write(self.last_path, payload)
         written = self.last_path
         if numbered:
             written = self.step_path(step)

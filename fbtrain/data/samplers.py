@@ -154,7 +154,7 @@ class SegmentReader:
         self.cursor = end % self.length
         index = self.starts[:, None] + torch.arange(begin, end)
         x, y = torch.stack([window(self.stream.inputs, index),
-                            window(self.stream.targets, index)]).to(device)
+                            window(self.stream.targets, index)]).to(device, non_blocking=True)
         return x.contiguous(), y.contiguous(), begin == 0
 
     def state_dict(self) -> dict[str, int]:

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from fbtrain.checkpoint.contents import WarmStart, apply_warm_start, check_warm_start
-from fbtrain.checkpoint.files import CheckpointManager
+from fbtrain.checkpoint.files import CheckpointManager, save_checkpoint
 from fbtrain.checkpoint.state import (
     ModelState,
     OptimizerState,
@@ -48,6 +48,22 @@ from fbtrain.train.batches import CarriedStreams, RandomWindows
 from fbtrain.train.clock import RunClock
 from fbtrain.train.optim import LRSchedule, build_optimizer
 from fbtrain.train.rewind import set_aside_abandoned
+
+
+@dataclass(frozen=True)
+class Seams:
+    """Where a run meets the world outside the process: how the data is read from disk
+    into host tensors and placed on the run's device, how the model is built on that
+    device, how a checkpoint file is written. The defaults are fbtrain's own; a harness
+    passes others to run the real trainer on tensors that compute nothing
+    (scripts/fakecuda: fake CUDA on a CPU-only torch)."""
+
+    load_data: Callable[[Config, DistContext, list[str] | None, Path | None], TrainData] = \
+        dataclasses.field(default_factory=lambda: load_data)
+    build_model: Callable[[Any, int, torch.device], nn.Module] = \
+        dataclasses.field(default_factory=lambda: _build_on)
+    write_checkpoint: Callable[[Path, dict[str, Any]], None] = \
+        dataclasses.field(default_factory=lambda: save_checkpoint)
 
 
 @dataclass
@@ -129,22 +145,23 @@ class Run:
     segment: Segment = Segment()  # the run's id and what history.jsonl records of this start
 
 
-def set_up(cfg: Config, ctx: DistContext, manager: CheckpointManager, resume: str | None
-           ) -> tuple[Run, Progress, Path | None]:
+def set_up(cfg: Config, ctx: DistContext, manager: CheckpointManager, resume: str | None,
+           seams: Seams | None = None) -> tuple[Run, Progress, Path | None]:
     """Build the run (fresh, resumed or warm-started): ``(run, progress, resumed_from)``.
 
     Call with the run directory's lock held (the trainer takes it first): which checkpoint
     to continue from is decided from what the directory holds.
     """
     clock = RunClock()  # this segment starts now
+    seams = seams or Seams()
     choice = choose_resume(resume, manager)
     resume_path, payload = choice.path, choice.payload
     init_path, init = warm_start_source(cfg, payload)
     seed_everything(cfg.run.seed)
     vocab = (payload or init or {}).get("vocab")
-    data = load_data(cfg, ctx, vocab, init_path if payload is None else resume_path)
+    data = seams.load_data(cfg, ctx, vocab, init_path if payload is None else resume_path)
     sampler, batches = make_batches(cfg, ctx, data.train_ids)
-    raw_model = build_model(cfg.model, data.tokenizer.vocab_size).to(ctx.device)
+    raw_model = seams.build_model(cfg.model, data.tokenizer.vocab_size, ctx.device)
     warm_report = None
     if init is not None and init_path is not None:
         warm_report = apply_warm_start(raw_model, init["model"], init_path)
@@ -180,6 +197,12 @@ def set_up(cfg: Config, ctx: DistContext, manager: CheckpointManager, resume: st
     segment = Segment(choice.run_id, choice.new_run, changed)
     return (dataclasses.replace(run, model=model, notes=notes, segment=segment), progress,
             resume_path)
+
+
+def _build_on(model_cfg: Any, vocab_size: int, device: torch.device) -> nn.Module:
+    """The model, initialised (on the CPU: the same numbers whatever the device) and moved
+    to ``device``."""
+    return build_model(model_cfg, vocab_size).to(device)
 
 
 # ----------------------------------------------------------------------------- what to resume

@@ -43,6 +43,7 @@ from fbtrain.checkpoint.contents import summarize_names
 from fbtrain.checkpoint.files import CheckpointManager
 from fbtrain.config import Config, TrainConfig
 from fbtrain.config.kinds import model_kind
+from fbtrain.device import matmul_precision
 from fbtrain.distributed import DistContext, is_peer_failure, peer_lost, session
 from fbtrain.evaluate import loss_figures
 from fbtrain.inference import inference
@@ -55,7 +56,7 @@ from fbtrain.rundir_checks import check_path_length, check_writable
 from fbtrain.runhistory import record_segment
 from fbtrain.scoring import window_scores
 from fbtrain.train.oom import is_allocation_failure, out_of_memory
-from fbtrain.train.setup import Progress, Run, checkpoint_payload, set_up
+from fbtrain.train.setup import Progress, Run, Seams, checkpoint_payload, set_up
 from fbtrain.train.signals import EXIT_CODES, StopRequested, StopSignals
 from fbtrain.train.step import EXIT_NONFINITE, StepResult, TrainingError, train_step
 from fbtrain.train.step_graph import step_function
@@ -66,7 +67,7 @@ StepHook = Callable[[int], None]  # called with the step number after each step'
 
 
 def run(cfg: Config, *, resume: str | None = None, quiet: bool = False,
-        on_step: StepHook | None = None) -> Path:
+        on_step: StepHook | None = None, seams: Seams | None = None) -> Path:
     """Train as ``cfg`` says and return the run directory.
 
     ``resume``: None starts fresh (refused with a ConfigError when the run directory already
@@ -77,11 +78,12 @@ def run(cfg: Config, *, resume: str | None = None, quiet: bool = False,
     (:func:`fbtrain.rundir.choose_resume`). ``quiet`` turns the
     console (progress, messages) off but for the one-line summary; files are written the
     same. ``on_step(step)``
-    runs after each trained step, before its evaluation and save (for tests).
+    runs after each trained step, before its evaluation and save (for tests). ``seams``:
+    how the data, the model and checkpoint files are made (:class:`Seams`; for harnesses).
     """
     graphs_choice()  # a bad $FBTRAIN_CUDA_GRAPHS is refused before anything is made
-    with session(cfg.run.device) as ctx:
-        trainer = Trainer(cfg, ctx, quiet=quiet, on_step=on_step)
+    with session(cfg.run.device) as ctx, matmul_precision(cfg.run.precision, ctx.device):
+        trainer = Trainer(cfg, ctx, quiet=quiet, on_step=on_step, seams=seams)
         try:
             return trainer.fit(resume)
         except RuntimeError as e:
@@ -103,10 +105,12 @@ class Trainer:
     logger: MetricsLogger
 
     def __init__(self, cfg: Config, ctx: DistContext, *, quiet: bool = False,
-                 on_step: StepHook | None = None):
+                 on_step: StepHook | None = None, seams: Seams | None = None):
         self.cfg, self.ctx, self.quiet, self.on_step = cfg, ctx, quiet, on_step
+        self.seams = seams or Seams()
         self.run_dir = Path(cfg.run.out_dir) / cfg.run.name
-        self.manager = CheckpointManager(self.run_dir, cfg.checkpoint.keep_last)
+        self.manager = CheckpointManager(self.run_dir, cfg.checkpoint.keep_last,
+                                         self.seams.write_checkpoint)
         self.run_lock = RunDirLock(self.run_dir, enabled=ctx.is_main)
         self.throughput = report.Throughput()
         # (step, text) of the newest sample: samples go to TensorBoard, and the console
@@ -134,7 +138,7 @@ class Trainer:
                 check_writable(self.run_dir)
             started = time.perf_counter()
             self.run, self.progress, resume_path = set_up(self.cfg, self.ctx, self.manager,
-                                                          resume)
+                                                          resume, self.seams)
             wrote = True
             # A resume with nothing to train leaves the directory's files as they were:
             # config.yaml describes the checkpoints it holds, not settings none was made with.

@@ -1,6 +1,8 @@
 """The dropout masks of one core call, drawn before the sweep in one fixed order from the
 global generator, as the C++ core draws them: so from one seed every core (C++, PyTorch,
 fused) drops the same units, and a core's result does not depend on how it splits the batch.
+Masks are bool (a quarter of float masks' memory: gigabytes at a GPU's batch sizes), scaled
+by :attr:`Masks.scale` where they are applied.
 
 Shapes as in ``spec.py``: B batch, T steps, D width, H heads, F feed-forward width, L layers,
 n0 carried slots.
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor
 
 from fbtrain.models.core.spec import CoreSpec
@@ -17,7 +20,8 @@ from fbtrain.models.core.spec import CoreSpec
 
 @dataclass
 class Masks:
-    """Inverted-dropout masks (0 or 1/(1-p)), drawn in one go as the C++ core draws them.
+    """Inverted-dropout masks (bool: kept or dropped), drawn in one go as the C++ core
+    draws them; a kept unit is scaled by ``scale`` (1/(1-p) in the activations' dtype).
 
     att [L, n_att, B, D]; prob [L, sum_t B*H*ell_t] (step t's [B, H, ell_t] block starts at
     ``prob_offset[t]``); h [L, T, B, F]; ff [L, T, B, D].
@@ -28,6 +32,16 @@ class Masks:
     h: Tensor
     ff: Tensor
     prob_offset: list[int]
+    scale: float
+
+    def drop(self, x: Tensor, mask: Tensor) -> Tensor:
+        """``x`` after dropout with ``mask``, as a new tensor: bitwise ``x * m`` for the
+        float mask m (0 or 1/(1-p)) that ``bernoulli_(1-p).div_(1-p)`` would make."""
+        return (x * mask).mul_(self.scale)
+
+    def drop_(self, x: Tensor, mask: Tensor) -> Tensor:
+        """:meth:`drop`, in place."""
+        return x.mul_(mask).mul_(self.scale)
 
     def prob_of(self, layer: int, t: int, B: int, H: int, ell: int) -> Tensor:
         """Layer ``layer``'s mask on step t's attention probabilities: [B, H, ell]."""
@@ -60,8 +74,11 @@ def draw_masks(spec: CoreSpec, like: Tensor, n0: int, F: int) -> Masks | None:
     offsets = prob_offsets(spec, n0, T, B)
     size = offsets.pop()
 
-    def mask(*shape: int) -> Tensor:
-        return like.new_empty(shape).bernoulli_(1.0 - p).div_(1.0 - p)
+    def mask(*shape: int) -> Tensor:  # bernoulli_ draws one value an element, any dtype
+        return like.new_empty(shape, dtype=torch.bool).bernoulli_(1.0 - p)
 
+    # 1/(1-p) divided in the activations' dtype, on the host (no device sync), as
+    # bernoulli_(1-p).div_(1-p) computes a float mask's kept value.
+    scale = torch.ones((), dtype=like.dtype).div_(1.0 - p).item()
     att, prob = mask(L, n_att, B, D), mask(L, size)
-    return Masks(att, prob, mask(L, T, B, F), mask(L, T, B, D), offsets)
+    return Masks(att, prob, mask(L, T, B, F), mask(L, T, B, D), offsets, scale)

@@ -22,7 +22,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from fbtrain.models.core.masks import draw_masks, window_of
+from fbtrain.models.core.masks import Masks, draw_masks, window_of
 from fbtrain.models.core.spec import (
     ATT_PARAMS,
     LAYER_PARAMS,
@@ -103,6 +103,7 @@ class Tape:
     att: list[list[AttRecord]] = field(default_factory=list)
     ff: list[list[FFRecord]] = field(default_factory=list)
     mem: list[MemRecord] = field(default_factory=list)
+    masks: Masks | None = None  # the call's dropout masks (their scale), None without dropout
 
 
 def _per_layer(flat: Sequence[Tensor]) -> list[LayerTensors]:
@@ -144,7 +145,7 @@ def _forward(spec: CoreSpec, x0: Tensor, mem_k: Tensor, mem_v: Tensor,
     masks = draw_masks(spec, x0, n0, params[0].w1_t.shape[1])
     eps, shape = spec.eps, (D,)
     first_att = 0 if n0 > 0 else 1
-    tape = Tape([[] for _ in range(L)], [[] for _ in range(L)]) if keep_tape else None
+    tape = Tape([[] for _ in range(L)], [[] for _ in range(L)], masks=masks) if keep_tape else None
     mask_prob = mask_att = mask_h = mask_ff = None
     for t in range(T):
         slot = n0 + t
@@ -171,11 +172,11 @@ def _forward(spec: CoreSpec, x0: Tensor, mem_k: Tensor, mem_v: Tensor,
                 if masks is not None:
                     mask_prob = masks.prob_of(li, t, B, H, ell)
                     mask_att = masks.att[li, t - first_att]
-                    prob_used = prob * mask_prob
+                    prob_used = masks.drop(prob, mask_prob)
                 o = torch.bmm(prob_used.view(BH, 1, ell), v_w[set_of[li]]).view(B, D)
                 z = torch.addmm(p.bo, o, p.wo_t)
                 if masks is not None:
-                    z = z.mul_(mask_att)
+                    z = masks.drop_(z, mask_att)
                 y = z.add_(x)
                 if tape is not None:
                     tape.att[li].append(AttRecord(a, mu1, rs1, qu, prob, prob_used, o,
@@ -184,10 +185,10 @@ def _forward(spec: CoreSpec, x0: Tensor, mem_k: Tensor, mem_v: Tensor,
                 y = x
             c, mu2, rs2 = _layer_norm(y, shape, p.ln2_w, p.ln2_b, eps)
             h = torch.addmm(p.b1, c, p.w1_t).relu_()  # [B, F]
-            h_used = h if masks is None else h * mask_h
+            h_used = h if masks is None else masks.drop(h, mask_h)
             f = torch.addmm(p.b2, h_used, p.w2_t)
             if masks is not None:
-                f = f.mul_(mask_ff)
+                f = masks.drop_(f, mask_ff)
             x = torch.add(y, f, out=hidden[t, li + 1])
             if tape is not None:
                 tape.ff[li].append(FFRecord(y, mu2, rs2, c, h, h_used, mask_h, mask_ff))
@@ -227,7 +228,7 @@ def _backward(spec: CoreSpec, d_top: Tensor, hidden: Tensor, memory: Tensor, key
     L, H = spec.n_layers, spec.n_heads
     dk, BH = D // H, B * H
     n_kv, S = keys.shape[0], keys.shape[2]
-    drop, shape = spec.dropout, (D,)
+    masks, shape = tape.masks, (D,)
     mix_f = mix.tolist()
     n_pos = params[0].rt.shape[-1]
     # Transposed weights (views) and position tables, once per call rather than per step.
@@ -275,10 +276,10 @@ def _backward(spec: CoreSpec, d_top: Tensor, hidden: Tensor, memory: Tensor, key
             wq_b, rt_b, wo_b, w1_b, w2_b = back[li]
             ff = tape.ff[li][t]
             # Feed-forward block: x_out = y + Drop(W2 Drop(relu(W1 LN2(y) + b1)) + b2).
-            df = dx * ff.mask_ff if drop else dx
+            df = masks.drop(dx, ff.mask_ff) if masks is not None else dx
             dh = torch.mm(df, w2_b)
-            if drop:
-                dh = dh.mul_(ff.mask_h)
+            if masks is not None:
+                dh = masks.drop_(dh, ff.mask_h)
             dh = _relu_backward(dh, ff.h, 0)
             dc = torch.mm(dh, w1_b)
             dy = _layer_norm_backward(dc, ff.y, shape, ff.mu2, ff.rs2, p.ln2_w, p.ln2_b,
@@ -290,14 +291,14 @@ def _backward(spec: CoreSpec, d_top: Tensor, hidden: Tensor, memory: Tensor, key
                 att = tape.att[li][ai]
                 qu, prob = att.qu, att.prob
                 kv = set_of[li]
-                dz = dy * att.mask_att if drop else dy
+                dz = masks.drop(dy, att.mask_att) if masks is not None else dy
                 do = torch.mm(dz, wo_b).view(BH, 1, dk)
                 d_prob = torch.bmm(do, v_t[kv]).view(B, H, ell)
                 # Rank-1 updates, broadcast in place (baddbmm_ into a strided view falls
                 # back to one small matmul per batch row).
                 dv_w[kv].addcmul_(att.prob_used.view(BH, ell, 1), do)
-                if drop:
-                    d_prob = d_prob.mul_(att.mask_prob)
+                if masks is not None:
+                    d_prob = masks.drop_(d_prob, att.mask_prob)
                 d_scores = _softmax_backward(d_prob, prob, -1, prob.dtype)  # [B, H, ell]
                 d_scores_hb = d_scores.transpose(0, 1)  # [H, B, ell]
                 dqu = torch.bmm(d_scores.view(BH, 1, ell), k_w[kv]).view(B, H, dk)

@@ -42,8 +42,11 @@ enum Param { LN1_W, LN1_B, WQ, UQ, RT, CPOS, WO_T, BO, LN2_W, LN2_B, W1_T, B1, W
 // width every step, so they are packed per layer as [L, sum_t B*H*ell_t].
 // MEM_HAT, MEM_MU, MEM_RS: the normalised memory [T, B, D] and its statistics [T, B, 1]
 // (empty unless memory_norm).
+// Dropout masks (MASK_*) are bool, scaled by mask_scale where they are applied: a quarter of
+// float masks' memory, which at a GPU's batch sizes is gigabytes. The hidden layer after its
+// dropout is not kept (dropped_hidden recomputes it for W2's gradient).
 enum Record { A, MU1, RS1, QU, O, MASK_ATT, PROB, PROB_USED, MASK_PROB,
-              Y, MU2, RS2, CN, HID, H_USED, MASK_H, MASK_FF, MEM_HAT, MEM_MU, MEM_RS,
+              Y, MU2, RS2, CN, HID, MASK_H, MASK_FF, MEM_HAT, MEM_MU, MEM_RS,
               N_RECORDS };
 
 struct Spec {
@@ -52,6 +55,19 @@ struct Spec {
   double dropout, eps;
   bool memory_norm;  // keys/values from the (affine-free) LayerNorm of memory
 };
+
+// The inverted-dropout scale 1/(1-p) in the records' dtype, as a double that holds that value
+// exactly: x * mask * mask_scale is then bitwise x * m for the float mask m = 1/(1-p) that
+// `bernoulli_(1-p).div_(1-p)` makes (ATen divides in the tensor's dtype).
+double mask_scale(const Spec& s, at::ScalarType dtype) {
+  if (dtype == at::kDouble) return 1.0 / (1.0 - s.dropout);
+  return static_cast<double>(1.0f / static_cast<float>(1.0 - s.dropout));
+}
+
+// out = x * mask * scale (mask bool): the dropout of x, out of place.
+void drop_out(const Tensor& out, const Tensor& x, const Tensor& mask, double scale) {
+  at::mul_out(const_cast<Tensor&>(out), x, mask).mul_(scale);
+}
 
 // First slot and length of the memory window seen by the step that creates `slot`.
 std::pair<int64_t, int64_t> window_of(int64_t slot, int64_t window) {
@@ -142,15 +158,17 @@ Tape make_tape(const Spec& s, const Layout& lay, const Tensor& like, int64_t qu_
   r[PROB] = buf({L, lay.prob_size});
   r[Y] = buf({L, n_ff, B, D});
   r[HID] = buf({L, n_ff, B, F});
-  // Inverted-dropout masks (0 or 1/(1-p)) are drawn here, on one thread and in one go,
-  // so the result does not depend on how the batch is sharded.
-  auto mask = [&](Tensor m) { return m.bernoulli_(1.0 - s.dropout).div_(1.0 - s.dropout); };
-  r[MASK_ATT] = drop ? mask(buf({L, n_att, B, D})) : none();
+  // Inverted-dropout masks (bool: kept or dropped) are drawn here, on one thread and in one
+  // go, so the result does not depend on how the batch is sharded; the draws are those of
+  // float masks (bernoulli_ draws one value per element whatever the dtype).
+  auto mask = [&](std::initializer_list<int64_t> shape) {
+    return like.new_empty(shape, like.options().dtype(at::kBool)).bernoulli_(1.0 - s.dropout);
+  };
+  r[MASK_ATT] = drop ? mask({L, n_att, B, D}) : none();
   r[PROB_USED] = drop ? buf({L, lay.prob_size}) : r[PROB];
-  r[MASK_PROB] = drop ? mask(buf({L, lay.prob_size})) : none();
-  r[H_USED] = drop ? buf({L, n_ff, B, F}) : r[HID];
-  r[MASK_H] = drop ? mask(buf({L, n_ff, B, F})) : none();
-  r[MASK_FF] = drop ? mask(buf({L, n_ff, B, D})) : none();
+  r[MASK_PROB] = drop ? mask({L, lay.prob_size}) : none();
+  r[MASK_H] = drop ? mask({L, n_ff, B, F}) : none();
+  r[MASK_FF] = drop ? mask({L, n_ff, B, D}) : none();
   r[MEM_HAT] = r[MEM_MU] = r[MEM_RS] = none();  // see record_memory_norm
   return Tape{std::move(r), &lay};
 }
@@ -182,7 +200,8 @@ void for_each_shard(int64_t shards, int64_t B, const Fn& fn) {
 //
 // Pointers: qu [nb, H*dk]; keys/values of the window start at slot `lo` of each (row, head),
 // `kv_stride` apart; rt [H, dk, P] and c [H, P] (their last `ell` positions are this
-// window's); prob, prob_used, mask [nb, H, ell]; o [nb, H*dk].
+// window's); prob, prob_used, mask [nb, H, ell]; o [nb, H*dk]. A dropout mask (null without
+// dropout) keeps a probability as its value times `scale`, or drops it.
 template <typename T>
 struct WindowAttention {
   int64_t nb, H, dk, ell, P, kv_stride;
@@ -191,9 +210,11 @@ struct WindowAttention {
   const T* pos_row(const T* table, int64_t h, int64_t d) const {
     return table + (h * dk + d) * P + (P - ell);
   }
+  // The dropout factor of element i: scale or 0, the float mask's value.
+  static T kept(const bool* mask, int64_t i, T scale) { return mask[i] ? scale : T(0); }
 
-  void forward(const T* qu, const T* K, const T* V, T* prob, T* prob_used, const T* mask,
-               T* o) const {
+  void forward(const T* qu, const T* K, const T* V, T* prob, T* prob_used, const bool* mask,
+               T scale, T* o) const {
     const int64_t D = H * dk;
     for (int64_t b = 0; b < nb; ++b) {
       for (int64_t h = 0; h < H; ++h) {
@@ -225,7 +246,7 @@ struct WindowAttention {
         const T* p = s;
         if (mask) {
           T* pu = prob_used + bh * ell;
-          for (int64_t j = 0; j < ell; ++j) pu[j] = s[j] * mask[bh * ell + j];
+          for (int64_t j = 0; j < ell; ++j) pu[j] = s[j] * kept(mask, bh * ell + j, scale);
           p = pu;
         }
         T* ob = o + b * D + h * dk;
@@ -244,7 +265,7 @@ struct WindowAttention {
   // gradients (same layout as K, V) and the position-table gradients d_rt [H, dk, P],
   // d_c [H, P]. `scratch` holds 2 * ell values.
   void backward(const T* qu, const T* K, const T* V, const T* prob, const T* prob_used,
-                const T* mask, const T* d_o, T* d_qu, T* dK, T* dV, T* d_rt, T* d_c,
+                const bool* mask, T scale, const T* d_o, T* d_qu, T* dK, T* dV, T* d_rt, T* d_c,
                 T* scratch) const {
     const int64_t D = H * dk;
     T *dp = scratch, *ds = scratch + ell;
@@ -265,7 +286,7 @@ struct WindowAttention {
             acc += g[d] * v[d];
             dv[d] += pu[j] * g[d];
           }
-          dp[j] = mask ? acc * mask[bh * ell + j] : acc;
+          dp[j] = mask ? acc * kept(mask, bh * ell + j, scale) : acc;
           dot += p[j] * dp[j];
         }
         for (int64_t j = 0; j < ell; ++j) ds[j] = p[j] * (dp[j] - dot);  // softmax backward
@@ -385,6 +406,9 @@ struct Forward {
     const bool drop = s.dropout > 0, loops = loops_for(hidden);
     const bool prefilled = !loops && lay.keep;  // see prefill_biases
     const std::vector<int64_t> shape{D};
+    const double scale = drop ? mask_scale(s, hidden.scalar_type()) : 1.0;
+    // The hidden layer after its dropout: scratch, since only W2's gradient needs it again.
+    const Tensor h_dropped = drop ? hidden.new_empty({nb, lay.F}) : Tensor();
     // This shard's rows of the memory buffers, and of the same seen as [n_kv, nb, H, S, dk].
     const Tensor keys_s = keys.narrow(1, b0 * H, nbH), values_s = values.narrow(1, b0 * H, nbH);
     const Tensor key_rows = keys_s.view({n_kv, nb, H, S, dk});
@@ -420,9 +444,9 @@ struct Forward {
               att.forward(qu.data_ptr<scalar_t>(), k_t[set].data_ptr<scalar_t>(),
                           v_w[set].data_ptr<scalar_t>(), prob.data_ptr<scalar_t>(),
                           prob_used.data_ptr<scalar_t>(),
-                          drop ? tape.prob(MASK_PROB, l, t, ell, b0, nb).data_ptr<scalar_t>()
+                          drop ? tape.prob(MASK_PROB, l, t, ell, b0, nb).data_ptr<bool>()
                                : nullptr,
-                          o.data_ptr<scalar_t>());
+                          static_cast<scalar_t>(scale), o.data_ptr<scalar_t>());
             });
           } else {  // any other device: the same, in ATen calls
             // Content scores plus the projected position scores (out of place: an in-place
@@ -436,18 +460,20 @@ struct Forward {
             Tensor prob_used = prob;
             if (drop) {
               prob_used = tape.prob(PROB_USED, l, t, ell, b0, nb);
-              at::mul_out(prob_used, prob, tape.prob(MASK_PROB, l, t, ell, b0, nb));
+              drop_out(prob_used, prob, tape.prob(MASK_PROB, l, t, ell, b0, nb), scale);
             }
             Tensor o3 = o.view({nbH, 1, dk});
             at::bmm_out(o3, prob_used.view({nbH, 1, ell}), v_w[set]);
           }
           if (prefilled) {  // y holds bo already (prefill_biases)
             y.addmm_(o, w[WO_T]);
-            if (drop) at::addcmul_out(y, x, y, tape.att(MASK_ATT, l, t, b0, nb));
+            // x + (scale * mask) * y: the mask first, so that y is multiplied by the float
+            // mask's value as before (bitwise, however the kernel contracts it).
+            if (drop) at::addcmul_out(y, x, tape.att(MASK_ATT, l, t, b0, nb), y, scale);
             else y.add_(x);
           } else {
             Tensor z = at::addmm(w[BO], o, w[WO_T]);
-            if (drop) z.mul_(tape.att(MASK_ATT, l, t, b0, nb));
+            if (drop) z.mul_(tape.att(MASK_ATT, l, t, b0, nb)).mul_(scale);
             at::add_out(y, z, x);
           }
         } else {
@@ -460,18 +486,18 @@ struct Forward {
                                                                 // epilogue, one kernel
         Tensor h_used = h;
         if (drop) {
-          h_used = tape.ff(H_USED, l, t, b0, nb);
-          at::mul_out(h_used, h, tape.ff(MASK_H, l, t, b0, nb));
+          h_used = h_dropped;
+          drop_out(h_used, h, tape.ff(MASK_H, l, t, b0, nb), scale);
         }
         if (loops) {
           Tensor f = at::addmm(w[B2], h_used, w[W2_T]);
-          if (drop) f.mul_(tape.ff(MASK_FF, l, t, b0, nb));
+          if (drop) f.mul_(tape.ff(MASK_FF, l, t, b0, nb)).mul_(scale);
           x = hid_t.select(0, l + 1);
           at::add_out(x, y, f);
         } else {  // the ATen path: hidden holds b2 already (prefill_biases)
           x = hid_t.select(0, l + 1);
           x.addmm_(h_used, w[W2_T]);
-          if (drop) at::addcmul_out(x, y, x, tape.ff(MASK_FF, l, t, b0, nb));
+          if (drop) at::addcmul_out(x, y, tape.ff(MASK_FF, l, t, b0, nb), x, scale);
           else x.add_(y);
         }
       }
@@ -657,6 +683,7 @@ struct Backward {
     const int64_t n_kv = lay.n_kv, S = n0 + T, nbH = nb * H, n_pos = p[0][RT].size(-1);
     const bool drop = s.dropout > 0, loops = loops_for(hidden);
     const std::vector<int64_t> shape{D};
+    const double scale = drop ? mask_scale(s, hidden.scalar_type()) : 1.0;
     const std::array<bool, 3> input_grad_only{true, false, false};
     const Tensor keys_s = keys.narrow(1, b0 * H, nbH), values_s = values.narrow(1, b0 * H, nbH);
     Tensor d_keys_s, d_values_s, d_key_rows, d_value_rows;  // [n_kv, nb(H), (H,) S, dk]
@@ -727,9 +754,9 @@ struct Backward {
         // Feed-forward block: x_out = y + Drop(W2 Drop(relu(W1 LN2(y) + b1)) + b2).
         Tensor df = grad(DF, l, t, b0, nb), dh = grad(DH, l, t, b0, nb);
         Tensor dc = grad(DC, l, t, b0, nb);
-        if (drop) at::mul_out(df, dx, tape.ff(MASK_FF, l, t, b0, nb));  // else df is dx
+        if (drop) drop_out(df, dx, tape.ff(MASK_FF, l, t, b0, nb), scale);  // else df is dx
         at::mm_out(dh, df, w2_b);
-        if (drop) dh.mul_(tape.ff(MASK_H, l, t, b0, nb));
+        if (drop) dh.mul_(tape.ff(MASK_H, l, t, b0, nb)).mul_(scale);
         at::threshold_backward_out(dh, dh, tape.ff(HID, l, t, b0, nb), 0);
         at::mm_out(dc, dh, w1_b);
         const Tensor d_ln2 = std::get<0>(at::native_layer_norm_backward(
@@ -741,7 +768,7 @@ struct Backward {
           Tensor dz = grad(DZ, l, t - lay.first_att, b0, nb), dy = dz;
           if (drop) {
             dy = d_ln2 + dx;
-            at::mul_out(dz, dy, tape.att(MASK_ATT, l, t, b0, nb));
+            drop_out(dz, dy, tape.att(MASK_ATT, l, t, b0, nb), scale);
           } else {
             at::add_out(dz, d_ln2, dx);
           }
@@ -765,9 +792,9 @@ struct Backward {
               att.backward(qu.data_ptr<scalar_t>(), k_w[set].data_ptr<scalar_t>(),
                            v_t[set].data_ptr<scalar_t>(), prob.data_ptr<scalar_t>(),
                            prob_used.data_ptr<scalar_t>(),
-                           drop ? tape.prob(MASK_PROB, l, t, ell, b0, nb).data_ptr<scalar_t>()
+                           drop ? tape.prob(MASK_PROB, l, t, ell, b0, nb).data_ptr<bool>()
                                 : nullptr,
-                           d_o.data_ptr<scalar_t>(), dqu.data_ptr<scalar_t>(),
+                           static_cast<scalar_t>(scale), d_o.data_ptr<scalar_t>(), dqu.data_ptr<scalar_t>(),
                            dk_w[set].data_ptr<scalar_t>(), dv_w[set].data_ptr<scalar_t>(),
                            d_rt[shard_id][l].data_ptr<scalar_t>(),
                            d_c[shard_id][l].data_ptr<scalar_t>(), scratch.data());
@@ -779,7 +806,8 @@ struct Backward {
             // one small matmul per batch row; shared_kv_grads takes that cost for one set).
             if (!batch_kv_grads)
               dv_w[set].addcmul_(prob_used.view({nb, H, ell, 1}), d_o.view({nb, H, 1, dk}));
-            if (drop) d_prob.mul_(tape.prob(MASK_PROB, l, t, ell, b0, nb).view({nbH, 1, ell}));
+            if (drop)
+              d_prob.mul_(tape.prob(MASK_PROB, l, t, ell, b0, nb).view({nbH, 1, ell})).mul_(scale);
             const Tensor dqp = dqu.view({nbH, dk + n_pos}), qp = qu.view({nbH, dk + n_pos});
             // Computed apart and copied in: the CPU kernel's out= variant writes a strided
             // output wrongly (torch 2.x), and a GPU's may copy anyway.
@@ -851,6 +879,16 @@ void aten_query_grads(const std::vector<Tensor>& w, int64_t H, const Tensor& d_w
   gl[RT] = at::bmm(wq.view({D, H, dk}).permute({1, 2, 0}), dw_pos) +
            w[UQ].view({H, dk, 1}) * db_pos;
   gl[CPOS] = db_pos.clone();
+}
+
+// Layer l's hidden layer after its dropout, over every step and row: [T*B, F]. Recomputed
+// for W2's gradient (bitwise what the forward used) rather than kept through the sweep.
+Tensor dropped_hidden(const Spec& s, const Tape& tape, int64_t l) {
+  const Tensor& hid = tape.rec[HID];
+  const Tensor h = hid.select(0, l).reshape({-1, hid.size(-1)});
+  if (s.dropout == 0) return h;
+  const Tensor mask = tape.rec[MASK_H].select(0, l).reshape({-1, hid.size(-1)});
+  return at::mul(h, mask).mul_(mask_scale(s, h.scalar_type()));
 }
 
 // Gradients given d_top [B, T, D], the gradient of the last layer's output, and what
@@ -933,7 +971,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, std::vector<Tensor>> 
     auto rows = [](const Tensor& r, int64_t l_) { return r.select(0, l_).reshape({-1, r.size(-1)}); };
     std::vector<Tensor> gl(N_PARAMS);
     const Tensor df = rows(bw.g[DF], l), dh = rows(bw.g[DH], l), dc = rows(bw.g[DC], l);
-    gl[W2_T] = at::mm(rows(tape.rec[H_USED], l).t(), df);
+    gl[W2_T] = at::mm(dropped_hidden(s, tape, l).t(), df);
     gl[B2] = df.sum(0);
     gl[W1_T] = at::mm(rows(tape.rec[CN], l).t(), dh);
     gl[B1] = dh.sum(0);
