@@ -179,10 +179,13 @@ int64_t shard_count(const Tensor& x, int64_t B) {
 }
 
 // Runs fn(shard, b0, nb) for every shard, in parallel when there are several (inside
-// at::parallel_for nested intra-op parallelism is off, which is what a shard wants).
+// at::parallel_for nested intra-op parallelism is off, which is what a shard wants). Each
+// shard runs under the profiler mark `mark` on its own thread, so a profile shows the
+// sweep's own time (the mark's self time) on every thread (scripts/benchmark.py --profile).
 template <typename Fn>
-void for_each_shard(int64_t shards, int64_t B, const Fn& fn) {
+void for_each_shard(int64_t shards, int64_t B, const char* mark, const Fn& fn) {
   auto run = [&](int64_t s) {
+    RECORD_FUNCTION(mark, std::vector<c10::IValue>());
     const int64_t b0 = B * s / shards, b1 = B * (s + 1) / shards;
     fn(s, b0, b1 - b0);
   };
@@ -634,7 +637,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, std::vector<Tensor>> core_forward(
   fw.hidden.select(1, 0).copy_(x0.transpose(0, 1));
   {
     RECORD_FUNCTION("fbtrain::forward_sweep", std::vector<c10::IValue>());  // launch_count.py
-    for_each_shard(shard_count(x0, B), B, [&](int64_t, int64_t b0, int64_t nb) { fw.shard(b0, nb); });
+    for_each_shard(shard_count(x0, B), B, "fbtrain::forward_shard",
+                   [&](int64_t, int64_t b0, int64_t nb) { fw.shard(b0, nb); });
   }
   if (!keep_tape) {
     fw.tape.rec.clear();
@@ -962,7 +966,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, std::vector<Tensor>> 
   }
   {
     RECORD_FUNCTION("fbtrain::backward_sweep", std::vector<c10::IValue>());  // launch_count.py
-    for_each_shard(shards, B, [&](int64_t sh, int64_t b0, int64_t nb) { bw.shard(sh, b0, nb); });
+    for_each_shard(shards, B, "fbtrain::backward_shard",
+                   [&](int64_t sh, int64_t b0, int64_t nb) { bw.shard(sh, b0, nb); });
   }
 
   // Weight gradients: one large matmul per weight over all steps and rows.
