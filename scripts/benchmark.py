@@ -10,15 +10,21 @@ training steps (forward, cross-entropy, backward, AdamW step) of:
   gpt                       a standard GPT of the same sizes (pre-LayerNorm blocks, causal
                             attention through scaled_dot_product_attention, learned
                             absolute positions, GELU feed-forward): the yardstick a reader
-                            knows; reported apart, as feedback_kv's step time over its
+                            knows; reported apart, as feedback_kv's and the transformer's
+                            step times over its
 
 and reports median ms per step, tokens/s, the ratios fbtrain/reference,
-fbtrain/transformer and feedback_kv/gpt, and the peak memory of a training step at several
-lengths. Before timing it checks that fbtrain's loss and gradients equal the reference's
-(float64, same weights), so a fast wrong model cannot pass. Exits 1 if a target is missed.
+fbtrain/transformer, feedback_kv/gpt and transformer/gpt, and the peak memory of a training
+step at several lengths. Before timing it checks that fbtrain's loss and gradients equal the
+reference's (float64, same weights), so a fast wrong model cannot pass. Exits 1 if a target
+is missed. With ``--profile`` it also splits one step of feedback_kv, the transformer and
+the GPT (torch.profiler, self CPU time summed over threads) into the C++ core's sweeps' own
+time (its loops outside any ATen call: the self time of the core's per-shard marks),
+matmuls, copies and everything else.
 
     python scripts/benchmark.py                 # the full run (a few minutes on 2 cores)
     python scripts/benchmark.py --json out.json
+    python scripts/benchmark.py --no-reference --memory-seq-lens --profile
 """
 
 from __future__ import annotations
@@ -53,6 +59,16 @@ SIZES = dict(d_model=128, n_heads=4, d_ff=512, n_layers=4, dropout=0.0, max_rel_
 BATCH = 16
 TARGET_VS_REFERENCE = 5.0
 AIM_VS_TRANSFORMER = 2.5
+# The parts of a profiled step (--profile), by the ops' names: the C++ core's per-shard marks
+# (their self time is the sweeps' own time: csrc/feedback_core.cpp, for_each_shard), the
+# matmul kernels and the copies; the rest is "other" (elementwise ops, LayerNorm, softmax,
+# AdamW, autograd and Python).
+SWEEP_MARKS = frozenset({"fbtrain::forward_shard", "fbtrain::backward_shard"})
+MATMULS = frozenset({"aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm", "aten::baddbmm",
+                     "aten::baddbmm_", "aten::_addmm_activation", "aten::addbmm", "aten::mv",
+                     "aten::addmv", "aten::dot"})
+COPIES = frozenset({"aten::copy_", "aten::cat"})
+PROFILED = ("feedback_kv", "transformer", "gpt")
 
 
 def model_config(kind: str, sizes: dict | None = None) -> ModelConfig:
@@ -155,6 +171,21 @@ class GPT(torch.nn.Module):
         return self.head(self.ln_f(x))
 
 
+def profile_split(entry: Entry, x: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
+    """One training step of ``entry`` under torch.profiler: its self CPU time in ms, summed
+    over threads, as the sweeps' own time, matmuls, copies, other and total (SWEEP_MARKS,
+    MATMULS, COPIES)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        entry.step(x, y)
+    split = dict.fromkeys(("sweeps_own", "matmuls", "copies", "other"), 0.0)
+    for event in prof.key_averages():
+        part = ("sweeps_own" if event.key in SWEEP_MARKS else "matmuls" if event.key in MATMULS
+                else "copies" if event.key in COPIES else "other")
+        split[part] += event.self_cpu_time_total / 1000
+    split["total"] = sum(split.values())
+    return split
+
+
 def make_entries(device: torch.device, precision: torch.dtype | None,
                  with_reference: bool, sizes: dict | None = None,
                  gpt_len: int = 0) -> list[Entry]:
@@ -183,9 +214,10 @@ def make_entries(device: torch.device, precision: torch.dtype | None,
 def time_steps(seq_len: int, repeats: int, warmup: int, device: torch.device,
                precision: torch.dtype | None, with_reference: bool,
                sizes: dict | None = None, batch: int = BATCH,
-               with_gpt: bool = False) -> dict[str, dict]:
+               with_gpt: bool = False, profile: bool = False) -> dict[str, dict]:
     """Median ms/step and tokens/s of every entry (interleaved), at ``sizes`` and ``batch``
-    (default: the benchmark's); ``with_gpt`` adds the GPT entry."""
+    (default: the benchmark's); ``with_gpt`` adds the GPT entry, ``profile`` the split of one
+    more step of each entry in PROFILED (``profile_ms``: :func:`profile_split`)."""
     entries = make_entries(device, precision, with_reference, sizes,
                            seq_len if with_gpt else 0)
     gen = torch.Generator().manual_seed(seq_len)
@@ -203,6 +235,8 @@ def time_steps(seq_len: int, repeats: int, warmup: int, device: torch.device,
         ms = statistics.median(e.times) * 1000
         out[e.name] = {"ms_per_step": ms, "tokens_per_sec": batch * seq_len / ms * 1000,
                        "steps_timed": len(e.times)}
+        if profile and e.name in PROFILED:
+            out[e.name]["profile_ms"] = profile_split(e, x, y)
     return out
 
 
@@ -261,6 +295,16 @@ def _proc_status_kib(field: str) -> int:
     raise RuntimeError(f"/proc/self/status has no {field}")
 
 
+def print_profile(splits: dict[str, dict[str, float]]) -> None:
+    """The --profile table: each entry's split of one step (ms and share of its total)."""
+    parts = ("sweeps_own", "matmuls", "copies", "other")
+    print("  profile of one step, self CPU ms summed over threads (share of the total):")
+    print(f"  {'model':12s}" + "".join(f"{p:>16s}" for p in parts) + f"{'total':>9s}")
+    for name, split in splits.items():
+        cells = "".join(f"{split[p]:9.1f} ({split[p] / split['total']:3.0%})" for p in parts)
+        print(f"  {name:12s}{cells}{split['total']:9.1f}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seq-lens", type=int, nargs="*", default=[64, 256])
@@ -269,6 +313,9 @@ def main() -> int:
     parser.add_argument("--memory-seq-lens", type=int, nargs="*", default=[64, 128, 256, 512])
     parser.add_argument("--device", default="auto")
     parser.add_argument("--no-reference", action="store_true", help="skip the slow reference")
+    parser.add_argument("--profile", action="store_true",
+                        help="split one step of feedback_kv, the transformer and the GPT "
+                             "into the core's sweeps' own time, matmuls, copies and other")
     parser.add_argument("--json", type=Path, help="write the figures to this file")
     parser.add_argument("--_memory-probe", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -299,17 +346,22 @@ def main() -> int:
 
     for seq_len in args.seq_lens:
         result = time_steps(seq_len, args.repeats, args.warmup, device, precision,
-                            not args.no_reference, with_gpt=True)
+                            not args.no_reference, with_gpt=True, profile=args.profile)
         gpt = result.pop("gpt")
-        gpt["feedback_kv_over_gpt"] = result["feedback_kv"]["ms_per_step"] / gpt["ms_per_step"]
+        for kind in ("feedback_kv", "transformer"):
+            gpt[f"{kind}_over_gpt"] = result[kind]["ms_per_step"] / gpt["ms_per_step"]
         report["timings"][seq_len] = result
         report["gpt"][seq_len] = gpt
         print(f"\nseq_len {seq_len}, batch {BATCH}: median of {args.repeats} steps")
         print(f"  {'model':22s} {'ms/step':>9s} {'tokens/s':>10s}")
         for name, r in [*result.items(), ("gpt", gpt)]:
             print(f"  {name:22s} {r['ms_per_step']:9.1f} {r['tokens_per_sec']:10.0f}")
-        print(f"  feedback_kv  {gpt['feedback_kv_over_gpt']:5.2f}x the GPT's step time "
-              "(same sizes, causal scaled_dot_product_attention, learned positions)")
+        for kind in ("feedback_kv", "transformer"):
+            print(f"  {kind:12s} {gpt[f'{kind}_over_gpt']:5.2f}x the GPT's step time "
+                  "(same sizes, causal scaled_dot_product_attention, learned positions)")
+        if args.profile:
+            print_profile({name: r["profile_ms"] for name, r in [*result.items(), ("gpt", gpt)]
+                           if "profile_ms" in r})
         for kind in ("feedback_kv", "feedback"):
             ms = result[kind]["ms_per_step"]
             vs_tf = ms / result["transformer"]["ms_per_step"]

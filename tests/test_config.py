@@ -544,10 +544,11 @@ def machine(monkeypatch: pytest.MonkeyPatch) -> int:
          r".*; make them smaller$"),
         (["curriculum=100000", "model.max_rel_pos=100000"],
          r"curriculum\[0\]\.seq_len = 100000, model\.max_rel_pos = 100000: training needs "),
-        # The transformer scores every position against every one: the window does not cap it.
+        # The transformer keeps each position's probabilities over the slots it sees, as
+        # the feedback models do: the window caps them.
         (["model.kind=transformer", "curriculum=65536", "model.max_rel_pos=65536"],
-         r"curriculum\[0\]\.seq_len = 65536: training needs at least 4\.0 TiB of memory "
-         r"\(activations of one micro-batch: 4\.0 TiB\)"),
+         r"curriculum\[0\]\.seq_len = 65536, model\.max_rel_pos = 65536: training needs at "
+         r"least 1\.0 TiB of memory \(activations of one micro-batch: 1\.0 TiB\)"),
     ],
 )
 def test_sizes_that_cannot_fit_in_memory_are_refused(machine: int, overrides: list[str],

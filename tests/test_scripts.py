@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -20,7 +21,7 @@ def run_script(name: str, *args: str) -> subprocess.CompletedProcess:
 def test_training_benchmark_reports_exactness_ratios_memory_and_exit_code(tmp_path: Path):
     out = tmp_path / "bench.json"
     proc = run_script("benchmark.py", "--seq-lens", "8", "--repeats", "1", "--warmup", "0",
-                      "--memory-seq-lens", "64", "--json", str(out))
+                      "--memory-seq-lens", "64", "--profile", "--json", str(out))
     report = json.loads(out.read_text())
     assert proc.returncode == (0 if report["all_targets_met"] else 1), proc.stderr
     assert ("ALL TARGETS MET" if report["all_targets_met"] else "SOME TARGETS MISSED") \
@@ -33,6 +34,20 @@ def test_training_benchmark_reports_exactness_ratios_memory_and_exit_code(tmp_pa
         ratio = timings[f"reference_{kind}"]["ms_per_step"] / timings[kind]["ms_per_step"]
         assert timings[kind]["speedup_vs_reference"] == pytest.approx(ratio)
         assert f"{ratio:5.2f}x faster than its reference" in proc.stdout
+    gpt = report["gpt"]["8"]
+    for kind in ("feedback_kv", "transformer"):
+        ratio = timings[kind]["ms_per_step"] / gpt["ms_per_step"]
+        assert gpt[f"{kind}_over_gpt"] == pytest.approx(ratio)
+        assert f"{kind:12s} {ratio:5.2f}x the GPT's step time" in proc.stdout
+    # --profile: one step of each split by op; only the C++ core has sweeps of its own
+    splits = {name: r["profile_ms"] for name, r in [*timings.items(), ("gpt", gpt)]
+              if "profile_ms" in r}
+    assert set(splits) == {"feedback_kv", "transformer", "gpt"}
+    for name, split in splits.items():
+        parts = ("sweeps_own", "matmuls", "copies", "other")
+        assert split["total"] == pytest.approx(sum(split[p] for p in parts))
+        assert split["matmuls"] > 0 and (split["sweeps_own"] > 0) == (name == "feedback_kv")
+        assert re.search(rf"^  {name:12s}\s+{split['sweeps_own']:.1f} \(", proc.stdout, re.M)
     # (64, not 8: a step at 8 can fit in memory the warm-up step freed, and show 0 growth)
     assert all(report["memory_mb"][kind]["64"] > 0
                for kind in ("feedback_kv", "feedback", "transformer"))

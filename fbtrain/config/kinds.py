@@ -119,13 +119,15 @@ def _feedback_activations(cfg: ModelShape, batch: int, seq_len: int, carried: in
 
 
 def _transformer_activations(cfg: ModelShape, batch: int, seq_len: int, carried: int) -> int:
-    """transformer.py: per layer and position the same D- and F-sized tensors, keys and
-    values, and the scores over all ``carried + seq_len`` slots (counted twice, though the
-    scores, their sum with the position term, the masked scores and the softmax are each
-    kept)."""
+    """transformer.py: per layer and position about eight D-sized tensors (the input, its
+    LayerNorm, the query by row and by head, the attention output, y, LN2(y) and more) and
+    the F-sized hidden, keys and values of all ``carried + seq_len`` slots, and the
+    attention probabilities over the slots each position sees (its row block reads at
+    least those)."""
     d, h, f = cfg.d_model, cfg.n_heads, cfg.d_ff
     slots = carried + seq_len
-    per_layer = seq_len * (6 * d + f + 2 * h * slots) + 2 * slots * d
+    seen = sum_window(carried, seq_len, cfg.memory_window)
+    per_layer = seq_len * (8 * d + f) + h * seen + 2 * slots * d
     return batch * cfg.n_layers * per_layer
 
 

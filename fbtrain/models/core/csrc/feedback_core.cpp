@@ -17,8 +17,16 @@
 // [b0, b0 + nb) of every buffer; buffers are full-batch, so the weight gradients at the
 // end are single large matmuls whatever the shard count.
 
+// at::vec's 256-bit kernels where the core is built for AVX2 (native.py: -mavx2 -mfma); it
+// picks NEON on ARM by itself, and plain loops elsewhere.
+#if defined(__AVX2__) && defined(__FMA__) && !defined(CPU_CAPABILITY_AVX2)
+#define CPU_CAPABILITY_AVX2
+#endif
+
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
 #include <ATen/record_function.h>
 #include <torch/library.h>
 
@@ -183,10 +191,13 @@ int64_t shard_count(const Tensor& x, int64_t B) {
 }
 
 // Runs fn(shard, b0, nb) for every shard, in parallel when there are several (inside
-// at::parallel_for nested intra-op parallelism is off, which is what a shard wants).
+// at::parallel_for nested intra-op parallelism is off, which is what a shard wants). Each
+// shard runs under the profiler mark `mark` on its own thread, so a profile shows the
+// sweep's own time (the mark's self time) on every thread (scripts/benchmark.py --profile).
 template <typename Fn>
-void for_each_shard(int64_t shards, int64_t B, const Fn& fn) {
+void for_each_shard(int64_t shards, int64_t B, const char* mark, const Fn& fn) {
   auto run = [&](int64_t s) {
+    RECORD_FUNCTION(mark, std::vector<c10::IValue>());
     const int64_t b0 = B * s / shards, b1 = B * (s + 1) / shards;
     fn(s, b0, b1 - b0);
   };
@@ -197,70 +208,120 @@ void for_each_shard(int64_t shards, int64_t B, const Fn& fn) {
   });
 }
 
-// Attention over one step's memory window, for CPU tensors, as plain loops over
-// (row, head). At these sizes (d_k 32, a window of tens to hundreds of slots) one pass per
-// (row, head) costs less than the ten-odd ATen calls it replaces (each a dispatch and a
-// tiny batched gemm). Other devices and dtypes take the same steps as ATen calls.
+// Attention over one step's memory window, for CPU tensors: one pass per (row, head), each
+// loop vectorised over the window's slots (at::vec: AVX2 where the core is built for it,
+// NEON on ARM, plain loops elsewhere). At these sizes (d_k 32, a window of tens to hundreds
+// of slots) such a pass costs less than the ten-odd ATen calls it replaces (each a dispatch
+// and a tiny batched gemm). Other devices and dtypes take the same steps as ATen calls.
 //
-// Pointers: qu [nb, H*dk]; keys/values of the window start at slot `lo` of each (row, head),
-// `kv_stride` apart; rt [H, dk, P] and c [H, P] (their last `ell` positions are this
-// window's); prob, prob_used, mask [nb, H, ell]; o [nb, H*dk]. A dropout mask (null without
-// dropout) keeps a probability as its value times `scale`, or drops it.
+// Layout: each (row, head) has its keys or values as one block, [S, dk] slot-major as the
+// core keeps them, or transposed, [dk, S] (slot j of feature d at d * S + j). The
+// forward's scores, a sum over features for every slot, read the transposed keys and run
+// along the slots, a vector of slots at a time (and the softmax along them too); its
+// weighted sum of values runs along the features of slot-major rows, a tile of rows at a
+// time. The backward reads and updates slot-major rows, one slot at a time, each touched
+// once per layer (its loops vectorised by the compiler: reading transposed values or
+// deferring a step's key/value gradients to one pass over all layers measured slower).
+// Blocks are `kv_stride()` (S * dk) apart; the pointers passed are (row, head) 0's block
+// at the window's first slot.
+//
+// Pointers: qu [nb, H*dk]; rt [H, dk, P] and c [H, P] (their last `ell` positions are this
+// window's); prob, prob_used, mask [nb, H, ell]; o [nb, H*dk]. A dropout mask (null
+// without dropout) keeps a probability as its value times `scale`, or drops it.
 template <typename T>
 struct WindowAttention {
-  int64_t nb, H, dk, ell, P, kv_stride;
+  using Vec = at::vec::Vectorized<T>;
+  static constexpr int64_t W = Vec::size();
+  int64_t nb, H, dk, ell, P, S;
   const T *rt, *c;
 
-  const T* pos_row(const T* table, int64_t h, int64_t d) const {
-    return table + (h * dk + d) * P + (P - ell);
-  }
+  int64_t kv_stride() const { return S * dk; }
+  // Slots per tile of a loop over slot-major rows that runs a vector of features at a time:
+  // a tile's rows (8 KiB of floats) stay in L1 while each vector of features passes over
+  // them, instead of streaming the window's rows once per vector.
+  int64_t tile() const { return std::max<int64_t>(4, 2048 / dk); }
+  const T* pos_row(const T* table, int64_t h) const { return table + h * dk * P + (P - ell); }
   // The dropout factor of element i: scale or 0, the float mask's value.
   static T kept(const bool* mask, int64_t i, T scale) { return mask[i] ? scale : T(0); }
 
-  void forward(const T* qu, const T* K, const T* V, T* prob, T* prob_used, const bool* mask,
+  // s[j] = c[j] + sum_d q[d] r[d][j] + sum_d q[d] kt[d][j] over the window (r's rows P
+  // apart, kt's S apart): the position and content terms summed apart, as two chains.
+  void scores(const T* q, const T* r, const T* kt, const T* cb, T* s) const {
+    int64_t j = 0;
+    for (; j + 2 * W <= ell; j += 2 * W) {  // two vectors of slots: four chains
+      Vec p0 = Vec::loadu(cb + j), p1 = Vec::loadu(cb + j + W), k0(0), k1(0);
+      for (int64_t d = 0; d < dk; ++d) {
+        const Vec qd(q[d]);
+        const T *rd = r + d * P + j, *kd = kt + d * S + j;
+        p0 = at::vec::fmadd(qd, Vec::loadu(rd), p0);
+        p1 = at::vec::fmadd(qd, Vec::loadu(rd + W), p1);
+        k0 = at::vec::fmadd(qd, Vec::loadu(kd), k0);
+        k1 = at::vec::fmadd(qd, Vec::loadu(kd + W), k1);
+      }
+      (p0 + k0).store(s + j);
+      (p1 + k1).store(s + j + W);
+    }
+    for (; j < ell; j += W) {
+      const int64_t n = std::min(W, ell - j);
+      Vec p = Vec::loadu(cb + j, n), k(0);
+      for (int64_t d = 0; d < dk; ++d) {
+        const Vec qd(q[d]);
+        p = at::vec::fmadd(qd, Vec::loadu(r + d * P + j, n), p);
+        k = at::vec::fmadd(qd, Vec::loadu(kt + d * S + j, n), k);
+      }
+      (p + k).store(s + j, n);
+    }
+  }
+
+  // s <- softmax(s) over the window, in place.
+  void softmax(T* s) const {
+    const T top = at::vec::reduce_all<T>(
+        [](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, s, ell);
+    at::vec::map([top](Vec x) { return (x - Vec(top)).exp(); }, s, s, ell);
+    const T inv = T(1) / at::vec::reduce_all<T>([](Vec& a, Vec& b) { return a + b; }, s, ell);
+    at::vec::map([inv](Vec x) { return x * Vec(inv); }, s, s, ell);
+  }
+
+  // o[d] = sum_j p[j] v[j][d] (v's slots dk apart), a tile of slots and a vector of
+  // features at a time, over the slots in four chains.
+  void weighted_sum(const T* p, const T* v, T* o) const {
+    std::fill(o, o + dk, T(0));
+    for (int64_t j0 = 0; j0 < ell; j0 += tile()) {
+      const int64_t j1 = std::min(ell, j0 + tile());
+      for (int64_t d = 0; d < dk; d += W) {
+        const int64_t n = std::min(W, dk - d);
+        Vec a0(0), a1(0), a2(0), a3(0);
+        int64_t j = j0;
+        for (; j + 4 <= j1; j += 4) {
+          const T* vj = v + j * dk + d;
+          a0 = at::vec::fmadd(Vec(p[j]), Vec::loadu(vj, n), a0);
+          a1 = at::vec::fmadd(Vec(p[j + 1]), Vec::loadu(vj + dk, n), a1);
+          a2 = at::vec::fmadd(Vec(p[j + 2]), Vec::loadu(vj + 2 * dk, n), a2);
+          a3 = at::vec::fmadd(Vec(p[j + 3]), Vec::loadu(vj + 3 * dk, n), a3);
+        }
+        for (; j < j1; ++j) a0 = at::vec::fmadd(Vec(p[j]), Vec::loadu(v + j * dk + d, n), a0);
+        (Vec::loadu(o + d, n) + ((a0 + a1) + (a2 + a3))).store(o + d, n);
+      }
+    }
+  }
+
+  void forward(const T* qu, const T* kt, const T* v, T* prob, T* prob_used, const bool* mask,
                T scale, T* o) const {
     const int64_t D = H * dk;
     for (int64_t b = 0; b < nb; ++b) {
       for (int64_t h = 0; h < H; ++h) {
         const int64_t bh = b * H + h;
-        const T* q = qu + b * D + h * dk;
-        const T *Kb = K + bh * kv_stride, *Vb = V + bh * kv_stride;
         T* s = prob + bh * ell;
-        const T* cb = c + h * P + (P - ell);
-        for (int64_t j = 0; j < ell; ++j) s[j] = cb[j];
-        for (int64_t d = 0; d < dk; ++d) {  // position scores: qu . r
-          const T qd = q[d];
-          const T* r = pos_row(rt, h, d);
-#pragma omp simd
-          for (int64_t j = 0; j < ell; ++j) s[j] += qd * r[j];
-        }
-        T top = -std::numeric_limits<T>::infinity();
-        for (int64_t j = 0; j < ell; ++j) {  // content scores: qu . k
-          const T* k = Kb + j * dk;
-          T acc = 0;
-#pragma omp simd reduction(+ : acc)
-          for (int64_t d = 0; d < dk; ++d) acc += q[d] * k[d];
-          s[j] += acc;
-          top = std::max(top, s[j]);
-        }
-        T total = 0;
-        for (int64_t j = 0; j < ell; ++j) total += (s[j] = std::exp(s[j] - top));
-        const T inv = T(1) / total;
-        for (int64_t j = 0; j < ell; ++j) s[j] *= inv;
+        scores(qu + b * D + h * dk, pos_row(rt, h), kt + bh * kv_stride(),
+               c + h * P + (P - ell), s);
+        softmax(s);
         const T* p = s;
         if (mask) {
           T* pu = prob_used + bh * ell;
           for (int64_t j = 0; j < ell; ++j) pu[j] = s[j] * kept(mask, bh * ell + j, scale);
           p = pu;
         }
-        T* ob = o + b * D + h * dk;
-        for (int64_t d = 0; d < dk; ++d) ob[d] = 0;
-        for (int64_t j = 0; j < ell; ++j) {
-          const T pj = p[j];
-          const T* v = Vb + j * dk;
-#pragma omp simd
-          for (int64_t d = 0; d < dk; ++d) ob[d] += pj * v[d];
-        }
+        weighted_sum(p, v + bh * kv_stride(), o + b * D + h * dk);
       }
     }
   }
@@ -277,8 +338,8 @@ struct WindowAttention {
       for (int64_t h = 0; h < H; ++h) {
         const int64_t bh = b * H + h;
         const T *q = qu + b * D + h * dk, *g = d_o + b * D + h * dk;
-        const T *Kb = K + bh * kv_stride, *Vb = V + bh * kv_stride;
-        T *dKb = dK + bh * kv_stride, *dVb = dV + bh * kv_stride;
+        const T *Kb = K + bh * kv_stride(), *Vb = V + bh * kv_stride();
+        T *dKb = dK + bh * kv_stride(), *dVb = dV + bh * kv_stride();
         const T *p = prob + bh * ell, *pu = prob_used + bh * ell;
         T dot = 0;
         for (int64_t j = 0; j < ell; ++j) {
@@ -296,7 +357,7 @@ struct WindowAttention {
         for (int64_t j = 0; j < ell; ++j) ds[j] = p[j] * (dp[j] - dot);  // softmax backward
         T* dq = d_qu + b * D + h * dk;
         for (int64_t d = 0; d < dk; ++d) {  // position terms, both ways
-          const T* r = pos_row(rt, h, d);
+          const T* r = pos_row(rt, h) + d * P;
           T* dr = d_rt + (h * dk + d) * P + (P - ell);
           const T qd = q[d];
           T acc = 0;
@@ -398,6 +459,9 @@ struct Forward {
   const std::optional<Tensor>& bkv;
   Tensor hidden, memory, keys, values;  // [T, L+1, B, D], [T, B, D], [n_kv, B*H, S, dk] x2
   Tape tape;
+  // The CPU loops: the keys again, transposed ([n_kv, B*H, dk, S]: WindowAttention's
+  // scores read them so), each slot written there as it is made.
+  Tensor keys_t;
   std::vector<AtenQuery> query;  // per layer, on the ATen path only
   // The ATen path: the slot-major buffer that keys and values are views of, and the
   // projection with its columns in that buffer's order (kv_columns).
@@ -421,6 +485,8 @@ struct Forward {
     const Tensor keys_s = keys.narrow(1, b0 * H, nbH), values_s = values.narrow(1, b0 * H, nbH);
     const Tensor key_rows = keys_s.view({n_kv, nb, H, S, dk});
     const Tensor value_rows = values_s.view({n_kv, nb, H, S, dk});
+    // This shard's transposed keys (the CPU loops), [n_kv, nbH, dk, S].
+    const Tensor keys_t_s = loops ? keys_t.narrow(1, b0 * H, nbH) : Tensor();
     std::vector<Tensor> k_t(n_kv), v_w(n_kv);
     for (int64_t t = 0; t < T; ++t) {
       const int64_t slot = n0 + t;
@@ -445,10 +511,11 @@ struct Forward {
             const Tensor prob = tape.prob(PROB, l, t, ell, b0, nb);
             const Tensor prob_used = drop ? tape.prob(PROB_USED, l, t, ell, b0, nb) : prob;
             AT_DISPATCH_FLOATING_TYPES(qu.scalar_type(), "attend", [&] {
-              const WindowAttention<scalar_t> att{nb, H, dk, ell, n_pos, S * dk,
+              const WindowAttention<scalar_t> att{nb, H, dk, ell, n_pos, S,
                                                   w[RT].data_ptr<scalar_t>(),
                                                   w[CPOS].data_ptr<scalar_t>()};
-              att.forward(qu.data_ptr<scalar_t>(), k_t[set].data_ptr<scalar_t>(),
+              att.forward(qu.data_ptr<scalar_t>(),
+                          keys_t_s.select(0, set).data_ptr<scalar_t>() + lo,
                           v_w[set].data_ptr<scalar_t>(), prob.data_ptr<scalar_t>(),
                           prob_used.data_ptr<scalar_t>(),
                           drop ? tape.prob(MASK_PROB, l, t, ell, b0, nb).data_ptr<bool>()
@@ -521,6 +588,8 @@ struct Forward {
         kv_new = kv_new.view({nb, 2, n_kv, H, dk});
         key_rows.select(3, slot).copy_(kv_new.select(1, 0).transpose(0, 1));
         value_rows.select(3, slot).copy_(kv_new.select(1, 1).transpose(0, 1));
+        keys_t_s.view({n_kv, nb, H, dk, S}).select(4, slot)
+            .copy_(kv_new.select(1, 0).transpose(0, 1));
       } else {  // straight into the slot's row block
         Tensor block = kv_slots.select(0, slot).narrow(0, b0, nb).view({nb, -1});
         if (bkv_slots) at::addmm_out(block, *bkv_slots, kv_in, wkv_slots);
@@ -638,10 +707,15 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, std::vector<Tensor>> core_forward(
   }
   fw.keys.narrow(2, 0, n0).copy_(mem_k);
   fw.values.narrow(2, 0, n0).copy_(mem_v);
+  if (loops) {
+    fw.keys_t = x0.new_empty({n_kv, B * H, dk, S});
+    fw.keys_t.narrow(3, 0, n0).copy_(mem_k.transpose(2, 3));
+  }
   fw.hidden.select(1, 0).copy_(x0.transpose(0, 1));
   {
     RECORD_FUNCTION("fbtrain::forward_sweep", std::vector<c10::IValue>());  // launch_count.py
-    for_each_shard(shard_count(x0, B), B, [&](int64_t, int64_t b0, int64_t nb) { fw.shard(b0, nb); });
+    for_each_shard(shard_count(x0, B), B, "fbtrain::forward_shard",
+                   [&](int64_t, int64_t b0, int64_t nb) { fw.shard(b0, nb); });
   }
   if (!keep_tape) {
     fw.tape.rec.clear();
@@ -802,7 +876,7 @@ struct Backward {
           }
           if (loops) {
             AT_DISPATCH_FLOATING_TYPES(qu.scalar_type(), "attend_backward", [&] {
-              const WindowAttention<scalar_t> att{nb, H, dk, ell, n_pos, S * dk,
+              const WindowAttention<scalar_t> att{nb, H, dk, ell, n_pos, S,
                                                   w[RT].data_ptr<scalar_t>(),
                                                   w[CPOS].data_ptr<scalar_t>()};
               std::vector<scalar_t> scratch(2 * ell);
@@ -988,7 +1062,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, std::vector<Tensor>> 
   }
   {
     RECORD_FUNCTION("fbtrain::backward_sweep", std::vector<c10::IValue>());  // launch_count.py
-    for_each_shard(shards, B, [&](int64_t sh, int64_t b0, int64_t nb) { bw.shard(sh, b0, nb); });
+    for_each_shard(shards, B, "fbtrain::backward_shard",
+                   [&](int64_t sh, int64_t b0, int64_t nb) { bw.shard(sh, b0, nb); });
   }
 
   // Weight gradients: one large matmul per weight over all steps and rows.
