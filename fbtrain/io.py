@@ -51,6 +51,7 @@ _ADVICE = {
                  "chattr -i lifts an immutable one)",
     errno.EACCES: " (no permission: see ls -ld on the file and its folder; chmod u+w)",
     errno.EISDIR: " (a folder is in its place: move it away)",
+    errno.ENOTDIR: " (a file is in its place: move it away)",
     errno.ENAMETOOLONG: " (the path is longer than the system allows: use a shorter one)",
 }
 

@@ -178,6 +178,7 @@ class Trainer:
             self._loop(signals)
         self.completed = True
         self.logger.end_run()
+        self.logger.raise_failure()
         if self.last_sample is not None:  # the one sample the console shows: the last
             self.logger.info(text_block("sample", *self.last_sample))
         self.logger.result(report.summary(self.run, self.progress,
@@ -198,6 +199,7 @@ class Trainer:
             self._evaluate_untrained(signals)
         elif self._evaluation_missed():
             self._catch_up_evaluation(signals)
+        self.logger.raise_failure()  # a log file that cannot be written: before training on
         # train_step, or its whole-step CUDA graphs where $FBTRAIN_CUDA_GRAPHS=step asks
         step = step_function(self.run) if progress.step < max_steps else train_step
         while progress.step < max_steps:
@@ -236,8 +238,11 @@ class Trainer:
         # Under DDP the stop the ranks agreed on at the step; alone, any signal so far.
         stop = result.stop if self.ctx.enabled else signals.received
         every = step % cfg.checkpoint.every == 0
-        if every or final or improved or stop is not None:
+        # A log file that could not be written stops the run, but the step is saved first.
+        failed = self.logger.failure is not None
+        if every or final or improved or stop is not None or failed:
             self._save(numbered=every or final, best=improved)
+        self.logger.raise_failure()
         if final and not self.ctx.enabled:
             stop = signals.received  # one that came during the final save counts too
         if stop is not None:
@@ -397,8 +402,15 @@ class Trainer:
                 f"({summarize_names(bad)}); no checkpoint written (last good: "
                 f"{self.manager.last_path})", EXIT_NONFINITE)
         if self.ctx.is_main:
-            self.manager.save(self.progress.step, checkpoint_payload(self.run, self.progress),
-                              numbered=numbered, best=best)
+            try:
+                self.manager.save(self.progress.step,
+                                  checkpoint_payload(self.run, self.progress),
+                                  numbered=numbered, best=best)
+            except OSError:
+                # A log write failed first (a disk full for both, most likely): that is the
+                # failure reported, next; the previous checkpoint stays as it was.
+                if self.logger.failure is None:
+                    raise
 
 
 def sample_due(train: TrainConfig, step: int, evaluated: bool) -> bool:
