@@ -138,6 +138,47 @@ def test_a_folder_as_last_pt_is_refused_before_training(tmp_path: Path) -> None:
     assert sorted(p.name for p in fresh.iterdir()) == [".lock", "metrics.jsonl"]
 
 
+def test_a_file_where_tensorboards_val_folder_goes_is_refused_before_training(
+        tmp_path: Path) -> None:
+    """A file named val in a fresh run directory: "[Errno 17] File exists" after the run's
+    files were written, so the folder then needed --resume. Now refused first, naming it,
+    and the same command trains once the file is moved away."""
+    raw = make_raw(tmp_path, "v", train={"max_steps": 2},
+                   logging={"tensorboard": True, "progress": False})
+    run_dir = tmp_path / "runs" / "v"
+    run_dir.mkdir(parents=True)
+    (run_dir / "val").write_text("x\n")
+    line = _one_error(_train_cli(tmp_path, raw))
+    assert line == (f"error: {run_dir / 'val'} is not a folder, so the run could not write "
+                    "into it; move it away (or train under another run.name, "
+                    "--set run.name=NEW)")
+    assert sorted(p.name for p in run_dir.iterdir()) == [".lock", "val"]
+    (run_dir / "val").unlink()
+    assert _train_cli(tmp_path, raw).exit_code == 0
+
+
+@pytest.mark.parametrize("kind", ["dangling link", "file", "file above"])
+def test_a_run_directory_that_is_no_folder_is_named(tmp_path: Path, kind: str) -> None:
+    """A symbolic link to nowhere as the run directory said "cannot write: file exists"."""
+    raw = make_raw(tmp_path, "r", train={"max_steps": 2})
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    if kind == "dangling link":
+        (runs / "r").symlink_to(tmp_path / "nowhere")
+        what = (f"run directory {runs / 'r'} is a symbolic link to {tmp_path / 'nowhere'}, "
+                f"which does not exist; create {tmp_path / 'nowhere'}")
+    elif kind == "file":
+        (runs / "r").write_text("x\n")
+        what = f"run directory {runs / 'r'} is a file, not a folder; move it away"
+    else:
+        (runs / "r").write_text("x\n")
+        raw["run"]["out_dir"] = str(runs / "r" / "deeper")
+        what = (f"run directory {runs / 'r' / 'deeper' / 'r'}: the folder {runs / 'r'} is a "
+                "file, not a folder; move it away")
+    line = _one_error(_train_cli(tmp_path, raw))
+    assert line == f"error: {what} (or train under another run.out_dir or run.name)"
+
+
 # ----------------------------------------------------------------------------- items 4, 5
 
 

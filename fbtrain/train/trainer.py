@@ -47,11 +47,11 @@ from fbtrain.distributed import DistContext, is_peer_failure, peer_lost, session
 from fbtrain.evaluate import loss_figures
 from fbtrain.inference import inference
 from fbtrain.metrics.logger import MetricsLogger, text_block
-from fbtrain.metrics.tensorboard import hparams_of
+from fbtrain.metrics.tensorboard import SUBRUNS, hparams_of
 from fbtrain.models.core.graphs import graphs_choice
 from fbtrain.rng import sample_generator, sample_seed
 from fbtrain.rundir import RunDirLock, write_run_files
-from fbtrain.rundir_checks import check_path_length, check_writable
+from fbtrain.rundir_checks import check_folders, check_path_length, check_writable
 from fbtrain.runhistory import record_segment
 from fbtrain.scoring import window_scores
 from fbtrain.train.oom import is_allocation_failure, out_of_memory
@@ -126,12 +126,13 @@ class Trainer:
         """
         if self.ctx.is_main:
             check_path_length(self.run_dir)  # before mkdir: its error would print it whole
+            check_folders(self.run_dir)
             self.run_lock.create_and_acquire()
         self.ctx.barrier()  # other ranks read the directory once rank 0 owns it
         wrote = False
         try:
             if self.ctx.is_main:  # what a save would fail on, refused before training
-                check_writable(self.run_dir)
+                check_writable(self.run_dir, SUBRUNS if self.cfg.logging.tensorboard else ())
             started = time.perf_counter()
             self.run, self.progress, resume_path = set_up(self.cfg, self.ctx, self.manager,
                                                           resume)
