@@ -179,6 +179,28 @@ def test_a_run_directory_that_is_no_folder_is_named(tmp_path: Path, kind: str) -
     assert line == f"error: {what} (or train under another run.out_dir or run.name)"
 
 
+def test_a_resume_puts_a_stale_best_pt_right(tmp_path: Path,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """best.pt left at a worse step than the best the run recorded (its copy failed on a
+    full disk): the summary said the best loss while sample used the stale file. A resume
+    (even one with nothing to train) puts the checkpoint that scored the best back."""
+    raw = make_raw(tmp_path, train={"max_steps": 9, "eval_every": 3},
+                   checkpoint={"every": 3, "keep_last": 5})
+    ckpts = run(config_from_dict(raw), quiet=True) / "checkpoints"
+    losses = {p: load_checkpoint(p)["progress"]["val_loss"] for p in ckpts.glob("step-*.pt")}
+    best = min(losses, key=losses.__getitem__)
+    worst = max(losses, key=losses.__getitem__)
+    shutil.copyfile(worst, ckpts / "best.pt")
+    capsys.readouterr()
+    run(config_from_dict(raw), resume="auto")
+    out = capsys.readouterr().out
+    worst_step, best_step = (load_checkpoint(p)["step"] for p in (worst, best))
+    assert (f"best.pt held step {worst_step} (val loss {losses[worst]:.4f}): it is now a copy "
+            f"of {'last.pt' if best_step == 9 else best.name} (step {best_step}), which scored "
+            f"the best validation loss the run recorded ({losses[best]:.4f})") in out
+    assert (ckpts / "best.pt").read_bytes() == best.read_bytes()
+
+
 # ----------------------------------------------------------------------------- items 4, 5
 
 

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from fbtrain.checkpoint.best import heal_best
 from fbtrain.checkpoint.contents import WarmStart, apply_warm_start, check_warm_start
 from fbtrain.checkpoint.files import CheckpointManager
 from fbtrain.checkpoint.state import (
@@ -175,6 +176,10 @@ def set_up(cfg: Config, ctx: DistContext, manager: CheckpointManager, resume: st
         rewound = set_aside_abandoned(manager, resume_path, progress.step) if ctx.is_main \
             else None
         notes += (rewound,) if rewound else ()
+        # best.pt that a failed save left behind the recorded best: put right, or named
+        healed = heal_best(manager, progress.best_val_loss) \
+            if ctx.is_main and not choice.new_run else None
+        notes += (healed,) if healed else ()
     model = ctx.wrap(raw_model)  # after the restore: DDP broadcasts rank 0's weights
     model.train()
     segment = Segment(choice.run_id, choice.new_run, changed)
