@@ -171,6 +171,10 @@ def set_up(cfg: Config, ctx: DistContext, manager: CheckpointManager, resume: st
         changed = changed_settings(saved, cfg.to_dict()) if isinstance(saved, dict) else {}
         if changed:
             notes += (describe_changes(changed, progress.step),)
+        saved_ranks = payload.get("world_size", 1)
+        if is_int(saved_ranks) and saved_ranks != ctx.world_size:
+            changed["world_size"] = [saved_ranks, ctx.world_size]  # history.jsonl's too
+            notes += (ranks_changed(run, saved_ranks, progress.step),)
         unchecked = data.identity.unchecked_note(payload.get("data"), resume_path)
         notes += (unchecked,) if unchecked else ()
         rewound = set_aside_abandoned(manager, resume_path, progress.step) if ctx.is_main \
@@ -185,6 +189,17 @@ def set_up(cfg: Config, ctx: DistContext, manager: CheckpointManager, resume: st
     segment = Segment(choice.run_id, choice.new_run, changed)
     return (dataclasses.replace(run, model=model, notes=notes, segment=segment), progress,
             resume_path)
+
+
+def ranks_changed(run: Run, saved_ranks: int, step: int) -> str:
+    """The line a resume on another number of DDP ranks than the checkpoint's prints: a
+    step trains every rank's batch, so the sequences per step change with it."""
+    cfg, ranks = run.cfg, run.ctx.world_size
+    per_rank = run.curriculum.batch_size_at(step) * cfg.train.grad_accum
+    return (f"DDP ranks changed from what the checkpoint (step {step}) trained with: "
+            f"world_size {saved_ranks} -> {ranks}, so a step now trains {ranks * per_rank:,} "
+            f"sequences ({ranks} x train.batch_size x train.grad_accum), not "
+            f"{saved_ranks * per_rank:,} (history.jsonl records it)")
 
 
 # ----------------------------------------------------------------------------- what to resume
