@@ -159,6 +159,23 @@ def test_local_path_with_unreachable_url(tmp_path: Path, refused_url: str) -> No
     assert load_text(cfg(tmp_path, refused_url, path=str(local))) == "offline\n"
 
 
+def test_a_byte_order_mark_is_not_a_character_of_the_text(tmp_path: Path, server: Server,
+                                                          refused_url: str) -> None:
+    """A UTF-8 file an editor began with a byte-order mark: U+FEFF became a character of
+    the vocabulary, without a word. It marks the encoding and is dropped, local or
+    downloaded; a file of a mark alone is empty."""
+    local = tmp_path / "bom.txt"
+    local.write_bytes(b"\xef\xbb\xbf" + BODY)
+    assert load_text(cfg(tmp_path, refused_url, path=str(local))) == TEXT
+    server.routes["/bom.txt"] = b"\xef\xbb\xbf" + BODY
+    assert load_text(cfg(tmp_path, server.url("/bom.txt"), sha256=None)) == TEXT
+    local.write_bytes(b"\xef\xbb\xbf")
+    with pytest.raises(DataError, match=f"data.path {local} is empty"):
+        load_text(cfg(tmp_path, refused_url, path=str(local)))
+    local.write_text("\ufeffa\ufeffb\n")  # only the first one marks the encoding
+    assert load_text(cfg(tmp_path, refused_url, path=str(local))) == "a\ufeffb\n"
+
+
 @pytest.mark.parametrize(
     ("content", "match"),
     [(None, "file not found"), (b"", "is empty"), (b"ok\xff\xfe", "not valid UTF-8"),

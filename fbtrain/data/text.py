@@ -30,14 +30,20 @@ from fbtrain.io import NotRegularFileError, open_regular
 log = logging.getLogger(__name__)
 
 
+BOM = "\ufeff"  # the UTF-8 byte-order mark, as decoded
+
+
 def _decode(raw: bytes | bytearray, what: str, fix: str | None = None) -> str:
-    """``raw`` as UTF-8 text; DataError "<what> is not valid UTF-8 / is empty; <fix>" (fix
-    None: the advice for a local file)."""
+    """``raw`` as UTF-8 text without a leading byte-order mark; DataError "<what> is not
+    valid UTF-8 / is empty; <fix>" (fix None: the advice for a local file)."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise DataError(f"{what} is not valid UTF-8 (byte {e.start}); "
                         f"{fix or 'convert it to UTF-8 text'}") from None
+    # A byte-order mark (some editors write one) marks the encoding; it is not a character
+    # of the text, and would otherwise become one of the vocabulary.
+    text = text.removeprefix(BOM)
     if not text:
         raise DataError(f"{what} is empty; {fix or 'point it at a text file with content'}")
     return text
