@@ -65,6 +65,22 @@ def test_corpus_load_reports_first_and_cached_runs(tmp_path: Path):
         assert f"{run}: load " in proc.stdout
 
 
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="Linux's /proc")
+def test_text_memory_reports_the_peak_per_byte_of_each_script(tmp_path: Path):
+    out = tmp_path / "text.json"
+    proc = run_script("text_memory.py", "--mb", "0.2", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(out.read_text())
+    assert [r["kind"] for r in report] == ["ascii", "2-byte", "3-byte"]
+    for r in report:
+        assert abs(r["bytes"] - 200_000) <= 2  # cut at a character's end
+        assert r["tokens"] > 0
+        assert r["rss_per_byte"] == pytest.approx(r["rss_growth"] / r["bytes"])
+    assert report[0]["tokens"] == 200_000  # ASCII: one character a byte
+    worst = max(max(r["rss_per_byte"], r["address_per_byte"]) for r in report)
+    assert proc.stdout.splitlines()[-1] == f"most per byte: {worst:.1f}"
+
+
 def _h200_model():
     sys.path.insert(0, str(ROOT / "scripts"))
     import h200_model

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from fbtrain.config import DataConfig
-from fbtrain.config.budget import format_bytes, physical_memory
+from fbtrain.config.budget import available_memory, format_bytes
 from fbtrain.data.errors import DataError, one_line
 from fbtrain.data.fetch import (
     OFFLINE_HINT,
@@ -49,18 +49,18 @@ def _decode(raw: bytes | bytearray, what: str, fix: str | None = None) -> str:
     return text
 
 
-# Memory that reading and tokenizing a text takes, per byte of the file, at least: the
-# bytes read (1), then for each character - there is one per 4 bytes of UTF-8 at least -
-# its entry in the tokenizer's list of pieces and of ids and its int64 id (24). So a text
-# the machine could not hold is refused before a byte is read, not by a MemoryError.
-TEXT_MEMORY_PER_BYTE = 7
+# Peak memory of reading and tokenizing a text (load_corpus), per byte of the file, as
+# measured for an ASCII text (one character a byte: the most per byte; other scripts take
+# less); the figures and the command that measured them are in docs/datasets.md (memory).
+# So a text this process could not hold is refused before a byte is read, not killed.
+TEXT_MEMORY_PER_BYTE = 18
 
 
 def read_local(path_str: str, memory_per_byte: int = TEXT_MEMORY_PER_BYTE) -> bytearray:
     """The bytes of ``data.path`` (never the network): a regular file only (``/dev/zero``
-    would be read without end), and one whose ``memory_per_byte`` times its size fits this
-    machine's memory (:func:`fbtrain.config.budget.physical_memory`); DataError naming the
-    file otherwise."""
+    would be read without end), and one whose ``memory_per_byte`` times its size fits the
+    memory this process may use (:func:`fbtrain.config.budget.available_memory`: the
+    machine's, ``ulimit -v``'s, the cgroup's); DataError naming the file otherwise."""
     path = Path(path_str).expanduser()
     try:
         with open_regular(path, pipes=True) as f:
@@ -83,9 +83,9 @@ def read_local(path_str: str, memory_per_byte: int = TEXT_MEMORY_PER_BYTE) -> by
 
 
 def _read_pipe(f: BinaryIO, path: Path, per_byte: int) -> bytearray:
-    """All a pipe gives, up to what this machine could tokenize; DataError past that."""
-    available = physical_memory()
-    limit = available // per_byte if available is not None else None
+    """All a pipe gives, up to what this process could tokenize; DataError past that."""
+    available = available_memory()
+    limit = available.size // per_byte if available is not None else None
     raw = bytearray()
     while chunk := f.read(1 << 20):
         raw += chunk
@@ -96,14 +96,15 @@ def _read_pipe(f: BinaryIO, path: Path, per_byte: int) -> bytearray:
 
 def _check_memory(path: Path, size: int, per_byte: int) -> None:
     """DataError when a file of ``size`` bytes, at ``per_byte`` bytes of memory each,
-    cannot fit in this machine's memory (nothing is checked where the system does not say)."""
-    available = physical_memory()
+    cannot fit in the memory this process may use (nothing is checked where the system
+    does not say)."""
+    available = available_memory()
     need = size * per_byte
-    if available is not None and need > available:
+    if available is not None and need > available.size:
         raise DataError(f"data.path {path} is {format_bytes(size)}: reading and tokenizing it "
-                        f"needs at least {format_bytes(need)} of memory ({per_byte} bytes per "
-                        f"byte of the file) but this machine has {format_bytes(available)}; "
-                        "use a smaller file")
+                        f"needs about {format_bytes(need)} of memory ({per_byte} bytes per "
+                        f"byte of the file) but {available.holder} "
+                        f"{format_bytes(available.size)}{available.how}; use a smaller file")
 
 
 def _read_local(path_str: str) -> str:

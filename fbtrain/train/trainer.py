@@ -54,7 +54,7 @@ from fbtrain.rundir import RunDirLock, write_run_files
 from fbtrain.rundir_checks import check_folders, check_path_length, check_writable
 from fbtrain.runhistory import record_segment
 from fbtrain.scoring import window_scores
-from fbtrain.train.oom import is_allocation_failure, out_of_memory
+from fbtrain.train.oom import is_allocation_failure, out_of_memory, setting_up
 from fbtrain.train.setup import Progress, Run, checkpoint_payload, set_up
 from fbtrain.train.signals import EXIT_CODES, StopRequested, StopSignals
 from fbtrain.train.step import EXIT_NONFINITE, StepResult, TrainingError, train_step
@@ -134,8 +134,13 @@ class Trainer:
             if self.ctx.is_main:  # what a save would fail on, refused before training
                 check_writable(self.run_dir, SUBRUNS if self.cfg.logging.tensorboard else ())
             started = time.perf_counter()
-            self.run, self.progress, resume_path = set_up(self.cfg, self.ctx, self.manager,
-                                                          resume)
+            try:
+                self.run, self.progress, resume_path = set_up(self.cfg, self.ctx,
+                                                              self.manager, resume)
+            except (MemoryError, RuntimeError, SystemError, OSError) as e:
+                if not is_allocation_failure(e):
+                    raise
+                raise setting_up(e) from None
             wrote = True
             # A resume with nothing to train leaves the directory's files as they were:
             # config.yaml describes the checkpoints it holds, not settings none was made with.
