@@ -51,7 +51,7 @@ def _decode(raw: bytes | bytearray, what: str, fix: str | None = None) -> str:
 
 # Peak memory of reading and tokenizing a text (load_corpus), per byte of the file, as
 # measured for an ASCII text (one character a byte: the most per byte; other scripts take
-# less); the figures and the command that measured them are in docs/datasets.md (memory).
+# less); the figures and the command that measured them: docs/datasets.md, "Memory".
 # So a text this process could not hold is refused before a byte is read, not killed.
 TEXT_MEMORY_PER_BYTE = 18
 
