@@ -229,14 +229,16 @@ def open_regular(path: str | Path, *, pipes: bool = False) -> IO[bytes]:
     waits for a writer (unless ``pipes``). The check is made on the opened descriptor
     (opened non-blocking, so a FIFO does not wait), never on a name that could change
     between a look and a read.
+
+    ``pipes``: a FIFO (``<(zcat text.gz)``, ``mkfifo``) is returned as it was opened, non-
+    blocking and unbuffered: its reader decides whether to wait for a writer (a read that
+    finds none returns b"") and bounds how much it reads.
     """
-    if pipes and stat.S_ISFIFO(os.stat(path).st_mode):
-        # ``pipes``: a FIFO (``<(zcat text.gz)``) is waited on and read; the caller bounds
-        # how much it reads.
-        return open(path, "rb")  # the caller closes it
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     try:
         mode = os.fstat(fd).st_mode
+        if pipes and stat.S_ISFIFO(mode):
+            return open(fd, "rb", buffering=0)  # the caller closes it (and with it fd)
         if not stat.S_ISREG(mode):
             kind = next((name for test, name in _KINDS if test(mode)), "not a regular file")
             raise NotRegularFileError(path, kind)

@@ -10,6 +10,8 @@ import json
 import logging
 import os
 import re
+import select
+import subprocess
 import sys
 import threading
 import time
@@ -233,6 +235,38 @@ def test_local_path_may_be_a_pipe(tmp_path: Path, refused_url: str) -> None:
         assert load_text(cfg(tmp_path, refused_url, path=str(fifo))) == "piped text\n"
     finally:
         writer.join(30)
+
+
+_PRINT_TEXT = ("import sys\nfrom fbtrain.config import DataConfig\n"
+               "from fbtrain.data.text import load_text\n"
+               "print(repr(load_text(DataConfig(path=sys.argv[1], url=sys.argv[2]))))\n")
+
+
+def test_a_named_pipe_without_a_writer_says_it_waits_for_one(
+        tmp_path: Path, refused_url: str) -> None:
+    """mkfifo as data.path, no program writing it: the process blocked before printing
+    anything. Now one line says it waits for a writer; the writer comes, the text is read.
+    (A subprocess: a regression that blocks fails at the deadline, not the suite.)"""
+    fifo = tmp_path / "text.fifo"
+    os.mkfifo(fifo)
+    proc = subprocess.Popen([sys.executable, "-c", _PRINT_TEXT, str(fifo), refused_url],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        ready, _, _ = select.select([proc.stderr], [], [], 120)
+        assert ready, "no word on stderr: still blocked?"
+        assert proc.stderr.readline() == (
+            f"data.path {fifo} is a named pipe (FIFO) that no program writes to yet: waiting "
+            "for one (Ctrl-C to stop)\n")
+        fifo.write_bytes(b"piped text\n")  # returns once the waiting reader has it open
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert (out, err, proc.returncode) == ("'piped text\\n'\n", "", 0)
+    # A pipe with its writer already there (`printf ... | fbtrain`) is read without a word.
+    piped = subprocess.run(["sh", "-c", f'printf "more\\n" | {sys.executable} -c '
+                            f'"$0" /dev/stdin {refused_url}', _PRINT_TEXT],
+                           capture_output=True, text=True, timeout=120)
+    assert (piped.stdout, piped.stderr) == ("'more\\n'\n", "")
 
 
 def test_local_text_larger_than_memory_is_refused_before_reading(tmp_path: Path,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import select
 import stat
 from pathlib import Path
 from typing import BinaryIO
@@ -26,6 +27,7 @@ from fbtrain.data.fetch import (
     sha256_bytes,
 )
 from fbtrain.io import NotRegularFileError, open_regular
+from fbtrain.progress import note
 
 log = logging.getLogger(__name__)
 
@@ -83,15 +85,34 @@ def read_local(path_str: str, memory_per_byte: int = TEXT_MEMORY_PER_BYTE) -> by
 
 
 def _read_pipe(f: BinaryIO, path: Path, per_byte: int) -> bytearray:
-    """All a pipe gives, up to what this process could tokenize; DataError past that."""
+    """All a pipe gives (``f``: opened non-blocking), up to what this process could
+    tokenize; DataError past that. A named pipe no program writes to yet is waited for, and
+    said so on stderr (it blocked before anything was printed)."""
     available = available_memory()
     limit = available.size // per_byte if available is not None else None
-    raw = bytearray()
-    while chunk := f.read(1 << 20):
+    first = f.read(_PIPE_CHUNK)  # None: a writer has it open, with nothing written yet;
+    if first == b"":  # b"": no program has it open to write
+        note(f"data.path {path} is a named pipe (FIFO) that no program writes to yet: "
+             "waiting for one (Ctrl-C to stop)")
+        # Readable once a writer has written (or come and gone): what it wrote stays in
+        # the pipe for f, which held it open all along.
+        select.select([f], [], [])
+        first = f.read(_PIPE_CHUNK)
+    os.set_blocking(f.fileno(), True)
+    return _read_rest(f, bytearray(first or b""), path, per_byte, limit)
+
+
+def _read_rest(f: BinaryIO, raw: bytearray, path: Path, per_byte: int, limit: int | None
+               ) -> bytearray:
+    """``raw`` and all that ``f`` still gives; DataError once that passes ``limit`` bytes."""
+    while chunk := f.read(_PIPE_CHUNK):
         raw += chunk
         if limit is not None and len(raw) > limit:
             _check_memory(path, len(raw), per_byte)
     return raw
+
+
+_PIPE_CHUNK = 1 << 20  # bytes read from a pipe at a time
 
 
 def _check_memory(path: Path, size: int, per_byte: int) -> None:
