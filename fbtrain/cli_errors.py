@@ -85,7 +85,9 @@ def fail(error: BaseException, argv: list[str] | None = None) -> NoReturn:
     code = exit_code_for(error)
     if code is None:
         raise error
-    report(error, argv)
+    # stderr itself may not take it (2>/dev/full): the exit code still says it
+    with contextlib.suppress(OSError):
+        report(error, argv)
     if isinstance(error, FbtrainError) and error.skip_teardown:
         sys.stdout.flush()
         sys.stderr.flush()

@@ -15,7 +15,7 @@ import os
 import re
 import stat
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
@@ -76,6 +76,20 @@ def write_error(path: str | Path, error: BaseException) -> FileWriteError | None
             return FileWriteError(seen.errno, seen.strerror or str(seen), str(path))
         seen = seen.__cause__ or seen.__context__
     return None
+
+
+@contextlib.contextmanager
+def writing(name: str) -> Iterator[None]:
+    """Writes to a stream the user pointed somewhere (``name``: "stdout"), whose
+    file-system failure (``> /dev/full``, a log on a full disk) becomes one line naming it;
+    a closed pipe (EPIPE: the reader left) and anything else go through as they are."""
+    try:
+        yield
+    except OSError as e:
+        failed = write_error(name, e)
+        if failed is None:
+            raise
+        raise failed from None
 
 
 def atomic_write(path: str | Path, write: Callable[[IO[bytes]], None]) -> None:

@@ -27,6 +27,7 @@ from fbtrain.data.errors import DataError
 from fbtrain.data.tokenizers import Tokenizer
 from fbtrain.errors import ArgumentError
 from fbtrain.inference import inference, saved_precision
+from fbtrain.io import writing
 from fbtrain.messages import format_bytes
 from fbtrain.progress import Progress, isatty, note
 from fbtrain.rng import sample_generator
@@ -358,16 +359,23 @@ def run(
     shown = Progress(length, desc="sampling", unit=f"{tokenizer.unit}s") \
         if not (streamed and isatty(out)) else None
 
+    name = "stdout" if out is sys.stdout else getattr(out, "name", "the output")
+
+    def emit(text: str) -> None:
+        """``text`` written and flushed (a terminal shows each character as it comes); a
+        full disk behind it (> /dev/full) is one line naming stdout."""
+        with writing(name):
+            out.write(text)
+            out.flush()
+
     def on_text(sample: int, chunk: str) -> None:
         if streamed:
-            out.write(chunk)
-            out.flush()  # a terminal shows each character as it comes
+            emit(chunk)
         if shown is not None and sample == 0 and shown.n < length:  # a call a token
             shown.update(1)
 
     if streamed:
-        out.write(prompt)
-        out.flush()
+        emit(prompt)
     try:
         texts = generate(model, tokenizer, prompt, length, temperature=temperature,
                          top_k=top_k, top_p=top_p, num_samples=num_samples,
@@ -375,16 +383,14 @@ def run(
                          precision=precision)
     except NonFiniteLogits as e:
         if num_samples == 1:
-            out.write("\n")  # end the streamed text, so the error starts on its own line
-            out.flush()
+            emit("\n")  # end the streamed text, so the error starts on its own line
         raise CheckpointError(f"{file}: cannot sample from it: {e}") from None
     finally:
         if shown is not None:
             shown.close()
     if num_samples == 1:
-        out.write("\n")
+        emit("\n")
     else:
-        for i, text in enumerate(texts, 1):
-            out.write(f"--- sample {i} ---\n{prompt}{tokenizer.joiner}{text}\n")
-    out.flush()
+        emit("".join(f"--- sample {i} ---\n{prompt}{tokenizer.joiner}{text}\n"
+                     for i, text in enumerate(texts, 1)))
     return texts
