@@ -81,6 +81,23 @@ def test_text_memory_reports_the_peak_per_byte_of_each_script(tmp_path: Path):
     assert proc.stdout.splitlines()[-1] == f"most per byte: {worst:.1f}"
 
 
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="Linux's /proc")
+def test_sample_memory_holds_the_estimate_to_the_real_peak(tmp_path: Path):
+    """The estimate sample refuses by is not above what sampling really takes (a 50 KB
+    prompt was refused as needing 55.9 GiB), for a kind linear in the prompt and for the
+    quadratic one."""
+    out = tmp_path / "sample.json"
+    proc = run_script("sample_memory.py", "--kinds", "feedback_kv", "transformer",
+                      "--prompts", "3000", "--length", "2", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(out.read_text())
+    assert [(r["kind"], r["prompt"]) for r in report] == [("feedback_kv", 3000),
+                                                          ("transformer", 3000)]
+    for r in report:
+        assert 0 < r["estimate"] <= r["growth"], r
+        assert f"{r['kind']:>11} prompt   3,000: peak +" in proc.stdout
+
+
 def _h200_model():
     sys.path.insert(0, str(ROOT / "scripts"))
     import h200_model

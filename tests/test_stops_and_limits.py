@@ -342,6 +342,29 @@ def test_running_out_of_memory_anywhere_else_is_one_line_and_exit_2(
     assert len(result.stderr.splitlines()) == 1
 
 
+def test_a_sample_that_runs_out_of_memory_says_so_and_is_not_drawn_again(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Under ulimit -v the step-0 sample failed with a MemoryError, which says nothing of
+    itself: "warning: sampling failed at step 0: " and no reason; every later sample then
+    pressed on the limit again. Now the reason is out of memory, and no more samples are
+    drawn: training comes first."""
+    calls: list[int] = []
+
+    def generate(*args: Any, **kwargs: Any) -> list[str]:
+        calls.append(1)
+        raise MemoryError
+
+    monkeypatch.setattr(fbtrain.sample, "generate", generate)
+    run(make_cfg(tmp_path, train={"max_steps": 6, "eval_every": 3}))
+    out = capsys.readouterr().out
+    [line] = [line for line in out.splitlines() if "sampling failed" in line]
+    assert re.fullmatch(r"warning: sampling failed at step 0: out of memory: this .+; no more "
+                        r"samples are drawn in this run", line), line
+    assert len(calls) == 1  # not at steps 3 and 6
+    assert load_checkpoint(tmp_path / "runs" / "run" / "checkpoints" / "last.pt")["step"] == 6
+
+
 # ----------------------------------------------------------------------------- item 9
 
 # Rank 1 of two gloo ranks: trains as `fbtrain train` does, and kills itself (SIGKILL: no

@@ -43,6 +43,7 @@ from fbtrain.checkpoint.contents import summarize_names
 from fbtrain.checkpoint.files import CheckpointManager
 from fbtrain.config import Config, TrainConfig
 from fbtrain.config.kinds import model_kind
+from fbtrain.config.limits import allocation_failed
 from fbtrain.distributed import DistContext, is_peer_failure, peer_lost, session
 from fbtrain.evaluate import loss_figures
 from fbtrain.inference import inference
@@ -115,6 +116,7 @@ class Trainer:
         self._status_lacks_rate = False  # the status line shown has no rate yet
         self._last_shown: dict[str, Any] = {}
         self.completed = False  # every step trained and the last one saved
+        self._samples_off = False  # a sample ran out of memory: no more this run
 
     def fit(self, resume: str | None) -> Path:
         """Set up (fresh, resumed or warm-started), train to ``max_steps``, return the run dir.
@@ -374,8 +376,9 @@ class Trainer:
         return improved
 
     def _log_sample(self, signals: StopSignals) -> None:
-        """A short generated text for the log (rank 0), from its own seeded generator."""
-        if not self.ctx.is_main:
+        """A short generated text for the log (rank 0), from its own seeded generator; none
+        more once one ran out of memory (the process is at its limit: training comes first)."""
+        if not self.ctx.is_main or self._samples_off:
             return
         model, tokenizer = self.run.raw_model, self.run.data.tokenizer
         try:
@@ -387,7 +390,12 @@ class Trainer:
                                 self.cfg.train.sample_length, generator=generator,
                                 precision=self.cfg.run.precision)[0]
         except Exception as e:  # a failed sample must not cost the training run
-            self.logger.info(f"warning: sampling failed at step {self.progress.step}: {e}")
+            if is_allocation_failure(e):  # a MemoryError says nothing of itself
+                self._samples_off = True
+                reason = allocation_failed(e, "", "no more samples are drawn in this run")
+            else:
+                reason = str(e) or type(e).__name__
+            self.logger.info(f"warning: sampling failed at step {self.progress.step}: {reason}")
             return
         self.logger.log_text(self.progress.step, "sample", text, echo=False)
         self.last_sample = (self.progress.step, text)
