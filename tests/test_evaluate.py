@@ -285,6 +285,34 @@ def test_cli_eval_that_runs_out_of_memory_is_one_line_naming_its_flags(
     assert line.endswith(f"; lower {flags}")
 
 
+def test_cli_eval_of_a_text_too_big_for_the_process_is_refused_naming_the_flag(
+        run_dir: Path, tmp_path: Path) -> None:
+    """eval --data-path on a 2 GB sparse file under ulimit -v: a MemoryError traceback.
+    Refused now from its size, against the process's address-space limit (a real one, 4
+    GiB, in a subprocess), naming the flag it came from."""
+    import re
+    import sys
+
+    from conftest import bounded_run
+
+    from fbtrain.data.text import TEXT_MEMORY_PER_BYTE
+    from fbtrain.messages import format_bytes
+
+    sparse = tmp_path / "sparse.txt"
+    with sparse.open("wb") as f:
+        f.truncate(2 * 10**9)
+    result = bounded_run([sys.executable, "-m", "fbtrain", "eval", "-c", str(run_dir),
+                          "--data-path", str(sparse), "--device", "cpu"])
+    assert result.returncode == 2, result.stderr
+    need = format_bytes(TEXT_MEMORY_PER_BYTE * 2 * 10**9)
+    assert re.fullmatch(
+        rf"error: --data-path {re.escape(str(sparse))} is 1\.9 GiB: reading and tokenizing it "
+        rf"needs about {re.escape(need)} of memory \({TEXT_MEMORY_PER_BYTE} bytes per byte of "
+        r"the file\) but this process may use [\d.]+ [MG]iB \(its address-space limit, "
+        r"RLIMIT_AS / ulimit -v, less what it has mapped already\); use a smaller file\n",
+        result.stderr), result.stderr
+
+
 # ----------------------------------------------------------------------------- the run's line
 
 
