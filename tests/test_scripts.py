@@ -79,6 +79,39 @@ def test_corpus_load_reports_first_and_cached_runs(tmp_path: Path):
         assert f"{run}: load " in proc.stdout
 
 
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="Linux's /proc")
+def test_text_memory_reports_the_peak_per_byte_of_each_script(tmp_path: Path):
+    out = tmp_path / "text.json"
+    proc = run_script("text_memory.py", "--mb", "0.2", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(out.read_text())
+    assert [r["kind"] for r in report] == ["ascii", "2-byte", "3-byte"]
+    for r in report:
+        assert abs(r["bytes"] - 200_000) <= 2  # cut at a character's end
+        assert r["tokens"] > 0
+        assert r["rss_per_byte"] == pytest.approx(r["rss_growth"] / r["bytes"])
+    assert report[0]["tokens"] == 200_000  # ASCII: one character a byte
+    worst = max(max(r["rss_per_byte"], r["address_per_byte"]) for r in report)
+    assert proc.stdout.splitlines()[-1] == f"most per byte: {worst:.1f}"
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="Linux's /proc")
+def test_sample_memory_holds_the_estimate_to_the_real_peak(tmp_path: Path):
+    """The estimate sample refuses by is not above what sampling really takes (a 50 KB
+    prompt was refused as needing 55.9 GiB), for a kind linear in the prompt and for the
+    quadratic one."""
+    out = tmp_path / "sample.json"
+    proc = run_script("sample_memory.py", "--kinds", "feedback_kv", "transformer",
+                      "--prompts", "3000", "--length", "2", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(out.read_text())
+    assert [(r["kind"], r["prompt"]) for r in report] == [("feedback_kv", 3000),
+                                                          ("transformer", 3000)]
+    for r in report:
+        assert 0 < r["estimate"] <= r["growth"], r
+        assert f"{r['kind']:>11} prompt   3,000: peak +" in proc.stdout
+
+
 def test_eta_accuracy_sets_each_eta_against_the_time_that_remained(tmp_path: Path):
     """A log and a run's TensorBoard events with set wall times: each line's ETA against the
     time from its record to the last evaluation's, counted from 20% of the run's time on."""

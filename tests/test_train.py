@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 import torch
+import yaml
 
 from fbtrain.checkpoint import CheckpointError, load_checkpoint, load_model
 from fbtrain.checkpoint.contents import apply_warm_start, summarize_names
@@ -897,6 +898,36 @@ def test_ddp_two_gloo_ranks(tmp_path: Path, context: str) -> None:
     train = [r for r in records(run_dir) if "loss" in r]
     assert [r["step"] for r in train] == list(range(1, 7))  # rank 0 alone logs, resumed
     assert train[0]["tokens"] == 2 * 4 * 8  # both ranks' tokens
+
+
+def test_a_resume_on_another_number_of_ranks_names_it_and_records_it(tmp_path: Path) -> None:
+    """1 -> 2 -> 1 DDP ranks: a step then trains twice (half) the sequences, which the
+    resume said nothing of, and history.jsonl's changed did not record."""
+    raw = make_raw(tmp_path, train={"max_steps": 2, "eval_every": 100})
+    config = tmp_path / "cfg.yaml"
+    run_dir = tmp_path / "runs" / "run"
+
+    def train(steps: int, ranks: int) -> str:
+        raw["train"]["max_steps"] = steps
+        config.write_text(yaml.safe_dump(raw))
+        launch = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
+                  "-m"] if ranks > 1 else ["-m"]
+        proc = subprocess.run([sys.executable, *launch, "fbtrain", "train", "--config",
+                               str(config), "--resume", "auto"], env=CHILD_ENV, cwd=REPO,
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return proc.stdout
+
+    train(2, 1)
+    for steps, (old, new) in ((4, (1, 2)), (6, (2, 1))):
+        out = train(steps, new)
+        assert (f"DDP ranks changed from what the checkpoint (step {steps - 2}) trained with: "
+                f"world_size {old} -> {new}, so a step now trains {4 * new} sequences ({new} x "
+                f"train.batch_size x train.grad_accum), not {4 * old} (history.jsonl records "
+                "it)") in out
+        history = [json.loads(line) for line in (run_dir / "history.jsonl").open()]
+        assert history[-1]["changed"]["world_size"] == [old, new]
+    assert load_checkpoint(run_dir / "checkpoints" / "last.pt")["world_size"] == 1
 
 
 # ----------------------------------------------------------------------------- CUDA

@@ -270,9 +270,9 @@ class CheckpointManager:
         written = self.last_path
         if numbered:
             written = self.step_path(step)
-            _atomic_copy(self.last_path, written)
+            atomic_copy(self.last_path, written)
         if best:
-            _atomic_copy(self.last_path, self.best_path)
+            atomic_copy(self.last_path, self.best_path)
         self.purge(keep=written)
         return written
 
@@ -294,6 +294,7 @@ class CheckpointManager:
         return removed
 
 
-def _atomic_copy(src: Path, dst: Path) -> None:
+def atomic_copy(src: Path, dst: Path) -> None:
+    """Copy ``src`` over ``dst`` atomically (a temp file beside it, then a rename)."""
     with open(src, "rb") as source:
         atomic_write(dst, lambda f: shutil.copyfileobj(source, f, 1 << 20))

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from fbtrain.checkpoint.best import heal_best
 from fbtrain.checkpoint.contents import WarmStart, apply_warm_start, check_warm_start
 from fbtrain.checkpoint.files import CheckpointManager, save_checkpoint
 from fbtrain.checkpoint.state import (
@@ -213,11 +214,19 @@ def set_up(cfg: Config, ctx: DistContext, manager: CheckpointManager, resume: st
         changed = changed_settings(saved, cfg.to_dict()) if isinstance(saved, dict) else {}
         if changed:
             notes += (describe_changes(changed, progress.step),)
+        saved_ranks = payload.get("world_size", 1)
+        if is_int(saved_ranks) and saved_ranks != ctx.world_size:
+            changed["world_size"] = [saved_ranks, ctx.world_size]  # history.jsonl's too
+            notes += (ranks_changed(run, saved_ranks, progress.step),)
         unchecked = data.identity.unchecked_note(payload.get("data"), resume_path)
         notes += (unchecked,) if unchecked else ()
         rewound = set_aside_abandoned(manager, resume_path, progress.step) if ctx.is_main \
             else None
         notes += (rewound,) if rewound else ()
+        # best.pt that a failed save left behind the recorded best: put right, or named
+        healed = heal_best(manager, progress.best_val_loss) \
+            if ctx.is_main and not choice.new_run else None
+        notes += (healed,) if healed else ()
     model = ctx.wrap(raw_model)  # after the restore: DDP broadcasts rank 0's weights
     model.train()
     segment = Segment(choice.run_id, choice.new_run, changed)
@@ -229,6 +238,17 @@ def _build_on(model_cfg: Any, vocab_size: int, device: torch.device) -> nn.Modul
     """The model, initialised (on the CPU: the same numbers whatever the device) and moved
     to ``device``."""
     return build_model(model_cfg, vocab_size).to(device)
+
+
+def ranks_changed(run: Run, saved_ranks: int, step: int) -> str:
+    """The line a resume on another number of DDP ranks than the checkpoint's prints: a
+    step trains every rank's batch, so the sequences per step change with it."""
+    cfg, ranks = run.cfg, run.ctx.world_size
+    per_rank = run.curriculum.batch_size_at(step) * cfg.train.grad_accum
+    return (f"DDP ranks changed from what the checkpoint (step {step}) trained with: "
+            f"world_size {saved_ranks} -> {ranks}, so a step now trains {ranks * per_rank:,} "
+            f"sequences ({ranks} x train.batch_size x train.grad_accum), not "
+            f"{saved_ranks * per_rank:,} (history.jsonl records it)")
 
 
 # ----------------------------------------------------------------------------- what to resume

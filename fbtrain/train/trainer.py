@@ -43,19 +43,20 @@ from fbtrain.checkpoint.contents import summarize_names
 from fbtrain.checkpoint.files import CheckpointManager
 from fbtrain.config import Config, TrainConfig
 from fbtrain.config.kinds import model_kind
+from fbtrain.config.limits import allocation_failed
 from fbtrain.device import matmul_precision
 from fbtrain.distributed import DistContext, is_peer_failure, peer_lost, session
 from fbtrain.evaluate import loss_figures
 from fbtrain.inference import inference
 from fbtrain.metrics.console import Console
 from fbtrain.metrics.logger import MetricsLogger, text_block
-from fbtrain.metrics.tensorboard import hparams_of
+from fbtrain.metrics.tensorboard import SUBRUNS, hparams_of
 from fbtrain.rng import sample_generator, sample_seed
 from fbtrain.rundir import ResumeChoice, RunDirLock, write_run_files
-from fbtrain.rundir_checks import check_path_length, check_writable
+from fbtrain.rundir_checks import check_folders, check_path_length, check_writable
 from fbtrain.runhistory import record_segment
 from fbtrain.scoring import window_scores
-from fbtrain.train.oom import is_allocation_failure, out_of_memory
+from fbtrain.train.oom import is_allocation_failure, out_of_memory, setting_up
 from fbtrain.train.pace import Clock, Pace
 from fbtrain.train.setup import (
     Progress,
@@ -135,6 +136,7 @@ class Trainer:
         self._status_lacks_rate = False  # the status line shown has no rate yet
         self._last_shown: dict[str, Any] = {}
         self.completed = False  # every step trained and the last one saved
+        self._samples_off = False  # a sample ran out of memory: no more this run
 
     def fit(self, resume: str | None) -> Path:
         """Set up (fresh, resumed or warm-started), train to ``max_steps``, return the run dir.
@@ -146,19 +148,25 @@ class Trainer:
         """
         if self.ctx.is_main:
             check_path_length(self.run_dir)  # before mkdir: its error would print it whole
+            check_folders(self.run_dir)
             self.run_lock.create_and_acquire()
         self.ctx.barrier()  # other ranks read the directory once rank 0 owns it
         wrote = False
         try:
             if self.ctx.is_main:  # what a save would fail on, refused before training
-                check_writable(self.run_dir)
+                check_writable(self.run_dir, SUBRUNS if self.cfg.logging.tensorboard else ())
             started = self.pace.clock()
             choice = resume_choice(self.cfg, self.manager, resume)
             if finished(self.cfg, choice):  # said before any data is loaded (or downloaded)
                 self._say_finished(choice)
                 return self.run_dir
-            self.run, self.progress, resume_path = set_up(self.cfg, self.ctx, self.manager,
-                                                          resume, choice, self.seams)
+            try:
+                self.run, self.progress, resume_path = set_up(
+                    self.cfg, self.ctx, self.manager, resume, choice, self.seams)
+            except (MemoryError, RuntimeError, SystemError, OSError) as e:
+                if not is_allocation_failure(e):
+                    raise
+                raise setting_up(e) from None
             wrote = True
             # A resume with nothing to train leaves the directory's files as they were:
             # config.yaml describes the checkpoints it holds, not settings none was made with.
@@ -202,6 +210,7 @@ class Trainer:
             self._loop(signals)
         self.completed = True
         self.logger.end_run()
+        self.logger.raise_failure()
         if self.last_sample is not None:  # the one sample the console shows: the last
             self.logger.info(text_block("sample", *self.last_sample))
         events = self.pace.events
@@ -236,6 +245,7 @@ class Trainer:
             self._evaluate_untrained(signals)
         elif self._evaluation_missed():
             self._catch_up_evaluation(signals)
+        self.logger.raise_failure()  # a log file that cannot be written: before training on
         # train_step, through whole-step CUDA graphs where $FBTRAIN_CUDA_GRAPHS asks
         step = step_function(self.run) if progress.step < max_steps else train_step
         self.pace.start()
@@ -276,8 +286,11 @@ class Trainer:
         # Under DDP the stop the ranks agreed on at the step; alone, any signal so far.
         stop = result.stop if self.ctx.enabled else signals.received
         every = step % cfg.checkpoint.every == 0
-        if every or final or improved or stop is not None:
+        # A log file that could not be written stops the run, but the step is saved first.
+        failed = self.logger.failure is not None
+        if every or final or improved or stop is not None or failed:
             self._save(numbered=every or final, best=improved)
+        self.logger.raise_failure()
         if final and not self.ctx.enabled:
             stop = signals.received  # one that came during the final save counts too
         if stop is not None:
@@ -406,8 +419,9 @@ class Trainer:
         return improved
 
     def _log_sample(self, signals: StopSignals) -> None:
-        """A short generated text for the log (rank 0), from its own seeded generator."""
-        if not self.ctx.is_main:
+        """A short generated text for the log (rank 0), from its own seeded generator; none
+        more once one ran out of memory (the process is at its limit: training comes first)."""
+        if not self.ctx.is_main or self._samples_off:
             return
         model, tokenizer = self.run.raw_model, self.run.data.tokenizer
         try:
@@ -420,7 +434,12 @@ class Trainer:
                                 self.cfg.train.sample_length, generator=generator,
                                 precision=self.cfg.run.precision)[0]
         except Exception as e:  # a failed sample must not cost the training run
-            self.logger.info(f"warning: sampling failed at step {self.progress.step}: {e}")
+            if is_allocation_failure(e):  # a MemoryError says nothing of itself
+                self._samples_off = True
+                reason = allocation_failed(e, "", "no more samples are drawn in this run")
+            else:
+                reason = str(e) or type(e).__name__
+            self.logger.info(f"warning: sampling failed at step {self.progress.step}: {reason}")
             return
         self.logger.log_text(self.progress.step, "sample", text, echo=False)
         self.last_sample = (self.progress.step, text)
@@ -441,10 +460,16 @@ class Trainer:
                 f"({summarize_names(bad)}); no checkpoint written (last good: "
                 f"{self.manager.last_path})", EXIT_NONFINITE)
         if self.ctx.is_main:
-            with self.pace.timing("save"):
-                self.manager.save(self.progress.step,
-                                  checkpoint_payload(self.run, self.progress),
-                                  numbered=numbered, best=best)
+            try:
+                with self.pace.timing("save"):
+                    self.manager.save(self.progress.step,
+                                      checkpoint_payload(self.run, self.progress),
+                                      numbered=numbered, best=best)
+            except OSError:
+                # A log write failed first (a disk full for both, most likely): that is the
+                # failure reported, next; the previous checkpoint stays as it was.
+                if self.logger.failure is None:
+                    raise
 
 
 def sample_due(train: TrainConfig, step: int, evaluated: bool) -> bool:
