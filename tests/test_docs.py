@@ -376,7 +376,7 @@ def test_the_readme_expects_ranges_that_cover_every_machine():
     """The quickstart's expectation, logged and from ``eval``, covers every machine's figure
     in results.md (a new machine outside it makes this fail until the README says so)."""
     quickstart = section((ROOT / "README.md").read_text(encoding="utf-8"), "Quickstart")
-    m = re.search(r"expect \*\*(\d\.\d{3})-(\d\.\d{3})\*\*\s+logged\s+at\s+step\s+1500\s+and\s+"
+    m = re.search(r"expect\s+\*\*(\d\.\d{3})-(\d\.\d{3})\*\*\s+logged\s+at\s+step\s+1500\s+and\s+"
                   r"\*\*(\d\.\d{3})-(\d\.\d{3})\*\*\s+from\s+`eval`", quickstart)
     assert m, "the README states no ranges to expect"
     logged, evaluated = (float(m[1]), float(m[2])), (float(m[3]), float(m[4]))
