@@ -1,4 +1,5 @@
-# fbtrain: make install | train | quick | dev | test | lint | bench | bench-sample | gpu-check | clean
+# fbtrain: make install | train | quick | dev | test | lint | bench | bench-sample | gpu-check |
+#          gpu-memory | clean
 # Needs Python (3.10 or newer), make, and for the fast C++ core a C++ compiler (g++); the
 # rest, ninja included, goes into $(VENV). Without a compiler fbtrain runs on its slower
 # PyTorch core.
@@ -23,17 +24,22 @@ PIP := $(BIN)/python -m pip install -q --disable-pip-version-check
 STAMP := $(VENV)/.installed
 DEV_STAMP := $(VENV)/.installed-dev
 
-.PHONY: install dev train quick test lint bench bench-sample gpu-check clean distclean
+.PHONY: install dev train quick test lint bench bench-sample gpu-check gpu-memory clean distclean
 
 # What training needs and nothing more; `make test` and `make lint` add the dev extra.
 install: $(STAMP)
 
 # Re-runs only when pyproject.toml changes (or the venv is gone): a second `make` is instant.
+# pip is quiet (-q), so each phase says what it installs first: torch alone can take minutes.
 $(STAMP): pyproject.toml
+	@test -x $(BIN)/python || echo "make install: creating the virtual environment $(VENV) ($(PY) -m venv)"
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	@echo "make install: installing $(TORCH) from $(if $(TORCH_INDEX),$(TORCH_INDEX),PyPI (or a local index pip is set to)): a large download, can take minutes"
 	$(PIP) $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) '$(TORCH)'
+	@echo "make install: installing fbtrain (editable) and its dependencies from pyproject.toml (typer, pyyaml, tensorboard, ...)"
 	$(PIP) -e .
 	@# Compile the C++ core now (once); without a compiler say so and go on (FBTRAIN_CORE).
+	@echo "make install: loading fbtrain's C++ core (compiled on first use, about a minute)"
 	$(BIN)/python -c 'from fbtrain.models.core.select import core; core()'
 	touch $@
 
@@ -41,6 +47,7 @@ $(STAMP): pyproject.toml
 dev: $(DEV_STAMP)
 
 $(DEV_STAMP): $(STAMP)
+	@echo "make dev: installing the dev extra from pyproject.toml (pytest, pytest-xdist, ruff; Triton on Linux x86_64)"
 	$(PIP) -e '.[dev]'
 	touch $@
 
@@ -56,16 +63,12 @@ train: install
 # checkpoint) may then fall outside its tolerance. MKL_ENABLE_INSTRUCTIONS does the same
 # for MKL's matmuls on an Intel CPU (MKL ignores it on an AMD one); the C++ core is
 # compiled -mavx2 -mfma on every x86 machine, so it does not change (its ATen calls do).
-# In: the fused core's float32 step against the C++ core (its kernels run in Triton's
-# interpreter on numpy, which the setting does not reach, but the C++ core's side moves).
-# Left out of the second pass: the fused core's launch counts (test_launches' *fused_core*,
-# counts, not floats), and the files whose checks compare a computation only with itself
+# Left out of the second pass: the files whose checks compare a computation only with itself
 # or hold no float result (checkpoint files and RNG streams, signals and locks, export
 # copies, the programs' generator): the same there under any dispatch.
 NUMERIC_TESTS := tests/test_models.py tests/test_cores.py tests/test_core_spec.py \
 	tests/test_batches.py tests/test_train.py tests/test_evaluate.py tests/test_sample.py \
-	tests/test_legacy_checkpoints.py tests/test_launches.py \
-	tests/test_fused_core.py::test_fused_float32_step_matches_the_cpp_core
+	tests/test_legacy_checkpoints.py tests/test_launches.py
 AVX2 := ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2
 # Test processes (pytest-xdist), each with one torch thread: on two cores two processes
 # of single-threaded tiny models keep both busy, where one process's threads mostly wait
@@ -79,13 +82,15 @@ quick: install
 	FBTRAIN_MAKE_TARGET=quick $(BIN)/fbtrain train --config configs/tiny_shakespeare.yaml --set train.max_steps=600 \
 	    --set run.name=quick --resume auto $(if $(DATA),--set data.path=$(DATA))
 
+# Each pass ends with its 25 slowest tests (--durations) and, failing, says which it was.
 test: dev
 	@# The C++ core built (or loaded) once, before two processes would race to build it.
 	$(BIN)/python -c 'from fbtrain.models.core.select import core; core()'
-	$(PYTEST)
+	@echo "make test: pass 1 of 2, every test"
+	$(PYTEST) --durations=25 || { rc=$$?; echo "make test: pass 1 of 2 (every test) failed; pass 2 (AVX2) did not run"; exit $$rc; }
 	@# Torch ignoring the setting would make the second pass a plain repeat: refuse that.
-	@$(AVX2) $(BIN)/python -c 'import sys, torch; c = torch.backends.cpu.get_cpu_capability(); print("again, dispatch held to", c); sys.exit(c == "AVX512")'
-	$(AVX2) $(PYTEST) $(NUMERIC_TESTS) -k 'not (test_launches and fused_core)'
+	@$(AVX2) $(BIN)/python -c 'import sys, torch; c = torch.backends.cpu.get_cpu_capability(); print("make test: pass 2 of 2, the numeric tests with dispatch held to", c); sys.exit(c == "AVX512")'
+	$(AVX2) $(PYTEST) --durations=25 $(NUMERIC_TESTS) || { rc=$$?; echo "make test: pass 2 of 2 (the numeric tests held to AVX2) failed; pass 1 passed"; exit $$rc; }
 
 lint: dev
 	$(BIN)/ruff check .
@@ -107,6 +112,14 @@ gpu-check:
 	$$py -c 'import torch' 2>/dev/null || { $(MAKE) dev && py=$(BIN)/python; }; \
 	echo "$$py scripts/gpu_check.py --require-cuda --out $(GPU_CHECK_DIR)"; \
 	$$py scripts/gpu_check.py --require-cuda --out $(GPU_CHECK_DIR) $(if $(DATA),--data $(DATA))
+
+# The peak device memory of one training step at each curriculum stage of $(CONFIG), on fake
+# CUDA (scripts/fakecuda: no GPU needed, a C++ compiler is; minutes a stage at gpu.yaml's
+# sizes). make gpu-memory CONFIG=configs/gpu.yaml BATCH=512
+BATCH ?=
+gpu-memory: install
+	$(BIN)/python scripts/fakecuda/run.py memory --config $(CONFIG) \
+	    $(if $(BATCH),--set train.batch_size=$(BATCH))
 
 # Build and tool caches; keeps $(VENV) and runs/ (see distclean).
 clean:

@@ -348,12 +348,13 @@ def evaluate(
             data_path=data_path, context=context.value, device=device or "auto",
             precision=precision.value if precision else None,
         )
-    if as_json:  # strict JSON: a non-finite figure is null, never NaN or Infinity
-        from fbtrain.io import json_safe
+        from fbtrain.io import json_safe, writing
 
-        typer.echo(json.dumps(json_safe(result), default=str, allow_nan=False))
-    else:
-        typer.echo(evaluator.format_result(result))
+        with writing("stdout"):  # > /dev/full: one line naming stdout
+            if as_json:  # strict JSON: a non-finite figure is null, never NaN or Infinity
+                typer.echo(json.dumps(json_safe(result), default=str, allow_nan=False))
+            else:
+                typer.echo(evaluator.format_result(result))
 
 
 @app.command(epilog=_examples("fbtrain export -c runs/tiny_shakespeare --out exports/ts",
@@ -372,13 +373,15 @@ def export(
     """
     with user_errors():
         from fbtrain.checkpoint.contents import export_model
+        from fbtrain.io import writing
 
         source, written = export_model(checkpoint, out)
-    size = written[0].stat().st_size
-    weights = format_bytes(size)
-    # Two lines, each within 80 columns for the usual paths (one ran to 130 and wrapped).
-    typer.echo(f"exported {source}\n  to {written[0].parent}: {written[0].name} ({weights}), "
-               f"{', '.join(p.name for p in written[1:])}")
+        size = written[0].stat().st_size
+        weights = format_bytes(size)
+        # Two lines, each within 80 columns for the usual paths (one ran to 130 and wrapped).
+        with writing("stdout"):  # the export is written; > /dev/full says so of stdout
+            typer.echo(f"exported {source}\n  to {written[0].parent}: {written[0].name} "
+                       f"({weights}), {', '.join(p.name for p in written[1:])}")
 
 
 def main() -> None:

@@ -4,9 +4,11 @@ one function (:func:`exit_code_for`), and the line(s) it prints (:func:`report`)
 Exit codes: 0 done, or stdout's reader left (``| head``: ends quietly); 1 training stopped
 (:class:`~fbtrain.errors.TrainingError`: a non-finite loss or gradient norm); 2 bad input
 (every :class:`~fbtrain.errors.UserError`: config, data, checkpoint, device or a command's
-argument; an OSError, whose message names the file; click's usage errors: an unknown flag,
-a value out of range, a missing option); 129 / 130 / 143 stopped by SIGHUP / SIGINT /
-SIGTERM. Anything else is a bug: it keeps its traceback (exit 1, Python's).
+argument; an OSError, whose message names the file; an allocation that failed, anywhere
+(``MemoryError``, the allocator's RuntimeError: more memory asked for than the process may
+use); click's usage errors: an unknown flag, a value out of range, a missing option); 129 /
+130 / 143 stopped by SIGHUP / SIGINT / SIGTERM. Anything else is a bug: it keeps its
+traceback (exit 1, Python's).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ try:  # newer typer vendors click; older releases use the click package
 except ImportError:  # pragma: no cover
     import click  # type: ignore[no-redef]
 
+from fbtrain.config.limits import allocation_failed, is_allocation_failure
 from fbtrain.errors import EXIT_USAGE, FbtrainError, TrainingError
 from fbtrain.startup import Stopped, exit_code
 
@@ -39,6 +42,8 @@ def exit_code_for(error: BaseException) -> int | None:
         return error.exit_code
     if isinstance(error, click.exceptions.ClickException):  # usage errors: click's own 2
         return error.exit_code
+    if is_allocation_failure(error):  # anywhere: more memory asked for than the process has
+        return EXIT_USAGE
     if isinstance(error, OSError):  # a folder that cannot be made, a full disk: bad input
         return EXIT_USAGE
     if isinstance(error, (KeyboardInterrupt, typer.Abort)):
@@ -67,6 +72,9 @@ def report(error: BaseException, argv: list[str] | None = None) -> None:
         error.show()
     elif isinstance(error, (KeyboardInterrupt, typer.Abort)):
         typer.echo(interrupted_line(_interrupt(error)), err=True)
+    elif is_allocation_failure(error):  # one the command did not name itself
+        error_line(allocation_failed(error, "", "give the process more memory, or ask for "
+                                     "less"))
     else:
         error_line(str(error))  # a ConfigError: one line per problem
 
@@ -77,7 +85,9 @@ def fail(error: BaseException, argv: list[str] | None = None) -> NoReturn:
     code = exit_code_for(error)
     if code is None:
         raise error
-    report(error, argv)
+    # stderr itself may not take it (2>/dev/full): the exit code still says it
+    with contextlib.suppress(OSError):
+        report(error, argv)
     if isinstance(error, FbtrainError) and error.skip_teardown:
         sys.stdout.flush()
         sys.stderr.flush()

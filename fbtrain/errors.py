@@ -6,7 +6,8 @@
   file, a damaged checkpoint, a device that is not there, a core that cannot be built: each
   raises a subclass whose message is one line (or, for a config, one line per problem)
   naming what is wrong and what is allowed. :class:`ArgumentError` is the one for a value
-  given to a command (a flag, a split, a prompt).
+  given to a command (a flag, a split, a prompt); :class:`OutOfMemory` the one for an
+  allocation that failed (what was asked is more than this process may use).
 - :class:`TrainingError` (exit 1, or 128 + the signal): training stopped, on a non-finite
   loss or gradient norm, or on a signal after saving.
 
@@ -43,6 +44,11 @@ class ArgumentError(UserError, ValueError):
     """A value given to a command that cannot work (``length = 0``, a split the data does
     not have, an empty prompt). A ValueError too, so a library caller that catches those
     still does."""
+
+
+class OutOfMemory(UserError):
+    """An allocation failed: the memory the work asked for (a batch, a window, a text) is
+    more than this process may use. The message names what was being done and the limit."""
 
 
 class TrainingError(FbtrainError):

@@ -10,9 +10,10 @@ from torch import Tensor, nn
 
 from fbtrain.config import INT64_MAX
 from fbtrain.config.fields import int_bound
+from fbtrain.config.limits import allocation_failed, is_allocation_failure
 from fbtrain.config.schema import CONTEXTS, SPLITS
 from fbtrain.data.streams import IGNORE_INDEX, Stream, as_stream, window
-from fbtrain.errors import ArgumentError
+from fbtrain.errors import ArgumentError, OutOfMemory
 from fbtrain.inference import inference, saved_precision
 from fbtrain.progress import Progress
 from fbtrain.scoring import Scores, window_scores
@@ -81,6 +82,7 @@ def evaluate_split(
     n = len(targets)
     if n < 1:
         raise ArgumentError("need at least one prediction to score, got an empty split")
+    seq_len = min(seq_len, n)  # a window past the split is the split: nothing sized by more
     scores = Scores()
     shown = Progress(-(-n // seq_len), desc=f"eval ({context})", unit="windows") \
         if show_progress else None
@@ -110,7 +112,7 @@ def evaluate_split(
         "accuracy": scores.accuracy,
         "tokens": n,
         "scored": scores.count,
-        "seq_len": min(seq_len, n),  # what was used: a split shorter than one window is one
+        "seq_len": seq_len,  # what was used: a split shorter than one window is one
         "context": context,
         **({"history": history} if context == "reset" and history else {}),
         "precision": precision,
@@ -251,8 +253,18 @@ def run(
         raise ArgumentError(f"{e} ({where})") from None
     if precision is None:
         precision = saved_precision(payload)
-    result = evaluate_split(model, stream, seq_len, batch_size, context=context,
-                            history=corpus.history, precision=precision, show_progress=True)
+    try:
+        result = evaluate_split(model, stream, seq_len, batch_size, context=context,
+                                history=corpus.history, precision=precision,
+                                show_progress=True)
+    except (MemoryError, RuntimeError) as e:
+        if not is_allocation_failure(e):
+            raise
+        length = min(seq_len, len(stream.targets))
+        windows = f", {batch_size:,} at a time" if context == "reset" else ", memory carried"
+        raise OutOfMemory(allocation_failed(
+            e, f"scoring windows of {length:,} tokens{windows}",
+            "lower --seq-len" + (" or --batch-size" if context == "reset" else ""))) from None
     if result["scored"] == 0:
         raise DataError(f"split {split} of {where} holds no labelled target: nothing to score")
     if not math.isfinite(result["loss"]):  # no figure to report; sample refuses it too

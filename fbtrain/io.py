@@ -15,7 +15,7 @@ import os
 import re
 import stat
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
@@ -51,6 +51,7 @@ _ADVICE = {
                  "chattr -i lifts an immutable one)",
     errno.EACCES: " (no permission: see ls -ld on the file and its folder; chmod u+w)",
     errno.EISDIR: " (a folder is in its place: move it away)",
+    errno.ENOTDIR: " (a file is in its place: move it away)",
     errno.ENAMETOOLONG: " (the path is longer than the system allows: use a shorter one)",
 }
 
@@ -75,6 +76,20 @@ def write_error(path: str | Path, error: BaseException) -> FileWriteError | None
             return FileWriteError(seen.errno, seen.strerror or str(seen), str(path))
         seen = seen.__cause__ or seen.__context__
     return None
+
+
+@contextlib.contextmanager
+def writing(name: str) -> Iterator[None]:
+    """Writes to a stream the user pointed somewhere (``name``: "stdout"), whose
+    file-system failure (``> /dev/full``, a log on a full disk) becomes one line naming it;
+    a closed pipe (EPIPE: the reader left) and anything else go through as they are."""
+    try:
+        yield
+    except OSError as e:
+        failed = write_error(name, e)
+        if failed is None:
+            raise
+        raise failed from None
 
 
 def atomic_write(path: str | Path, write: Callable[[IO[bytes]], None]) -> None:
@@ -228,14 +243,16 @@ def open_regular(path: str | Path, *, pipes: bool = False) -> IO[bytes]:
     waits for a writer (unless ``pipes``). The check is made on the opened descriptor
     (opened non-blocking, so a FIFO does not wait), never on a name that could change
     between a look and a read.
+
+    ``pipes``: a FIFO (``<(zcat text.gz)``, ``mkfifo``) is returned as it was opened, non-
+    blocking and unbuffered: its reader decides whether to wait for a writer (a read that
+    finds none returns b"") and bounds how much it reads.
     """
-    if pipes and stat.S_ISFIFO(os.stat(path).st_mode):
-        # ``pipes``: a FIFO (``<(zcat text.gz)``) is waited on and read; the caller bounds
-        # how much it reads.
-        return open(path, "rb")  # the caller closes it
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     try:
         mode = os.fstat(fd).st_mode
+        if pipes and stat.S_ISFIFO(mode):
+            return open(fd, "rb", buffering=0)  # the caller closes it (and with it fd)
         if not stat.S_ISREG(mode):
             kind = next((name for test, name in _KINDS if test(mode)), "not a regular file")
             raise NotRegularFileError(path, kind)

@@ -26,6 +26,7 @@ from fbtrain.checkpoint import (
     CheckpointManager,
     resolve_checkpoint,
 )
+from fbtrain.checkpoint.export import export_folder
 from fbtrain.checkpoint.files import peek_checkpoint
 from fbtrain.checkpoint.state import read_checkpoint, resumable_problem
 from fbtrain.config import Config, ConfigError, save_config
@@ -244,6 +245,11 @@ def choose_resume(resume: str | None, manager: CheckpointManager) -> ResumeChoic
                                 "afresh (replacing the metrics and TensorBoard events of an "
                                 "earlier start that saved none)", run_id=new_run_id())
         return _newest_loadable(manager, held.checkpoints, recorded)
+    if export_folder(resume) is not None:
+        raise CheckpointError(
+            f"--resume {resume}: an exported model holds the weights alone (no optimizer "
+            "state, step or random streams), which a resume needs; to train on from its "
+            f"weights, start a run with --set train.init_from={resume}")
     path = resolve_checkpoint(resume, prefer="last")
     inside = path.resolve().is_relative_to(run_dir.resolve())
     if held.checkpoints and not inside:

@@ -62,11 +62,34 @@ def check_path_length(run_dir: Path) -> None:
             f"{path_max - _LONGEST_INSIDE} bytes in all"])
 
 
-def check_writable(run_dir: Path) -> None:
+def check_folders(run_dir: Path) -> None:
+    """Refuse, before any folder is made, a run directory (or a folder above it) that is a
+    file or a symbolic link to nowhere: mkdir's "[Errno 17] File exists" said neither."""
+    for folder in reversed((run_dir, *run_dir.parents)):
+        if folder.is_dir() or not (folder.exists() or folder.is_symlink()):
+            continue
+        if folder.is_symlink() and not folder.exists():
+            target = os.readlink(folder)
+            what = f"is a symbolic link to {target}, which does not exist; create {target}"
+        else:
+            what = "is a file, not a folder; move it away"
+        where = "run directory" if folder == run_dir else f"run directory {run_dir}: the folder"
+        raise ConfigError([f"{where} {folder} {what} (or train under another run.out_dir or "
+                           "run.name)"])
+
+
+def check_writable(run_dir: Path, folders: tuple[str, ...] = ()) -> None:
     """Refuse, before training, a run directory where a save would fail: one of the files
-    a run writes is not a plain file (a folder named ``last.pt``), a folder where no file
-    can be created, or a file an attribute keeps from being replaced or appended to. Call
-    as the directory's owner (it creates and removes a temp file in each folder)."""
+    a run writes is not a plain file (a folder named ``last.pt``), one of the ``folders``
+    it writes into (TensorBoard's ``val``) is not a folder, a folder where no file can be
+    created, or a file an attribute keeps from being replaced or appended to. Call as the
+    directory's owner (it creates and removes a temp file in each folder)."""
+    for name in folders:
+        folder = run_dir / name
+        if not folder.is_dir() and (folder.exists() or folder.is_symlink()):
+            raise ConfigError([f"{folder} is not a folder, so the run could not write into it; "
+                               "move it away (or train under another run.name, "
+                               "--set run.name=NEW)"])
     ckpts = run_dir / CHECKPOINT_DIR
     names = [run_dir / n for n in (CONFIG, VOCAB, METRICS, HISTORY)]
     if ckpts.is_dir():  # a checkpoints that is not a folder: fbtrain.rundir.survey says so

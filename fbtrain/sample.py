@@ -27,6 +27,7 @@ from fbtrain.data.errors import DataError
 from fbtrain.data.tokenizers import Tokenizer
 from fbtrain.errors import ArgumentError
 from fbtrain.inference import inference, saved_precision
+from fbtrain.io import writing
 from fbtrain.messages import format_bytes
 from fbtrain.progress import Progress, isatty, note
 from fbtrain.rng import sample_generator
@@ -181,24 +182,24 @@ def sampling_bytes(model: nn.Module, tokenizer: Tokenizer, prompt_tokens: int,
     """About how much memory :func:`generate` needs: ``(host bytes, model bytes)``.
 
     Host: the output ids and their decoded text (``num_samples x length`` tokens). Model
-    (on the model's device): per sample, the carried memory window (keys and values, twice
-    while a step builds the next window) and the prompt pass's activations (logits, layer
-    inputs, one feed-forward layer and the attention scores of every prompt position). An
-    estimate meant to refuse what cannot work, erring on the high side; a model without a
-    ``cfg`` (not built by fbtrain) counts as needing no model memory.
+    (on the model's device): the larger of the prompt pass (the kind's own count,
+    :attr:`~fbtrain.config.kinds.ModelKind.prompt_pass`: linear in the prompt for the
+    feedback models, which read it a token at a time; the transformer's attention scores
+    grow with its square) and the decoding that follows, which holds per sample the
+    carried memory window (keys and values, twice while a step builds the next window).
+    Meant to refuse only what cannot work: scripts/sample_memory.py holds it against the
+    real peak (docs/performance.md). A model without a ``cfg`` (not built by fbtrain)
+    counts as needing no model memory.
     """
     widest = max((len(t) for t in tokenizer.tokens), default=1) + len(tokenizer.joiner)
     host = num_samples * length * (_OUT_BYTES + _CHAR_BYTES * widest)
     cfg = getattr(model, "cfg", None)
     if cfg is None:
         return host, 0
-    d, window = cfg.d_model, cfg.memory_window
-    n_sets = model_kind(cfg.kind).key_value_sets(cfg)
-    state = 2 * 2 * n_sets * window * d
-    per_position = (tokenizer.vocab_size + 2 * cfg.n_layers * d + cfg.d_ff
-                    + 3 * cfg.n_heads * (prompt_tokens + window))
-    per_sample = state + max(prompt_tokens, 1) * per_position
-    return host, num_samples * per_sample * _FLOAT_BYTES
+    kind = model_kind(cfg.kind)
+    state = num_samples * 2 * 2 * kind.key_value_sets(cfg) * cfg.memory_window * cfg.d_model
+    prompt = kind.prompt_pass(cfg, num_samples, max(prompt_tokens, 1), tokenizer.vocab_size)
+    return host, max(state, prompt) * _FLOAT_BYTES
 
 
 def memory_bytes(device: torch.device | str = "cpu") -> int | None:
@@ -222,13 +223,35 @@ def _host_name() -> str:
 
 def check_memory(model: nn.Module, tokenizer: Tokenizer, prompt_tokens: int,
                  num_samples: int, length: int, device: torch.device | str) -> None:
-    """Raise ArgumentError (one line) when ``num_samples x length`` tokens cannot fit in memory.
+    """Raise ArgumentError (one line) when ``num_samples x length`` tokens after a prompt of
+    ``prompt_tokens`` cannot fit in memory, naming the prompt when it alone is too long.
 
     The bound is the memory there is (what this process may use for the output, the model's
     device's for its state; both the process's on a CPU), not what happens to be free: a
     request over it can never finish, one under it may still have to wait for other programs
     to give way.
     """
+    over = _over_memory(model, tokenizer, prompt_tokens, num_samples, length, device)
+    if over is None:
+        return
+    need, have, where = over
+    if prompt_tokens > 1 and _over_memory(model, tokenizer, 1, num_samples, length,
+                                          device) is None:
+        what = (f"a prompt of {prompt_tokens:,} {tokenizer.unit}s x num_samples = "
+                f"{num_samples}")
+        fix = "shorten the prompt" + (" or lower num_samples" if num_samples > 1 else "")
+    else:
+        what, fix = f"num_samples = {num_samples} x length = {length}", \
+            "lower num_samples or length"
+    raise ArgumentError(f"{what}: sampling needs about {format_bytes(need)} of memory, more "
+                        f"than the {format_bytes(have)} of {where}; {fix}")
+
+
+def _over_memory(model: nn.Module, tokenizer: Tokenizer, prompt_tokens: int,
+                 num_samples: int, length: int, device: torch.device | str
+                 ) -> tuple[int, int, str] | None:
+    """(bytes needed, bytes there, whose) of the first memory sampling would not fit in;
+    None when it fits (or the platform does not say)."""
     host, on_model = sampling_bytes(model, tokenizer, prompt_tokens, num_samples, length)
     device = torch.device(device)
     needs = [(host + on_model, memory_bytes("cpu"), _host_name())]
@@ -237,11 +260,8 @@ def check_memory(model: nn.Module, tokenizer: Tokenizer, prompt_tokens: int,
                  (on_model, memory_bytes(device), str(device))]
     for need, have, where in needs:
         if have is not None and need > have:
-            raise ArgumentError(
-                f"num_samples = {num_samples} x length = {length}: sampling needs about "
-                f"{format_bytes(need)} of memory, more than the {format_bytes(have)} of {where}; "
-                "lower num_samples or length"
-            )
+            return need, have, where
+    return None
 
 
 def _model_device(model: nn.Module) -> torch.device:
@@ -377,16 +397,23 @@ def run(
     shown = Progress(length, desc="sampling", unit=f"{tokenizer.unit}s") \
         if not (streamed and isatty(out)) else None
 
+    name = "stdout" if out is sys.stdout else getattr(out, "name", "the output")
+
+    def emit(text: str) -> None:
+        """``text`` written and flushed (a terminal shows each character as it comes); a
+        full disk behind it (> /dev/full) is one line naming stdout."""
+        with writing(name):
+            out.write(text)
+            out.flush()
+
     def on_text(sample: int, chunk: str) -> None:
         if streamed:
-            out.write(chunk)
-            out.flush()  # a terminal shows each character as it comes
+            emit(chunk)
         if shown is not None and sample == 0 and shown.n < length:  # a call a token
             shown.update(1)
 
     if streamed:
-        out.write(prompt)
-        out.flush()
+        emit(prompt)
     try:
         texts = generate(model, tokenizer, prompt, length, temperature=temperature,
                          top_k=top_k, top_p=top_p, num_samples=num_samples,
@@ -394,16 +421,14 @@ def run(
                          precision=precision)
     except NonFiniteLogits as e:
         if num_samples == 1:
-            out.write("\n")  # end the streamed text, so the error starts on its own line
-            out.flush()
+            emit("\n")  # end the streamed text, so the error starts on its own line
         raise CheckpointError(f"{file}: cannot sample from it: {e}") from None
     finally:
         if shown is not None:
             shown.close()
     if num_samples == 1:
-        out.write("\n")
+        emit("\n")
     else:
-        for i, text in enumerate(texts, 1):
-            out.write(f"--- sample {i} ---\n{prompt}{tokenizer.joiner}{text}\n")
-    out.flush()
+        emit("".join(f"--- sample {i} ---\n{prompt}{tokenizer.joiner}{text}\n"
+                     for i, text in enumerate(texts, 1)))
     return texts

@@ -67,7 +67,7 @@ def naive_generate(model: nn.Module, tokenizer: CharTokenizer, prompt: str, leng
     prefix = tokenizer.encode(prompt)  # [P]
     for _ in range(length):
         logits, _ = model(prefix[None])  # [1, len(prefix), V]: every step recomputed
-        token = next_tokens(logits[:, -1], temperature, generator=generator)  # [1]
+        token, _ = next_tokens(logits[:, -1], temperature, generator=generator)  # [1]
         prefix = torch.cat([prefix, token])
     return tokenizer.decode(prefix[len(prompt):])
 

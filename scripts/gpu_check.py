@@ -7,19 +7,16 @@ GPU design. On a lent machine as it is (its own python3, nothing installed, no n
 Sections, in the order of what they decide (docs/performance.md, "First GPU check", says
 what each one decides):
 
-  a_env          GPU, clocks, driver, torch, Triton, CUDA; a large copy's bandwidth, a large
-                 bf16 matmul's rate, an empty kernel's cost eager and as a graph node; the
-                 C++ core's build (gpu_check_env.py)
-  b_correctness  float64 against tests/reference.py on the ATen path and the fused core;
-                 the fused core's float32 step against the ATen path's; core graphs and
-                 whole-step graphs against eager, bit for bit (gpu_check_steps.py)
+  a_env          GPU, clocks, driver, torch, CUDA; a large copy's bandwidth, a large bf16
+                 matmul's rate, an empty kernel's cost eager and as a graph node; the C++
+                 core's build (gpu_check_env.py)
+  b_correctness  float64 against tests/reference.py on the ATen path; whole-step CUDA
+                 graphs against eager training, bit for bit (gpu_check_steps.py)
   c_speed        ms/step, tokens/s, host launches and kernels per step at the main job's
-                 and gpu.yaml's sizes, batch 32 and 512, bf16 and fp32, on every path
-                 (gpu_check_steps.py)
-  d_kernels      each fused kernel alone at gpu.yaml's sizes beside the model's prediction
-                 (gpu_check_kernels.py)
-  e_train        200 steps of configs/gpu.yaml in bf16 on generated text: the loss falls
-  f_cuda_tests   ``pytest -m cuda`` (tests/test_on_cuda.py and every other cuda test)
+                 and gpu.yaml's sizes, batch 32 and 512, bf16 and fp32, the trainer's
+                 step eager and graphed (gpu_check_steps.py)
+  d_train        200 steps of configs/gpu.yaml in bf16 on generated text: the loss falls
+  e_cuda_tests   ``pytest -m cuda`` (tests/test_on_cuda.py and every other cuda test)
 
 The budget (``--budget``, seconds) is hard: every section asks it before each unit of work
 and records ``skipped: budget`` for what does not fit, and a watchdog ends the run at the
@@ -31,8 +28,7 @@ run killed at any point leaves every finished section's file whole.
 Needs only torch (2.5 or newer) and fbtrain's dependencies, not fbtrain installed: the repo
 root goes on sys.path first. The C++ core builds into ``$TORCH_EXTENSIONS_DIR`` where that
 is set, else into a temporary folder (/tmp/fbtrain-gpu-check/, kept for a second run),
-never into the home cache; Triton's cache likewise. Without Triton (or with one older than
-3.6) the fused rows say so. Without CUDA each section runs a toy version on the CPU (the
+never into the home cache. Without CUDA each section runs a toy version on the CPU (the
 figures mean nothing; the code paths run), unless ``--require-cuda``. Exit status: 0 all
 checks passed, 1 one failed, 2 bad arguments, 3 the budget cut the run.
 """
@@ -56,17 +52,15 @@ BUILD_ROOT = Path(tempfile.gettempdir()) / "fbtrain-gpu-check"
 BUDGET_S = 420.0  # 7 minutes: a margin under a 10-minute command limit
 TRAIN_STEPS = 200
 TOY_TRAIN_STEPS = 6
-# On a GPU, the seconds kept for sections d (kernels compiled already), e (200 steps) and f
-# (the CUDA tests) when section c's rows start: c's rows are many, and the budget cuts them
-# rather than the later sections.
+# On a GPU, the seconds kept for sections d (200 steps) and e (the CUDA tests) when section
+# c's rows start: c's rows are many, and the budget cuts them rather than the later sections.
 LATER_SECTIONS_S = 150.0
 
 
-def _set_build_folders() -> None:
-    """The C++ core's and Triton's caches outside the home folder, unless chosen already
-    (set before torch or Triton reads them)."""
+def _set_build_folder() -> None:
+    """The C++ core's build outside the home folder, unless chosen already (set before torch
+    reads it)."""
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(BUILD_ROOT / "torch_extensions"))
-    os.environ.setdefault("TRITON_CACHE_DIR", str(BUILD_ROOT / "triton"))
 
 
 def generated_text(path: Path, chars: int = 400_000, seed: int = 0) -> Path:
@@ -88,12 +82,10 @@ ENV_AT_START = dict(os.environ)  # before this script sets anything
 
 
 def child_env() -> dict[str, str]:
-    """The environment of a subprocess: as this run started (not the interpreter mode set
-    for the CPU stand-in's fused core), with the build folders, and this checkout's
-    fbtrain first on its path."""
+    """The environment of a subprocess: as this run started, with the build folder, and this
+    checkout's fbtrain first on its path."""
     env = dict(ENV_AT_START)
-    for name in ("TORCH_EXTENSIONS_DIR", "TRITON_CACHE_DIR"):
-        env[name] = os.environ[name]
+    env["TORCH_EXTENSIONS_DIR"] = os.environ["TORCH_EXTENSIONS_DIR"]
     env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(ROOT), env.get("PYTHONPATH"))))
     return env
 
@@ -180,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     from gpu_check_report import Budget, Report
 
     budget = Budget(args.budget)  # from the start: importing torch counts too
-    _set_build_folders()
+    _set_build_folder()
     import torch
 
     cuda = torch.cuda.is_available()
@@ -189,9 +181,6 @@ def main(argv: list[str] | None = None) -> int:
               f"{torch.version.cuda or 'none'}); this check is for a CUDA machine",
               file=sys.stderr)
         return 1
-    if not cuda and "triton" not in sys.modules:
-        # The fused core in Triton's interpreter: set before Triton is first imported.
-        os.environ.setdefault("TRITON_INTERPRET", "1")
     device = torch.device("cuda" if cuda else "cpu")
     where = (f"CUDA: {torch.cuda.get_device_name(device)}" if cuda else
              "no CUDA: a toy run on the CPU (same code paths; the figures mean nothing)")
@@ -201,25 +190,21 @@ def main(argv: list[str] | None = None) -> int:
     report = Report(args.out, budget, where)
     report.start_watchdog()
     import gpu_check_env
-    import gpu_check_kernels
     import gpu_check_steps
 
     data = report.begin("a_env", "environment and ceilings")
     report.end(*gpu_check_env.run(data, device, budget))
 
-    data = report.begin("b_correctness", "float64 vs reference, fused vs ATen, graphed vs eager")
+    data = report.begin("b_correctness", "float64 vs reference, graphed vs eager")
     report.end(*gpu_check_steps.run_correctness(data, device, budget))
 
-    data = report.begin("c_speed", "ms/step and tokens/s on every path")
-    # What sections d, e and f need after it, held back from c's rows.
+    data = report.begin("c_speed", "ms/step and tokens/s, eager and graphed")
+    # What sections d and e need after it, held back from c's rows.
     report.end(*gpu_check_steps.run_speed(data, device, budget, args.repeats if cuda else 1,
                                           reserve_s=LATER_SECTIONS_S if cuda else 0.0))
 
-    data = report.begin("d_kernels", "each fused kernel alone vs the model")
-    report.end(*gpu_check_kernels.run(data, device, budget))
-
     steps = args.steps if cuda else min(args.steps, TOY_TRAIN_STEPS)
-    data = report.begin("e_train", f"{steps} steps of configs/gpu.yaml")
+    data = report.begin("d_train", f"{steps} steps of configs/gpu.yaml")
     if budget.allows(30.0 if cuda else 5.0):
         train = train_run(report, device, args.data, steps, not cuda)
         data.update(train)
@@ -233,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         report.end("skipped: budget", "not run")
 
-    data = report.begin("f_cuda_tests", "pytest -m cuda")
+    data = report.begin("e_cuda_tests", "pytest -m cuda")
     if budget.allows(20.0 if cuda else 0.0):
         status, line, details = cuda_tests(report, cuda)
         data.update(details)

@@ -23,44 +23,24 @@ C++ by ``fbtrain::forward_sweep`` / ``fbtrain::backward_sweep``), ``core other``
 of the core's ops: set-up, recorded LayerNorms, the weight-gradient matmuls) and ``rest``
 (embedding, logits, loss, autograd's copies, the optimizer step).
 
-The fused core (``--core fused``, ``$FBTRAIN_CORE=fused``) runs its Triton kernels in
-Triton's interpreter here (``TRITON_INTERPRET=1``, set here): each launch of a Triton kernel
-is one kernel (``triton::<name>``; the interpreter's own ATen calls below it are not
-counted), and since its calls carry no sweep marks of their own, its ``forward sweep`` and
-``backward sweep`` are the whole forward and backward calls of the core (set-up and
-weight-gradient matmuls included). Triton fixes its mode when it is first imported, so
-where this process's Triton compiles (or is not imported yet), that count runs in a child
-process started with ``TRITON_INTERPRET=1`` (``--worker``).
-
-Host launches (``--graphed``): with one CUDA graph per shape (``FBTRAIN_CUDA_GRAPHS=1``,
-``fbtrain.models.core.graphs.GraphedCore``), the host queues one replay for all the kernels
-a captured call runs, plus the copies into the graph's static inputs and the clones out
-of it. A CPU has no graphs, so the count runs GraphedCore's own code with a stand-in for
-the captured graph (:class:`ReplayStandIn`: the same copies, then the call itself under a
-``fbtrain::graph_replay`` mark that counts one host launch); the device still runs every
-kernel, so ``launches`` (what the GPU runs) and ``host launches`` (what the host queues)
-differ there. Eager, the two are the same.
-
-Whole-step graphs (``--step-graph``): with ``FBTRAIN_CUDA_GRAPHS=step``
-(``fbtrain.train.step_graph.StepGraphs``, the trainer's own step function) one graph per shape
-holds the whole step - forward, loss, backward, clipping, AdamW - and the host queues the
-learning rate's fill, the batch's copies into the graph's inputs, one replay and the one
-read of the step's figures. The count runs StepGraphs itself with a stand-in for the
-captured step (:class:`StepReplayStandIn`: the step under GRAPH_REPLAY), and counts a
-replayed step (the third: the first of a shape runs eagerly and is captured). Not counted
-there: the sampler's one host-to-device copy of the batch (before the step, as eager), and
-what ``CUDAGraph.replay`` does inside (with dropout, two small fills of the generator's seed
-and offset per replay).
-
-The launch-bound floor printed is ``host launches x per-launch cost``: a model of a GPU
-whose host can queue one kernel every ``--us-per-launch`` microseconds, not a GPU
-measurement.
+Whole-step graphs (``--step-graph``): with ``FBTRAIN_CUDA_GRAPHS=1``
+(``fbtrain.train.step_graph.StepGraphs``, what the trainer's step runs through) one graph
+per shape holds the whole step - forward, loss, backward, clipping, AdamW - and the host
+queues the learning rate's fill, the batch's copies into the graph's inputs, one replay and
+the step's one read of its figures. A CPU has no graphs, so the count runs StepGraphs itself
+on a run set up as training does, with a stand-in for the captured step
+(:class:`StepReplayStandIn`: the step under a ``fbtrain::graph_replay`` mark that counts one
+host launch for every kernel below it), and counts a replayed step (the third: the first of
+a shape runs eagerly and is captured). ``launches`` (what the GPU runs) and ``host
+launches`` (what the host queues) differ there; eager, the two are the same. Not counted:
+the sampler's one host-to-device copy of the batch (before the step, as eager), and what
+``CUDAGraph.replay`` does inside (with dropout, two small fills of the generator's seed and
+offset per replay).
 
     python scripts/launch_count.py                      # feedback_kv, B 16, T 64, D 128, L 4
     python scripts/launch_count.py --kind feedback --dropout 0.1 --json counts.json
-    python scripts/launch_count.py --core fused --graphed
-    python scripts/launch_count.py --core fused --step-graph --tiny
-    python scripts/launch_count.py --table              # both kinds, dropout, eager/graphed
+    python scripts/launch_count.py --step-graph --tiny
+    python scripts/launch_count.py --table              # both kinds, with and without dropout
 """
 
 from __future__ import annotations
@@ -70,8 +50,10 @@ import collections
 import contextlib
 import json
 import os
+import random
 import sys
-from collections.abc import Iterator
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from unittest import mock
 
@@ -80,9 +62,6 @@ import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
-
-import fused_compile  # noqa: E402  (scripts/: whether this process's Triton interprets)
 
 from fbtrain.config import ModelConfig, TrainConfig  # noqa: E402
 from fbtrain.models import build_model  # noqa: E402
@@ -116,7 +95,9 @@ OWN_KERNEL = frozenset(f"aten::{n}" for n in (
 # - a matmul with bias and relu (_addmm_activation): a CPU runs the relu apart; CUDA puts it
 #   in cuBLASLt's epilogue (addmm_out_cuda_impl's Lt path: 1-D bias, contiguous output,
 #   more than one row, as the core's feed-forward matmul has at batch 2 and up).
-ONE_KERNEL = frozenset({"aten::baddbmm_", "aten::_addmm_activation"})
+# (aten::addmm with a 1-D bias is one cuBLASLt call with a bias epilogue on CUDA; a CPU
+# copies the bias into the output first.)
+ONE_KERNEL = frozenset({"aten::baddbmm_", "aten::_addmm_activation", "aten::addmm"})
 # Ops whose CPU kernel reads scalars on the host (fused AdamW's CPU kernel reads each step
 # count, a tensor rate and found_inf with item()) where CUDA's reads them on the device
 # (aten/src/ATen/native/cuda/fused_adam_utils.cuh): syncs below them are not counted.
@@ -126,11 +107,8 @@ SYNC_OPS = frozenset({"aten::_local_scalar_dense", "fbtrain::host_sync"})
 SECTIONS = ("forward sweep", "backward sweep", "core other", "rest")
 SWEEP_MARKS = {"fbtrain::forward_sweep": "forward sweep",
                "fbtrain::backward_sweep": "backward sweep"}
-CORE_OPS = ("fbtrain::core_forward", "fbtrain::core_backward", "fbtrain::core_call")
-CORE_MARK = "fbtrain::core_call"  # around a core call made here (the graphs' copies are in it)
+CORE_OPS = ("fbtrain::core_forward", "fbtrain::core_backward")
 GRAPH_REPLAY = "fbtrain::graph_replay"  # the CPU stand-in of one cudaGraphLaunch
-TRITON_PREFIX = "triton::"  # one launch of a Triton kernel (launch_marks)
-CORES = ("aten", "fused")
 TINY_WIDTHS = dict(d_model=16, n_heads=2, d_ff=32)
 
 
@@ -165,15 +143,12 @@ def count_events(events) -> dict:
     def launching(event, inside: bool = False, replayed: bool = False,
                   device_reads: bool = False) -> bool:
         """Counts ``event``'s own launch where it has one; True if it or an op below does.
-        ``inside``: the event runs inside one of ONE_KERNEL or a Triton kernel (not
-        counted); ``replayed``: inside a GRAPH_REPLAY (a kernel, but no host launch);
-        ``device_reads``: inside one of DEVICE_READS (no sync counted)."""
+        ``inside``: the event runs inside one of ONE_KERNEL (not counted); ``replayed``:
+        inside a GRAPH_REPLAY (a kernel, but no host launch); ``device_reads``: inside one
+        of DEVICE_READS (no sync counted)."""
         if inside:
             return True
         name = event.name
-        if name.startswith(TRITON_PREFIX):
-            count(event, replayed)
-            return True
         if name == GRAPH_REPLAY:
             host[section_of(event)][name] += 1
             replayed = True
@@ -197,24 +172,6 @@ def count_events(events) -> dict:
     return {"launches": launches, "host_launches": host, "syncs": syncs}
 
 
-class ReplayStandIn:
-    """``graphs._Graph`` on a CPU, for counting: no capture; each call copies its inputs into
-    the static ones as the real graph does, then runs the call on them under GRAPH_REPLAY
-    (the kernels one ``cudaGraphLaunch`` would run). Returns that call's outputs (the real
-    graph returns its static outputs: the same count of tensors for GraphedCore to clone)."""
-
-    def __init__(self, fn, args):
-        self.fn = fn
-        self.static = [None if a is None else a.clone() for a in args]
-
-    def __call__(self, args):
-        for s, a in zip(self.static, args, strict=True):
-            if s is not None:
-                s.copy_(a)
-        with torch.profiler.record_function(GRAPH_REPLAY):
-            return self.fn(self.static)
-
-
 class StepReplayStandIn:
     """``step_graph._StepGraph`` on a CPU, for counting: no capture; each replay runs the
     captured step under GRAPH_REPLAY (the kernels one ``cudaGraphLaunch`` would run) and
@@ -232,114 +189,31 @@ class StepReplayStandIn:
                 self.out.copy_(fresh)
 
 
-class MarkedCore:
-    """A core whose calls run under profiler marks ``(forward, backward)``."""
-
-    def __init__(self, inner, marks: tuple[str, str]):
-        self.inner, self.marks = inner, marks
-
-    def core_forward(self, *args, **kwargs):
-        with torch.profiler.record_function(self.marks[0]):
-            return self.inner.core_forward(*args, **kwargs)
-
-    def core_backward(self, *args, **kwargs):
-        with torch.profiler.record_function(self.marks[1]):
-            return self.inner.core_backward(*args, **kwargs)
-
-
-@contextlib.contextmanager
-def launch_marks() -> Iterator[None]:
-    """Every launch of a Triton kernel (compiled or interpreted) under a profiler mark
-    ``triton::<kernel name>`` while the block runs (nothing where Triton is missing)."""
-    try:
-        from triton.runtime.interpreter import InterpretedFunction
-        from triton.runtime.jit import JITFunction
-    except ImportError:
-        yield
-        return
-
-    def marked(run):
-        def run_marked(self, *args, grid, warmup, **kwargs):
-            if warmup:
-                return run(self, *args, grid=grid, warmup=warmup, **kwargs)
-            name = getattr(self, "__name__", None) or self.fn.__name__
-            with torch.profiler.record_function(TRITON_PREFIX + name):
-                return run(self, *args, grid=grid, warmup=warmup, **kwargs)
-        return run_marked
-
-    with contextlib.ExitStack() as stack:
-        for cls in (JITFunction, InterpretedFunction):
-            stack.enter_context(mock.patch.object(cls, "run", marked(cls.run)))
-        yield
-
-
-@contextlib.contextmanager
-def core_setting(core: str, graphed: bool) -> Iterator[None]:
-    """The core the count runs: the ATen path (``aten``: the C++ core with
-    ``FBTRAIN_CORE_ATEN=1``) or the fused core in Triton's interpreter (``fused``), behind
-    GraphedCore with ReplayStandIn where ``graphed`` (and whole-step graphs, where used, with
-    StepReplayStandIn). Its calls are marked CORE_MARK (the
-    graphs' copies are in it), and a core other than the C++ one (which marks its own
-    sweeps) has its calls marked as the sweeps, inside any graph."""
-    from fbtrain.models.core import autograd, graphs, native
-    from fbtrain.train import step_graph
-
-    env = ({"FBTRAIN_CORE_ATEN": "1", "FBTRAIN_CORE": "auto"} if core == "aten" else
-           {"FBTRAIN_CORE": "fused", "TRITON_INTERPRET": "1"})
-
-    def wrap(inner, like):
-        if inner is not native.NativeCore:
-            inner = MarkedCore(inner, ("fbtrain::forward_sweep", "fbtrain::backward_sweep"))
-        return MarkedCore(graphs.GraphedCore(inner) if graphed else inner,
-                          (CORE_MARK, CORE_MARK))
-
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(mock.patch.dict(os.environ, env))
-        stack.enter_context(mock.patch.object(autograd, "maybe_graphed", wrap))
-        stack.enter_context(mock.patch.object(graphs, "_Graph", ReplayStandIn))
-        stack.enter_context(mock.patch.object(step_graph, "_StepGraph", StepReplayStandIn))
-        stack.enter_context(launch_marks())
-        yield
-
-
 def count_step(kind: str = "feedback_kv", batch: int = 16, seq_len: int = 64,
                dropout: float = 0.0, sizes: dict | None = None,
-               optimizer: bool = True, core: str = "aten", graphed: bool = False,
-               step_graph: bool = False) -> dict:
+               optimizer: bool = True, step_graph: bool = False) -> dict:
     """Profile one training step (forward, cross-entropy, backward, AdamW step) of ``kind``
-    on ``core`` (:func:`core_setting`) after one warm-up step; :func:`count_events` of it,
-    plus the step's token-layer count under ``"token_layers"``. ``step_graph``: the
-    trainer's whole-step graphs instead (:func:`whole_step`; the core ungraphed inside)."""
+    on the ATen path (the C++ core with ``FBTRAIN_CORE_ATEN=1``, one shard) after one
+    warm-up step; :func:`count_events` of it, plus the step's token-layer count under
+    ``"token_layers"``. ``step_graph``: the trainer's step through whole-step graphs
+    instead (:func:`whole_step`)."""
     sizes = {k: v for k, v in {**SIZES, **(sizes or {})}.items() if k != "dropout"}
-    if step_graph and (graphed or not optimizer):
-        raise ValueError("a whole-step graph holds the core and the optimizer step")
-    if core == "fused" and not fused_compile.triton_interpreting():
-        return _count_in_child(dict(kind=kind, batch=batch, seq_len=seq_len, dropout=dropout,
-                                    sizes=sizes, optimizer=optimizer, core=core,
-                                    graphed=graphed, step_graph=step_graph))
+    if step_graph and not optimizer:
+        raise ValueError("a whole-step graph holds the optimizer step")
     saved = torch.get_num_threads()
     torch.set_num_threads(1)  # one shard, as on a GPU
     try:
-        with core_setting(core, graphed):
-            torch.manual_seed(0)
-            model = build_model(ModelConfig(kind=kind, dropout=dropout, **sizes), VOCAB)
-            model.train()
-            opt = build_optimizer(model, TrainConfig(lr=1e-4), torch.device("cpu"))
-            x = torch.randint(0, VOCAB, (batch, seq_len))
-
-            def step() -> None:
-                opt.zero_grad(set_to_none=True)
-                logits = model(x)[0]
-                F.cross_entropy(logits.reshape(-1, VOCAB), x.reshape(-1)).backward()
-                if optimizer:
-                    opt.step()
-
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(mock.patch.dict(
+                os.environ, {"FBTRAIN_CORE_ATEN": "1", "FBTRAIN_CORE": "auto"}))
+            if step_graph:
+                step = whole_step(stack, kind, batch, seq_len, dropout, sizes)
+                step()  # the first step of the shape: eager, then "captured"
+            else:
+                step = eager_step(kind, batch, seq_len, dropout, sizes, optimizer)
+            step()  # warm-up (whole step: a replay)
             from torch.profiler import ProfilerActivity, profile
 
-            if step_graph:
-                step = whole_step(model, opt, x)
-                step()  # the first step of the shape: eager, then "captured"
-            step()  # warm-up (graphed: the stand-in's "captures"; whole step: a replay)
             with profile(activities=[ProfilerActivity.CPU]) as prof:
                 step()
         counts = count_events(prof.events())
@@ -349,71 +223,83 @@ def count_step(kind: str = "feedback_kv", batch: int = 16, seq_len: int = 64,
     return counts
 
 
-def whole_step(model, opt, x):
-    """The trainer's whole-step graphs (``fbtrain.train.step_graph.StepGraphs``, clipping
-    at 1) over ``model`` and ``opt`` on inputs and targets ``x``, the captured step run by
-    :class:`StepReplayStandIn` (:func:`core_setting` patches it in): a function that
-    trains one step."""
+def eager_step(kind: str, batch: int, seq_len: int, dropout: float, sizes: dict,
+               optimizer: bool) -> Callable[[], None]:
+    """A function that trains a fresh model of ``kind`` (seed 0) one step on one batch
+    ``[batch, seq_len]``: forward, cross-entropy, backward and (``optimizer``) the trainer's
+    AdamW step."""
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(kind=kind, dropout=dropout, **sizes), VOCAB)
+    model.train()
+    opt = build_optimizer(model, TrainConfig(lr=1e-4), torch.device("cpu"))
+    x = torch.randint(0, VOCAB, (batch, seq_len))
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        logits = model(x)[0]
+        F.cross_entropy(logits.reshape(-1, VOCAB), x.reshape(-1)).backward()
+        if optimizer:
+            opt.step()
+
+    return step
+
+
+def whole_step(stack: contextlib.ExitStack, kind: str, batch: int, seq_len: int,
+               dropout: float, sizes: dict) -> Callable[[], None]:
+    """A function that trains one step of a run set up as training does (on a generated
+    text in a temporary folder that ``stack`` removes; clipping at 1) through its
+    ``StepGraphs``, the captured step run by :class:`StepReplayStandIn`, and reads the
+    step's figures as ``train_step`` does. The batch is drawn beforehand: the sampler's
+    work on the CPU is no kernel of the step's."""
+    from fbtrain.checkpoint.files import CheckpointManager
+    from fbtrain.config import config_from_dict
     from fbtrain.distributed import DistContext
     from fbtrain.train import step_graph
+    from fbtrain.train.setup import set_up
+    from fbtrain.train.signals import StopSignals
+    from fbtrain.train.step import read_figures
 
-    params = [p for p in model.parameters() if p.requires_grad]
-    graphs = step_graph.StepGraphs(model, opt, params, 1.0, None,
-                                   DistContext(torch.device("cpu")))
-    return lambda: graphs.step(x, x, 1e-4)
-
-
-def _count_in_child(kwargs: dict) -> dict:
-    """:func:`count_step` in a child process whose Triton interprets (TRITON_INTERPRET=1
-    from its start): the counts, Counters again."""
-    import subprocess
-
-    proc = subprocess.run([sys.executable, __file__, "--worker"], input=json.dumps(kwargs),
-                          capture_output=True, text=True,
-                          env={**os.environ, "TRITON_INTERPRET": "1"})
-    if proc.returncode != 0:
-        raise RuntimeError(f"counting the fused core failed: "
-                           f"{proc.stderr.strip().splitlines()[-3:]}")
-    raw = json.loads(proc.stdout.strip().splitlines()[-1])
-    counts = {key: {sec: collections.Counter(c) for sec, c in raw[key].items()}
-              for key in ("launches", "host_launches", "syncs")}
-    counts["token_layers"] = raw["token_layers"]
-    return counts
-
-
-def _worker() -> int:
-    """The child of :func:`_count_in_child`: count_step's keywords (JSON on stdin) -> its
-    counts (JSON, one line)."""
-    kwargs = json.loads(sys.stdin.read())
-    if not fused_compile.triton_interpreting():  # (else count_step would start another)
-        raise SystemExit("error: the worker's Triton does not interpret (TRITON_INTERPRET)")
-    print(json.dumps(count_step(**kwargs)))
-    return 0
+    stack.enter_context(mock.patch.object(step_graph, "_StepGraph", StepReplayStandIn))
+    tmp = Path(stack.enter_context(tempfile.TemporaryDirectory()))
+    text = tmp / "text.txt"
+    rng = random.Random(0)
+    chars = 20 * (batch + 1) * (seq_len + 1)  # windows for the batch and validation
+    text.write_text("".join(rng.choice("abcdefgh \n") for _ in range(chars)))
+    raw = {"run": {"name": "count", "out_dir": str(tmp / "runs"), "device": "cpu",
+                   "precision": "fp32"},
+           "data": {"path": str(text)},
+           "model": {"kind": kind, "dropout": dropout, **sizes},
+           "train": {"batch_size": batch, "lr": 1e-4, "warmup_steps": 0,
+                     "schedule": "constant", "grad_clip": 1.0, "eval_windows": 1,
+                     "constant_tokens": False},
+           "curriculum": [{"seq_len": seq_len}],
+           "logging": {"tensorboard": False, "progress": False}}
+    run, _, _ = set_up(config_from_dict(raw), DistContext(torch.device("cpu")),
+                       CheckpointManager(tmp / "runs" / "count", 1), None)
+    ((x, y, _),) = run.batches.micro_batches(seq_len, batch, torch.device("cpu"))
+    graphs = step_graph.StepGraphs(run)
+    return lambda: read_figures(run, graphs([(x, y, None)], 1e-4), StopSignals())
 
 
-def summary(counts: dict, us_per_launch: float) -> dict:
-    """Totals per section and per token-layer, host launches, syncs, and the modelled
-    launch-bound floor (host launches x ``us_per_launch``)."""
+def summary(counts: dict) -> dict:
+    """Totals per section and per token-layer, host launches and syncs."""
     tl = counts["token_layers"]
     per = {s: sum(c.values()) for s, c in counts["launches"].items()}
     host = {s: sum(c.values()) for s, c in counts.get("host_launches",
                                                        counts["launches"]).items()}
-    total, host_total = sum(per.values()), sum(host.values())
     return {
-        "launches": per, "launches_total": total,
+        "launches": per, "launches_total": sum(per.values()),
         "per_token_layer": {s: n / tl for s, n in per.items()},
-        "per_token_layer_total": total / tl,
-        "host_launches": host, "host_launches_total": host_total,
+        "per_token_layer_total": sum(per.values()) / tl,
+        "host_launches": host, "host_launches_total": sum(host.values()),
         "host_syncs": {s: sum(c.values()) for s, c in counts["syncs"].items()},
         "by_op": {s: dict(c.most_common()) for s, c in counts["launches"].items()},
-        "us_per_launch": us_per_launch,
-        "launch_bound_floor_ms": host_total * us_per_launch / 1000,
     }
 
 
 def core_per_token_layer(s: dict) -> float:
     """The core's kernels per token-layer, forward and backward together (its sweeps and
-    its other calls): the figure the fused core's target of 8 is about."""
+    its other calls)."""
     per = s["per_token_layer"]
     return per["forward sweep"] + per["backward sweep"] + per["core other"]
 
@@ -421,83 +307,56 @@ def core_per_token_layer(s: dict) -> float:
 TABLE_ROWS = [(kind, dropout) for kind in ("feedback_kv", "feedback") for dropout in (0.0, 0.1)]
 
 
-def table(cores: tuple[str, ...], batch: int, seq_len: int, sizes: dict | None = None,
-          us_per_launch: float = 5.0, out=print) -> list[dict]:
-    """The before/after table: per core, kind and dropout, the kernels per token-layer
-    (forward sweep, backward sweep, whole step) and the host launches per step, eager and
-    graphed. Prints a markdown row per entry as it is counted; returns the rows."""
-    out("| core | kind | dropout | fwd sweep / token-layer | bwd sweep / token-layer | "
-        "core / token-layer | step / token-layer | kernels / step | host launches / step, "
-        "eager | host launches / step, graphed |")
-    out("|---|---|---|---|---|---|---|---|---|---|")
+def table(batch: int, seq_len: int, sizes: dict | None = None, out=print) -> list[dict]:
+    """The table: per kind and dropout, the kernels per token-layer (forward sweep, backward
+    sweep, the core, the whole step) and per step. Prints a markdown row per entry as it is
+    counted; returns the rows."""
+    out("| kind | dropout | fwd sweep / token-layer | bwd sweep / token-layer | "
+        "core / token-layer | step / token-layer | kernels / step |")
+    out("|---|---|---|---|---|---|---|")
     rows = []
-    for core in cores:
-        for kind, dropout in TABLE_ROWS:
-            eager = summary(count_step(kind, batch, seq_len, dropout, sizes, core=core),
-                            us_per_launch)
-            graphed = summary(count_step(kind, batch, seq_len, dropout, sizes, core=core,
-                                         graphed=True), us_per_launch)
-            per = eager["per_token_layer"]
-            row = {"core": core, "kind": kind, "dropout": dropout, "eager": eager,
-                   "graphed": graphed}
-            rows.append(row)
-            out(f"| {core} | {kind} | {dropout:g} | {per['forward sweep']:.1f} | "
-                f"{per['backward sweep']:.1f} | {core_per_token_layer(eager):.1f} | "
-                f"{eager['per_token_layer_total']:.1f} | {eager['launches_total']} | "
-                f"{eager['host_launches_total']} | {graphed['host_launches_total']} |")
+    for kind, dropout in TABLE_ROWS:
+        s = summary(count_step(kind, batch, seq_len, dropout, sizes))
+        per = s["per_token_layer"]
+        rows.append({"kind": kind, "dropout": dropout, **s})
+        out(f"| {kind} | {dropout:g} | {per['forward sweep']:.1f} | "
+            f"{per['backward sweep']:.1f} | {core_per_token_layer(s):.1f} | "
+            f"{s['per_token_layer_total']:.1f} | {s['launches_total']} |")
     return rows
 
 
 def main() -> int:
-    """Print (and optionally write) the counts of one step, or the before/after table."""
+    """Print (and optionally write) the counts of one step, or the table."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--kind", default="feedback_kv", choices=("feedback_kv", "feedback"))
-    parser.add_argument("--core", default="aten", choices=(*CORES, "all"),
-                        help="the C++ core's ATen path (default) or the fused core, "
-                             "interpreted")
-    parser.add_argument("--graphed", action="store_true",
-                        help="host launches with one CUDA graph per shape (a replay: one)")
     parser.add_argument("--step-graph", action="store_true",
                         help="host launches with the whole step as one CUDA graph per shape "
-                             "(FBTRAIN_CUDA_GRAPHS=step: the trainer's StepGraphs)")
+                             "(FBTRAIN_CUDA_GRAPHS=1: the trainer's StepGraphs)")
     parser.add_argument("--table", action="store_true",
-                        help="both kinds, dropout 0 and 0.1, eager and graphed: one "
-                             "markdown row each (--core all: both cores)")
+                        help="both kinds, dropout 0 and 0.1: one markdown row each")
     parser.add_argument("--tiny", action="store_true",
                         help=f"count at tiny widths and batch 2 ({TINY_WIDTHS}): the same "
-                             "counts (they follow the steps and layers alone), much faster "
-                             "for the interpreted fused core")
+                             "counts (they follow the steps and layers alone), faster")
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--dropout", type=float, default=0.0)
-    parser.add_argument("--us-per-launch", type=float, default=5.0,
-                        help="modelled host cost of one kernel launch (microseconds)")
     parser.add_argument("--top", type=int, default=12, help="ops listed per section")
     parser.add_argument("--json", type=Path)
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.worker:
-        return _worker()
-    if args.core == "all" and not args.table:
-        parser.error("--core all is for --table; one count takes aten or fused")
-    if args.step_graph and (args.graphed or args.table):
-        parser.error("--step-graph counts one step; it is neither --graphed nor --table")
+    if args.step_graph and args.table:
+        parser.error("--step-graph counts one step; it is not --table")
     sizes, batch = ({**SIZES, **TINY_WIDTHS}, 2) if args.tiny else (SIZES, args.batch)
     if args.table:
         print(f"batch {batch}, length {args.seq_len}, sizes {sizes}: one training step")
-        result = table(tuple(CORES) if args.core == "all" else (args.core,), batch,
-                       args.seq_len, sizes, us_per_launch=args.us_per_launch,
-                       out=lambda line: print(line, flush=True))
+        result = table(batch, args.seq_len, sizes, out=lambda line: print(line, flush=True))
     else:
         counts = count_step(args.kind, batch, args.seq_len, args.dropout, sizes,
-                            core=args.core, graphed=args.graphed, step_graph=args.step_graph)
-        result = s = summary(counts, args.us_per_launch)
-        mode = ("the whole step graphed (one replay per step)" if args.step_graph else
-                "graphed (one replay per captured call)" if args.graphed else "eager")
-        where = ("the ATen path (FBTRAIN_CORE_ATEN=1, 1 shard)" if args.core == "aten" else
-                 "the fused core (Triton's interpreter, FBTRAIN_CORE=fused)")
+                            step_graph=args.step_graph)
+        result = s = summary(counts)
+        mode = "the whole step graphed (one replay per step)" if args.step_graph else "eager"
         print(f"{args.kind}, batch {batch}, length {args.seq_len}, dropout "
-              f"{args.dropout}, sizes {sizes}: one training step on {where}, {mode}")
+              f"{args.dropout}, sizes {sizes}: one training step on the ATen path "
+              f"(FBTRAIN_CORE_ATEN=1, 1 shard), {mode}")
         print(f"  {'section':16s} {'launches':>9s} {'/token-layer':>13s} {'host launches':>14s} "
               f"{'host syncs':>11s}")
         for sec in SECTIONS:
@@ -509,14 +368,11 @@ def main() -> int:
             top = ", ".join(f"{op.removeprefix('aten::')} {n}"
                             for op, n in list(s["by_op"][sec].items())[:args.top])
             print(f"  {sec}: {top}")
-        if args.graphed or args.step_graph:
+        if args.step_graph:
             for sec in SECTIONS:
                 queued = ", ".join(f"{op.removeprefix('aten::')} {n}"
                                    for op, n in counts["host_launches"][sec].most_common())
                 print(f"  host queues, {sec}: {queued or 'nothing'}")
-        print(f"MODEL, not a GPU measurement: at {args.us_per_launch:g} us per launch the "
-              f"host alone needs >= {s['launch_bound_floor_ms']:.3g} ms per step to queue "
-              f"these kernels")
     if args.json:
         from fbtrain.io import atomic_write_text
 

@@ -1,17 +1,17 @@
-"""Whole-step CUDA graphs (FBTRAIN_CUDA_GRAPHS=step) against eager training on a GPU: one
+"""Whole-step CUDA graphs (FBTRAIN_CUDA_GRAPHS=1) against eager training on a GPU: one
 prepared check for a first GPU run, a minute or two.
 
-For each core that runs here (the default and FBTRAIN_CORE=fused) and each precision
-(fp32, and bf16 autocast where the GPU has it): a run trains STEPS steps eagerly
-(``train_step``) and a second, from the same seed, through the step graphs
-(``graphed_train_step``), at the main job's widths with dropout 0.1, clipping, a shape change
-after three steps and a float32-exact learning rate; the two must agree bit for bit (every
-step's figures, every weight and AdamW state tensor), which also checks that each replay
-advanced the dropout generator as the eager step did (a third run, eager again, says
-whether eager training itself is repeatable there). Then TIMED more steps of each are
+For each precision (fp32, and bf16 autocast where the GPU has it): a run trains STEPS steps
+eagerly (``train_step``) and a second, from the same seed, through the step graphs
+(``train_step`` with ``StepGraphs``), at the main job's widths with dropout 0.1, clipping,
+a shape change after three steps and a float32-exact learning rate; the two must agree bit
+for bit (every step's figures, every weight and AdamW state tensor), which also checks that
+each replay advanced the dropout generator as the eager step did (a third run, eager again,
+says whether eager training itself is repeatable there). Then TIMED more steps of each are
 timed (ms/step), and one replayed step is profiled: the host's launch calls
-(``cudaLaunchKernel`` and kin, ``cudaGraphLaunch``, ``cudaMemcpyAsync``; the counter's model
-says 5) and the kernels the GPU ran. Exits 1 when a pair disagrees or a capture fails.
+(``cudaLaunchKernel`` and kin, ``cudaGraphLaunch``, ``cudaMemcpyAsync``; scripts/
+launch_count.py counts 5 on the CPU) and the kernels the GPU ran. Exits 1 when a pair
+disagrees or a capture fails.
 
 Without CUDA it runs the same code at toy sizes on the CPU, with a stand-in for the graph
 that replays the captured step into the same buffers, and says so (its figures then mean
@@ -25,12 +25,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import random
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -44,7 +42,6 @@ from fbtrain.checkpoint.files import CheckpointManager  # noqa: E402
 from fbtrain.config import config_from_dict  # noqa: E402
 from fbtrain.device import autocast_dtype  # noqa: E402
 from fbtrain.distributed import DistContext  # noqa: E402
-from fbtrain.models.core.select import fused_unavailable  # noqa: E402
 from fbtrain.train import step_graph  # noqa: E402
 from fbtrain.train.setup import Run, set_up  # noqa: E402
 from fbtrain.train.signals import StopSignals  # noqa: E402
@@ -77,7 +74,8 @@ class ReplayStandIn:
 
 
 def make_run(tmp: Path, name: str, device: torch.device, precision: str, sizes: dict) -> Run:
-    """A fresh run of feedback_kv on a generated text, as the trainer builds it."""
+    """A fresh run of feedback_kv on a generated text, as the trainer builds it: ``sizes``
+    as MAIN's (``dropout`` 0.1 and a window of the longest length unless it says)."""
     tmp.mkdir(parents=True, exist_ok=True)
     text = tmp / "text.txt"
     if not text.exists():
@@ -92,7 +90,8 @@ def make_run(tmp: Path, name: str, device: torch.device, precision: str, sizes: 
         "data": {"path": str(text)},
         "model": {"kind": "feedback_kv", "d_model": sizes["d_model"],
                   "n_heads": sizes["n_heads"], "d_ff": sizes["d_ff"],
-                  "n_layers": sizes["n_layers"], "max_rel_pos": long, "dropout": 0.1},
+                  "n_layers": sizes["n_layers"], "max_rel_pos": sizes.get("max_rel_pos", long),
+                  "dropout": sizes.get("dropout", 0.1)},
         "train": {"max_steps": STEPS + TIMED, "batch_size": sizes["batch"], "lr": LR,
                   "warmup_steps": 4, "schedule": "constant", "grad_clip": 0.5,
                   "eval_windows": 2, "constant_tokens": False},
@@ -151,9 +150,8 @@ def check(tmp: Path, device: torch.device, precision: str, sizes: dict) -> dict[
         torch.equal(a, b) for a, b in zip(eager_state, state_of(again), strict=True))
     del again
     graphed = make_run(tmp, f"graphed-{precision}", device, precision, sizes)
-    graphs = step_graph.StepGraphs(graphed.model, graphed.optimizer, graphed.params,
-                                   graphed.cfg.train.grad_clip, graphed.amp_dtype, graphed.ctx)
-    graphed_figures = [figures(step_graph.graphed_train_step(graphed, graphs, i, signals, last))
+    graphs = step_graph.StepGraphs(graphed)
+    graphed_figures = [figures(train_step(graphed, i, signals, last, graphs))
                        for i in range(STEPS)]
     same_state = all(torch.equal(a, b) for a, b in zip(eager_state, state_of(graphed),
                                                        strict=True))
@@ -163,8 +161,7 @@ def check(tmp: Path, device: torch.device, precision: str, sizes: dict) -> dict[
                            "captured": graphs.graph is not None and not graphs.failed,
                            "losses": [f[0] for f in graphed_figures]}
     for name, step in (("eager", lambda i: train_step(eager, i, signals, last)),
-                       ("graphed", lambda i: step_graph.graphed_train_step(graphed, graphs, i,
-                                                                          signals, last))):
+                       ("graphed", lambda i: train_step(graphed, i, signals, last, graphs))):
         sync(device)
         start = time.perf_counter()
         for i in range(STEPS, STEPS + TIMED):
@@ -175,15 +172,8 @@ def check(tmp: Path, device: torch.device, precision: str, sizes: dict) -> dict[
         row["eager_calls"] = host_calls(lambda: train_step(eager, STEPS, signals, last),
                                         device)
         row["graphed_calls"] = host_calls(
-            lambda: step_graph.graphed_train_step(graphed, graphs, STEPS, signals, last),
-            device)
+            lambda: train_step(graphed, STEPS, signals, last, graphs), device)
     return row
-
-
-@contextlib.contextmanager
-def core_env(core: str) -> Iterator[None]:
-    with mock.patch.dict(os.environ, {"FBTRAIN_CORE": core}):
-        yield
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -199,7 +189,6 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda" if cuda else "cpu")
     sizes = MAIN if cuda else TOY
     precisions = ["fp32"] + (["bf16"] if autocast_dtype("auto", device) else [])
-    cores = ["auto"] + (["fused"] if cuda and fused_unavailable() is None else [])
     if not cuda:
         print("no CUDA: the CPU stand-in at toy sizes (its figures mean nothing)", flush=True)
     report: dict[str, Any] = {"device": torch.cuda.get_device_name(device) if cuda else "cpu",
@@ -208,19 +197,15 @@ def main(argv: list[str] | None = None) -> int:
                 mock.patch.object(step_graph, "_StepGraph", ReplayStandIn))
     failed = False
     with stand_in, tempfile.TemporaryDirectory() as tmp:
-        for core in cores:
-            for precision in precisions:
-                key = f"{core}/{precision}"
-                with core_env(core):
-                    try:
-                        row = check(Path(tmp) / key.replace("/", "-"), device, precision,
-                                    sizes)
-                    except Exception as e:  # a failed pair is reported, the rest still run
-                        row = {"error": f"{type(e).__name__}: {e}"}
-                report["rows"][key] = row
-                ok = row.get("bitwise_equal") and row.get("captured")
-                failed |= not ok
-                print(f"{key}: {'ok' if ok else 'FAILED'} {json.dumps(row)}", flush=True)
+        for precision in precisions:
+            try:
+                row = check(Path(tmp) / precision, device, precision, sizes)
+            except Exception as e:  # a failed pair is reported, the rest still run
+                row = {"error": f"{type(e).__name__}: {e}"}
+            report["rows"][precision] = row
+            ok = row.get("bitwise_equal") and row.get("captured")
+            failed |= not ok
+            print(f"{precision}: {'ok' if ok else 'FAILED'} {json.dumps(row)}", flush=True)
     if args.json:
         args.json.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
     return 1 if failed else 0

@@ -106,7 +106,8 @@ def test_carried_keys_are_reprojected_with_the_current_weights(kind: str,
     as_carried = MemoryState(state.keys, state.values, state.steps)  # no sources
     with torch.no_grad():
         same, _ = model(second, state)
-        torch.testing.assert_close(same, model(second, as_carried)[0], rtol=0, atol=1e-12)
+        torch.testing.assert_close(same, model(second, as_carried)[0], rtol=1e-11,
+                                   atol=1e-12)
         projections = [m for name, m in model.named_modules()
                        if name.endswith(("key", "value")) and isinstance(m, torch.nn.Linear)]
         for linear in projections:  # an "optimizer step" on the memory projections alone

@@ -21,6 +21,8 @@ from fbtrain.checkpoint import (
     save_checkpoint,
 )
 from fbtrain.checkpoint import files as ck_files
+from fbtrain.checkpoint.best import heal_best
+from fbtrain.checkpoint.files import atomic_copy
 from fbtrain.data.errors import DataError
 from fbtrain.data.samplers import BatchSampler
 from fbtrain.rng import RngStateError, capture_rng, restore_rng
@@ -203,6 +205,48 @@ def test_failed_copy_keeps_previous_best(tmp_path: Path, monkeypatch: pytest.Mon
     assert not any(p.name.endswith(".tmp") for p in mgr.dir.iterdir())
 
 
+def _evaluated(step: int, val_loss: float, best: float) -> dict:
+    """A checkpoint saved right after the evaluation of its own step (loss ``val_loss``,
+    the best so far then ``best``)."""
+    return {"step": step, "progress": {"step": step, "tokens": 0, "val_loss": val_loss,
+                                       "best_val_loss": best, "val_step": step}}
+
+
+RECORDED = "the best validation loss the run recorded (3.5000)"
+
+
+def test_a_stale_best_pt_is_put_right_from_the_checkpoint_that_scored_the_best(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """best.pt's copy failed at step 20 (a full disk), the step that scored the best: a
+    resume reported best 3.5 while best.pt kept step 10's weights for good."""
+    mgr = CheckpointManager(tmp_path / "run", keep_last=5)
+    mgr.save(10, _evaluated(10, 3.7, 3.7), best=True)
+    monkeypatch.setattr(ck_files, "atomic_copy", lambda src, dst: None if dst.name == "best.pt"
+                        else atomic_copy(src, dst))
+    mgr.save(20, _evaluated(20, 3.5, 3.5), best=True)  # best.pt not written
+    monkeypatch.undo()
+    mgr.save(30, _evaluated(30, 3.6, 3.5))
+    assert heal_best(mgr, 3.5) == ("best.pt held step 10 (val loss 3.7000): it is now a copy "
+                                   f"of step-00000020.pt (step 20), which scored {RECORDED}")
+    assert mgr.best_path.read_bytes() == mgr.step_path(20).read_bytes()
+    assert heal_best(mgr, 3.5) is None  # right now: nothing to say, nothing written
+    assert heal_best(mgr, None) is None  # no evaluation recorded yet
+
+
+def test_best_pt_missing_is_copied_from_last_pt_or_named_when_not_kept(tmp_path: Path) -> None:
+    mgr = CheckpointManager(tmp_path / "run", keep_last=1)
+    mgr.save(20, _evaluated(20, 3.5, 3.5), numbered=False)
+    assert heal_best(mgr, 3.5) == ("best.pt was missing: it is now a copy of last.pt (step "
+                                   f"20), which scored {RECORDED}")
+    assert load_checkpoint(mgr.best_path)["step"] == 20
+    mgr.best_path.unlink()
+    mgr.save(30, _evaluated(30, 3.6, 3.5))  # keep_last=1: no checkpoint of step 20 is left
+    assert heal_best(mgr, 3.5) == (
+        f"best.pt is missing, not the checkpoint of {RECORDED}, which was not kept (a save "
+        "that failed); the next evaluation that beats it replaces best.pt")
+    assert not mgr.best_path.exists()
+
+
 # ----------------------------------------------------------------------------- manager
 
 
@@ -267,17 +311,54 @@ def test_resolve_file_and_run_dir(tmp_path: Path) -> None:
 
 
 def test_resolve_missing(tmp_path: Path) -> None:
-    with pytest.raises(CheckpointError, match=r"no such checkpoint file or run directory"):
+    with pytest.raises(CheckpointError, match=r"no such checkpoint file or run directory; "
+                       r"a run directory is made by training: `fbtrain train --config FILE`"):
         resolve_checkpoint(tmp_path / "runs" / "ghost")
     empty = tmp_path / "runs" / "empty"
     (empty / "checkpoints").mkdir(parents=True)
     with pytest.raises(CheckpointError,
                        match=r"no checkpoint found \(looked for .*best\.pt, .*last\.pt\)"):
         resolve_checkpoint(empty)
+    # A run that saved nothing yet, its checkpoints/ not even made: named where they go.
+    bare = tmp_path / "runs" / "bare"
+    bare.mkdir()
+    looked = f"{bare / 'checkpoints' / 'best.pt'}, {bare / 'checkpoints' / 'last.pt'}"
+    with pytest.raises(CheckpointError, match=rf"\(looked for {re.escape(looked)}\)"):
+        resolve_checkpoint(bare)
+    # A misspelt run: the runs beside it are named.
+    with pytest.raises(CheckpointError, match=(
+            rf"{re.escape(str(tmp_path / 'runs'))} holds {re.escape(str(empty))}\)")):
+        resolve_checkpoint(tmp_path / "runs" / "emtpy")
     with pytest.raises(CheckpointError, match=r"looked for .*last\.pt\)"):
         resolve_checkpoint(empty, prefer="last")
     with pytest.raises(ValueError, match="prefer"):
         resolve_checkpoint(empty, prefer="newest")
+
+
+def test_resolve_a_folder_of_runs_lists_them(tmp_path: Path) -> None:
+    runs = tmp_path / "runs"
+    for name in ("b", "a"):
+        CheckpointManager(runs / name, keep_last=1).save(1, {"step": 1})
+    (runs / "not-a-run").mkdir()
+    with pytest.raises(CheckpointError, match=(
+            rf"^{re.escape(str(runs))}: a folder of runs, not a run; give one of them: "
+            rf"{re.escape(str(runs / 'a'))}, {re.escape(str(runs / 'b'))}$")):
+        resolve_checkpoint(runs)
+
+
+def test_a_config_given_as_a_checkpoint_is_named_a_config(tmp_path: Path) -> None:
+    """``--checkpoint configs/tiny.yaml`` (or a run's config.yaml): it says what the file
+    is and what to do with it, not "not a PyTorch checkpoint file"."""
+    CheckpointManager(tmp_path / "run", keep_last=1).save(1, {"step": 1})
+    for config, run in ((tmp_path / "tiny.yaml", None),
+                        (tmp_path / "run" / "config.yaml", tmp_path / "run")):
+        config.write_text("run:\n  name: tiny\n")
+        hint = f"; its run's model: --checkpoint {run}" if run else ""
+        with pytest.raises(CheckpointError, match=(
+                rf"^{re.escape(str(config))}: this looks like a config, not a checkpoint: "
+                rf"train with it by `fbtrain train --config {re.escape(str(config))}`"
+                rf"{re.escape(hint)}$")):
+            load_checkpoint(config)
 
 
 # ----------------------------------------------------------------------------- RNG

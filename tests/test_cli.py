@@ -534,6 +534,8 @@ def test_end_to_end(tmp_path: Path, text_file: Path):
     result = invoke("eval", "--checkpoint", str(tmp_path / "nowhere"))
     assert result.exit_code == 2
     assert error_lines(result) == [
-        f"error: {tmp_path / 'nowhere'}: no such checkpoint file or run directory"]
+        f"error: {tmp_path / 'nowhere'}: no such checkpoint file or run directory; a run "
+        "directory is made by training: `fbtrain train --config FILE` writes runs/<run.name> "
+        "(`make train`: runs/tiny_shakespeare)"]
     result = invoke("sample", "--checkpoint", str(tmp_path / "nowhere"))
     assert result.exit_code == 2 and result.stderr.startswith("error: ")

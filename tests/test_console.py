@@ -72,9 +72,10 @@ def test_non_tty_output_is_calm(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert all("(8 fixed windows)" in ln for ln in evaluations)
     assert sum(ln.endswith("| best") for ln in evaluations) >= 1
     assert not evaluations[0].endswith("best")  # step 0 is no candidate
-    # The summary closes it: two lines within 80 columns, broken between its parts.
-    summary = lines[-2:]
-    assert summary[0].startswith("done at step 6 | val loss ") and " | wall " in summary[1]
+    # The summary closes it: three lines within 80 columns, broken between its parts.
+    summary = lines[-3:]
+    assert summary[0].startswith("done at step 6 | val loss ")
+    assert " tokens/s on cpu " in summary[1] and summary[2].startswith("wall ")
     assert "(bpc " in summary[0] and "8 fixed windows) | best " in summary[0]
     assert all(len(ln) <= 80 for ln in summary)
     assert "val loss below: 8 fixed windows (fbtrain eval scores the whole split)" in lines
@@ -95,7 +96,7 @@ def test_quiet_prints_only_the_summary(tmp_path: Path,
     cfg = make_cfg(tmp_path, train={"max_steps": 3, "eval_every": 3})
     run(cfg, quiet=True)
     out, err = capsys.readouterr()
-    assert len(out.splitlines()) == 2 and out.startswith("done at step 3 | val loss ")
+    assert len(out.splitlines()) == 3 and out.startswith("done at step 3 | val loss ")
     assert "tokens/s on cpu" in out.splitlines()[1]
     assert err == ""
 
@@ -132,8 +133,8 @@ def test_terminal_run_at_80_columns(tmp_path: Path) -> None:
     lines = [ln for ln in screen.split("\n") if ln.strip()]
     # What each line finally shows: the text after its last carriage return.
     shown = [ln.split("\r")[-1].replace("\x1b[K", "") for ln in lines]
-    assert shown[-2].startswith("done at step 6 | val loss ") and "| wall " in shown[-1]
-    status = shown[-3]
+    assert shown[-3].startswith("done at step 6 | val loss ") and shown[-1].startswith("wall ")
+    status = shown[-4]
     assert status.startswith("step 6/6 100% | loss ") and len(status) <= 79, status
     assert "tok/s" in status and "| eta " in status
     assert re.search(r"\| eta \d\d:\d\d", status), status  # tqdm's remaining time

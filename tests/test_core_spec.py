@@ -92,20 +92,13 @@ def test_cpp_zero_list_is_att_params():
     assert set(ATT_PARAMS) <= set(LAYER_PARAMS)
 
 
-def test_backward_inputs_flat_round_trip():
+def test_backward_inputs_flat_form():
     """BackwardInputs' flat form is the C++ backward's argument order with the tape and
-    layers spread (what graphs.py captures); ``from_flat`` undoes it given the tape's
-    length."""
+    layers spread."""
     t = [torch.full((1,), float(i)) for i in range(12)]
     outputs = CoreOutputs(*t[1:5], [t[5], t[6]])
     inputs = BackwardInputs(t[0], outputs, t[7], t[8], (t[9], t[10], t[11]))
-    flat = inputs.flat()
-    assert list(flat) == t and flatten(inputs) == t
-    back = BackwardInputs.from_flat(flat, n_tape=2)
-    assert back.outputs.tape == (t[5], t[6]) and back.layers == (t[9], t[10], t[11])
-    assert [x is y for x, y in zip(back.flat(), t, strict=True)] == [True] * 12
-    with pytest.raises(AssertionError):
-        BackwardInputs.from_flat(flat[:4], n_tape=2)
+    assert list(inputs.flat()) == t and flatten(inputs) == t
 
 
 def test_no_double_backward_through_the_core():

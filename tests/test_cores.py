@@ -7,19 +7,15 @@ import os
 import shutil
 import subprocess
 import sys
-import types
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 
 from fbtrain.config import ModelConfig
 from fbtrain.errors import UserError
 from fbtrain.models import build_model
-from fbtrain.models.core import graphs, native, python, select
-from fbtrain.models.core.autograd import flatten_layers
-from fbtrain.models.core.spec import CoreInputs, CoreSpec
+from fbtrain.models.core import native, python, select
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTICE = "Running on the PyTorch core instead"
@@ -47,7 +43,7 @@ def broken_build(monkeypatch, fresh_resolution) -> native.CoreBuildError:
     return error
 
 
-@pytest.mark.parametrize("value", ["", "auto", "native", "python", " Python ", "fused"])
+@pytest.mark.parametrize("value", ["", "auto", "native", "python", " Python "])
 def test_core_choice_accepts(value, monkeypatch):
     monkeypatch.setenv("FBTRAIN_CORE", value)
     assert select.core_choice() == (value.strip().lower() or "auto")
@@ -61,7 +57,7 @@ def test_invalid_core_choice_is_one_clear_line(monkeypatch):
         build_model(ModelConfig(kind="feedback_kv", d_model=16, n_heads=2, d_ff=24,
                                 n_layers=1), 11)
     assert str(info.value) == ("FBTRAIN_CORE='fast' is not a core; use one of auto, native, "
-                               "python, fused")
+                               "python")
     assert isinstance(info.value, UserError)
 
 
@@ -169,214 +165,3 @@ def test_native_choice_without_a_working_compiler_exits_2(compiler, cause, tmp_p
     assert errors == [f"error: could not build fbtrain's C++ core ({native.CSRC}); it "
                       f"needs a C++ compiler (g++) on PATH: {cause}"]
     assert NOTICE not in result.stderr and "Traceback" not in result.stderr
-
-
-# CUDA graphs (fbtrain/models/core/graphs.py): off by default, CUDA calls only.
-
-def _graph_model(dropout: float = 0.0) -> torch.nn.Module:
-    torch.manual_seed(0)
-    return build_model(ModelConfig(kind="feedback_kv", d_model=16, n_heads=2, d_ff=32,
-                                   n_layers=2, max_rel_pos=16, dropout=dropout), 11)
-
-
-@pytest.mark.parametrize("switch", [None, "0", "1"])
-def test_cuda_graph_switch_leaves_the_cpu_path_as_it_was(switch, monkeypatch):
-    """Off (or on, for a CPU call) the autograd Function runs the plain core object itself,
-    exactly as without the graphs module."""
-    if switch is None:
-        monkeypatch.delenv(graphs.GRAPHS_ENV, raising=False)
-    else:
-        monkeypatch.setenv(graphs.GRAPHS_ENV, switch)
-    model = _graph_model()
-    top = model(torch.randint(0, 11, (2, 5)))[0]
-    todo, seen = [top.grad_fn], []
-    while todo:  # the graph down to the core's autograd node
-        node = todo.pop()
-        if hasattr(node, "core"):
-            seen.append(node.core)
-        todo += [n for n, _ in node.next_functions if n is not None]
-    assert seen == [select.core()]
-    assert graphs.maybe_graphed(native.NativeCore, torch.zeros(1)) is native.NativeCore
-
-
-def test_graph_capture_failure_falls_back_to_eager_with_one_notice(monkeypatch, capsys):
-    """A capture that fails (here: any, faked) leaves one notice line and the eager
-    result, and no capture is tried again, for any shape."""
-    tries = []
-
-    def broken(fn, args):
-        tries.append(1)
-        raise RuntimeError("operation not permitted when stream is capturing\nmore")
-
-    monkeypatch.setattr(graphs, "_Graph", broken)
-    monkeypatch.setattr(graphs, "_capture_failed", False)
-    model = _graph_model(0.0)
-    layers, wkv, bkv = model.core_params(4)
-    inputs = CoreInputs(torch.randn(2, 4, 16), torch.zeros(1, 4, 0, 8), torch.zeros(1, 4, 0, 8),
-                        model.memory_weights().detach(), wkv.detach(), bkv,
-                        [t.detach() for t in flatten_layers(layers)])
-    spec = CoreSpec(n_layers=2, n_heads=2, shared_kv=True, window=16, dropout=0.0)
-    graphed = graphs.GraphedCore(native.NativeCore)
-    eager = native.NativeCore.core_forward(spec, inputs, keep_tape=True)
-    for keep_tape in (True, True, False):  # the last: another graph key
-        out = graphed.core_forward(spec, inputs, keep_tape=keep_tape)
-        assert torch.equal(out.hidden, eager.hidden)
-    assert len(tries) == 1 and graphs.capture_status()["failed"]
-    graphs.release()  # forgets the graphs, not the failure
-    assert graphs.capture_status() == {"captured": 0, "failed": True}
-    err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["fbtrain: CUDA graph capture of the core failed (operation not permitted "
-                   "when stream is capturing); running it eagerly from now on"]
-
-
-def test_graphs_are_asked_only_of_the_cpp_core_outside_torch_distributed(monkeypatch,
-                                                                          capsys):
-    """With the switch on, a CUDA call of the PyTorch core (which reads the memory weights
-    on the host) or one under torch.distributed runs the plain core, after one notice
-    each; the C++ core gets its GraphedCore. (``like`` stands in for a CUDA tensor.)"""
-    monkeypatch.setenv(graphs.GRAPHS_ENV, "1")
-    monkeypatch.setattr(graphs, "_said", set())
-    monkeypatch.setattr(graphs, "_graphed", {})
-    like = types.SimpleNamespace(is_cuda=True)
-    for _ in range(2):
-        assert graphs.maybe_graphed(python, like) is python
-    assert isinstance(graphs.maybe_graphed(native.NativeCore, like), graphs.GraphedCore)
-    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
-    assert graphs.maybe_graphed(native.NativeCore, like) is native.NativeCore
-    assert capsys.readouterr().err.splitlines() == [
-        "fbtrain: FBTRAIN_CUDA_GRAPHS is set, but CUDA graphs need the C++ core (the PyTorch "
-        "core syncs with the host); running the core eagerly",
-        "fbtrain: FBTRAIN_CUDA_GRAPHS is set, but CUDA graphs are not used under "
-        "torch.distributed; running the core eagerly"]
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.cuda
-@pytest.mark.parametrize("dropout", [0.0, 0.1])
-def test_cuda_graphed_training_steps_equal_eager_bitwise(dropout, monkeypatch):
-    """Three training steps (same seed), graphed and eager, fp32: the same logits and
-    gradients bit for bit, dropout masks included; the graphs are captured once."""
-    monkeypatch.setattr(graphs, "_graphed", {})  # this test's captures alone
-    results = {}
-    for switch in ("0", "1"):
-        monkeypatch.setenv(graphs.GRAPHS_ENV, switch)
-        model = _graph_model(dropout).cuda().train()
-        torch.manual_seed(1)
-        x = torch.randint(0, 11, (4, 9), device="cuda")
-        steps = []
-        for _ in range(3):
-            model.zero_grad(set_to_none=True)
-            logits = model(x)[0]
-            logits.square().mean().backward()
-            steps.append([logits.detach().clone()]
-                         + [p.grad.clone() for p in model.parameters() if p.grad is not None])
-        results[switch] = steps
-    for eager, graphed in zip(results["0"], results["1"], strict=True):
-        for a, b in zip(eager, graphed, strict=True):
-            assert torch.equal(a, b)
-    assert graphs.capture_status() == {"captured": 2, "failed": False}
-
-
-def test_graphed_core_hands_each_call_its_own_inputs_and_outputs(monkeypatch):
-    """GraphedCore's plumbing on the CPU, with a stand-in for the CUDA graph that records
-    the call once and replays it from static copies of the inputs: a training step
-    through it (forward, backward, two chunks carrying memory) equals the plain core's
-    bit for bit, and each spec and shape is captured once."""
-    captured = []
-
-    class FakeGraph:
-        def __init__(self, fn, args):
-            captured.append(fn)
-            self.fn, self.static = fn, [None if a is None else a.clone() for a in args]
-
-        def __call__(self, args):
-            for s, a in zip(self.static, args, strict=True):
-                if s is not None:
-                    s.copy_(a)
-            return self.fn(self.static)
-
-    monkeypatch.setattr(graphs, "_Graph", FakeGraph)
-    tokens = torch.randint(0, 11, (2, 6))
-    runs = []
-    for graphed in (False, True):
-        model = _graph_model(0.1)
-        if graphed:
-            wrapper = graphs.GraphedCore(select.core())
-            monkeypatch.setattr("fbtrain.models.core.autograd.maybe_graphed",
-                                lambda core, like, w=wrapper: w)
-        torch.manual_seed(3)
-        logits, state = model(tokens[:, :3])
-        logits2, _ = model(tokens[:, 3:], state)  # carried memory: a second shape
-        torch.cat([logits, logits2], 1).square().mean().backward()
-        runs.append([logits.detach(), logits2.detach()]
-                    + [p.grad for p in model.parameters() if p.grad is not None])
-    for a, b in zip(*runs, strict=True):
-        assert torch.equal(a, b)
-    assert len(captured) == 4  # forward and backward, for each of the two shapes
-
-
-class _ReplayingStandIn:
-    """A CPU stand-in for one captured call that behaves as a CUDA graph does where the
-    clones matter: the first call "captures" (its outputs become the static outputs), and
-    every replay copies its inputs into the static inputs and writes its results into those
-    same output tensors."""
-
-    def __init__(self, fn, args):
-        self.fn = fn
-        self.static = [None if a is None else a.clone() for a in args]
-        self.out = fn(self.static)
-
-    def __call__(self, args):
-        with torch.inference_mode():  # the cores' outputs are inference tensors
-            for s, a in zip(self.static, args, strict=True):
-                if s is not None:
-                    s.copy_(a)
-            fresh = _tensors(self.fn(self.static))
-            for kept, new in zip(_tensors(self.out), fresh, strict=True):
-                kept.copy_(new)
-        return self.out
-
-
-def _tensors(value):
-    if torch.is_tensor(value):
-        return [value]
-    if isinstance(value, (list, tuple)):
-        return [t for v in value for t in _tensors(v)]
-    return []
-
-
-def test_graphed_outputs_outlive_the_next_replay_of_their_shape(monkeypatch):
-    """Two forwards of one shape, then their backwards (a graph's replays write into the
-    same buffers): each call's logits and gradients are those of an eager run, so the
-    graphed core's outputs and the autograd Function's gradients are copies, never the
-    graph's buffers."""
-    from fbtrain.models.core import autograd
-
-    model = _graph_model(0.0)
-    params = [p for p in model.parameters() if p.requires_grad]
-    xs = [torch.randint(0, 11, (2, 6), generator=torch.Generator().manual_seed(s))
-          for s in (1, 2)]
-
-    def run_both() -> tuple[list[torch.Tensor], list[list[torch.Tensor]]]:
-        logits = [model(x)[0] for x in xs]  # both forwards before any backward
-        seen = [lg.detach().clone() for lg in logits]
-        grads = []
-        for lg in logits:
-            for p in params:
-                p.grad = None
-            lg.square().sum().backward()
-            grads.append([p.grad for p in params])  # kept as they are, not cloned
-        return seen, grads
-
-    eager_logits, eager_grads = run_both()
-    monkeypatch.setattr(graphs, "_Graph", _ReplayingStandIn)
-    monkeypatch.setattr(graphs, "_capture_failed", False)
-    graphed = graphs.GraphedCore(select.core())
-    monkeypatch.setattr(autograd, "maybe_graphed", lambda core, like: graphed)
-    graphed_logits, graphed_grads = run_both()
-    assert len(graphed.graphs) == 2  # one forward, one backward: each replayed once
-    for e, g in zip(eager_logits, graphed_logits, strict=True):
-        assert torch.equal(e, g)
-    for e, g in zip(eager_grads, graphed_grads, strict=True):
-        for a, b in zip(e, g, strict=True):
-            assert torch.equal(a, b)

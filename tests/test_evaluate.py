@@ -127,6 +127,16 @@ def test_reports_the_seq_len_it_used(context: str) -> None:
     assert result["loss"] == pytest.approx(hand_loss(model, ids, [(0, 10)]), rel=1e-6)
 
 
+def test_a_window_longer_than_the_split_allocates_nothing_for_its_length() -> None:
+    """--seq-len 99999999999 built arange(history + seq_len) before any clamp: an 800 GB
+    allocation and the allocator's traceback. A window longer than the split is the split."""
+    model = tiny_model("feedback_kv")
+    ids = ids_of(make_text(40))
+    whole = evaluate_split(model, ids, seq_len=39, batch_size=4, history=2)
+    huge = evaluate_split(model, ids, seq_len=99_999_999_999, batch_size=4, history=2)
+    assert huge == whole and huge["seq_len"] == 39
+
+
 # ----------------------------------------------------------------------------- run()
 
 
@@ -246,6 +256,61 @@ def test_cli_eval_of_a_diverged_model_is_one_line_and_exit_2(huge_run: Path) -> 
         f"error: {huge_run / 'checkpoints' / 'best.pt'}: cannot score it: the loss is nan, as "
         "the model's predictions are NaN or inf (its weights are so large that the logits "
         "overflow)"]
+
+
+@pytest.mark.parametrize("context", ["reset", "carry"])
+def test_cli_eval_that_runs_out_of_memory_is_one_line_naming_its_flags(
+        run_dir: Path, monkeypatch: pytest.MonkeyPatch, context: str) -> None:
+    """A long --seq-len or wide -b under ulimit -v: a MemoryError or the allocator's
+    RuntimeError from the model's forward, as a traceback. Now one line naming the windows
+    and the flags to lower, exit 2 (the allocator's failure injected: a real one needs a
+    limit set just so)."""
+    from typer.testing import CliRunner
+
+    from fbtrain.cli import app
+
+    def forward(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: "
+                           "can't allocate memory: you tried to allocate 3221225472 bytes.")
+
+    monkeypatch.setattr(type(tiny_model()), "forward", forward)
+    result = CliRunner().invoke(app, ["eval", "-c", str(run_dir), "--seq-len", "30", "-b", "8",
+                                      "--context", context, "--device", "cpu"])
+    assert result.exit_code == 2, result.output
+    windows, flags = ((", 8 at a time", "--seq-len or --batch-size") if context == "reset"
+                      else (", memory carried", "--seq-len"))
+    [line] = result.stderr.splitlines()
+    assert line.startswith(f"error: out of memory scoring windows of 30 tokens{windows} (it "
+                           "asked for 3.0 GiB): this ")
+    assert line.endswith(f"; lower {flags}")
+
+
+def test_cli_eval_of_a_text_too_big_for_the_process_is_refused_naming_the_flag(
+        run_dir: Path, tmp_path: Path) -> None:
+    """eval --data-path on a 2 GB sparse file under ulimit -v: a MemoryError traceback.
+    Refused now from its size, against the process's address-space limit (a real one, 4
+    GiB, in a subprocess), naming the flag it came from."""
+    import re
+    import sys
+
+    from conftest import bounded_run
+
+    from fbtrain.data.text import TEXT_MEMORY_PER_BYTE
+    from fbtrain.messages import format_bytes
+
+    sparse = tmp_path / "sparse.txt"
+    with sparse.open("wb") as f:
+        f.truncate(2 * 10**9)
+    result = bounded_run([sys.executable, "-m", "fbtrain", "eval", "-c", str(run_dir),
+                          "--data-path", str(sparse), "--device", "cpu"])
+    assert result.returncode == 2, result.stderr
+    need = format_bytes(TEXT_MEMORY_PER_BYTE * 2 * 10**9)
+    assert re.fullmatch(
+        rf"error: --data-path {re.escape(str(sparse))} is 1\.9 GiB: reading and tokenizing it "
+        rf"needs about {re.escape(need)} of memory \({TEXT_MEMORY_PER_BYTE} bytes per byte of "
+        r"the file\) but this process may use [\d.]+ [MG]iB \(its address-space limit, "
+        r"RLIMIT_AS / ulimit -v, less what it has mapped already\); use a smaller file\n",
+        result.stderr), result.stderr
 
 
 # ----------------------------------------------------------------------------- the run's line

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -19,10 +20,13 @@ from fbtrain import evaluate, sample
 from fbtrain.checkpoint import CheckpointError, load_checkpoint, load_model
 from fbtrain.checkpoint.contents import export_model
 from fbtrain.checkpoint.export import write_export
+from fbtrain.checkpoint.files import CheckpointManager
 from fbtrain.cli import app
 from fbtrain.config import ModelConfig
+from fbtrain.distributed import session
 from fbtrain.models import build_model
 from fbtrain.train import run
+from fbtrain.train.setup import set_up
 
 
 @pytest.fixture(scope="module")
@@ -229,3 +233,83 @@ def test_files_mixed_by_hand_or_missing_are_refused_in_one_line(
     assert result.exit_code == 2 and result.stderr.splitlines() == [
         f"error: {b}: an exported model needs model.safetensors beside config.json and "
         "vocab.json (fbtrain export writes all three; did one fail part-way?)"]
+
+
+# ----------------------------------------------------------------------------- weights only
+
+
+def _exported(trained: Path, tmp_path: Path) -> Path:
+    out = tmp_path / "ex"
+    export_model(trained, out)
+    return out
+
+
+def test_a_run_directory_holding_an_export_is_read_as_the_run(trained: Path,
+                                                              tmp_path: Path) -> None:
+    """model.safetensors (and config.json, vocab.json) copied into a run directory beside
+    checkpoints/: sample and eval said an exported model needs config.json (or read the
+    export), instead of using the run's best.pt."""
+    out = _exported(trained, tmp_path)
+    mixed = tmp_path / "mixed"
+    shutil.copytree(trained, mixed)
+    from_run = _sample(trained)
+    for name in ("model.safetensors", "config.json"):  # the weights alone, then with config
+        shutil.copy(out / name, mixed / name)
+        result = evaluate.run(str(mixed), device="cpu")
+        assert result["checkpoint"] == str(mixed / "checkpoints" / "best.pt")
+        assert _sample(mixed) == from_run
+
+
+def test_an_export_is_taken_as_the_weights_it_holds(trained: Path, tmp_path: Path) -> None:
+    """Its weights file given for the folder (-c ex/model.safetensors) was "not an fbtrain
+    checkpoint (no 'format' key)"."""
+    out = _exported(trained, tmp_path)
+    assert _sample(out / "model.safetensors") == _sample(out)
+    assert evaluate.run(str(out / "model.safetensors"), device="cpu")["checkpoint"] == str(out)
+
+
+@pytest.mark.parametrize("given", ["folder", "weights file"])
+def test_an_export_as_init_from_warm_starts_from_its_weights(
+        trained: Path, tmp_path: Path, given: str) -> None:
+    """train.init_from=<export> said "no checkpoint found (looked for .../best.pt,
+    .../last.pt)": a warm start needs only the weights, which an export holds."""
+    out = _exported(trained, tmp_path)
+    source = out if given == "folder" else out / "model.safetensors"
+    cfg = make_cfg(tmp_path, "warm", train={"max_steps": 1, "init_from": str(source)})
+    with session("cpu") as ctx:  # the run as set up, before its first step
+        built, _, _ = set_up(cfg, ctx, CheckpointManager(tmp_path / "runs" / "warm", 2), None)
+    assert built.warm_report is not None and not built.warm_report.fresh
+    weights, exported = built.raw_model.state_dict(), load_model(out)[0].state_dict()
+    assert weights.keys() == exported.keys()
+    assert all(torch.equal(weights[name], exported[name]) for name in exported)
+    assert run(cfg, quiet=True).is_dir()  # and it trains
+
+
+def test_an_export_as_resume_is_named_as_weights_alone(trained: Path, tmp_path: Path) -> None:
+    """--resume <export> said "no checkpoint found (looked for .../last.pt)", with no word
+    that an export holds weights only, or that init_from could take them."""
+    out = _exported(trained, tmp_path)
+    cfg = make_cfg(tmp_path, "again", train={"max_steps": 8})
+    for source in (out, out / "model.safetensors"):
+        with pytest.raises(CheckpointError) as info:
+            run(cfg, resume=str(source), quiet=True)
+        assert str(info.value) == (
+            f"--resume {source}: an exported model holds the weights alone (no optimizer "
+            "state, step or random streams), which a resume needs; to train on from its "
+            f"weights, start a run with --set train.init_from={source}")
+    assert not (tmp_path / "runs" / "again").exists()
+
+
+def test_init_from_weights_that_hold_nan_is_refused_by_name(trained: Path,
+                                                           tmp_path: Path) -> None:
+    """They were loaded and training failed at step 1 ("loss is nan ... try a lower
+    train.lr"), where sample, eval, export and resume refuse the same file by name."""
+    payload = load_checkpoint(trained / "checkpoints" / "best.pt")
+    payload["model"]["head.bias"][0] = float("nan")
+    damaged = tmp_path / "nan.pt"
+    torch.save(payload, damaged)
+    cfg = make_cfg(tmp_path, "warm", train={"max_steps": 1, "init_from": str(damaged)})
+    with pytest.raises(CheckpointError) as info:
+        run(cfg, quiet=True)
+    assert str(info.value) == (f"{damaged}: train.init_from's weights hold NaN or inf (in "
+                               "head.bias); the checkpoint is damaged or its training diverged")

@@ -45,21 +45,23 @@ def syncs_by_phase(report: dict[str, Any]) -> dict[str, Counter]:
     return phases
 
 
-def check_dtypes(report: dict[str, Any], precision: str) -> None:
+def check_dtypes(report: dict[str, Any], precision: str, feedback: bool = True) -> None:
     """The dtype flow: ``auto`` runs the head in bf16 and every float32 matmul (the core's)
     on TF32 tensor cores; ``fp32`` runs everything in IEEE float32. LayerNorm, softmax and
-    the loss take float32 either way."""
+    the loss take float32 either way. A feedback model's core (its matmuls, or under
+    inference_mode its whole op) takes float32."""
     rows = report["dtypes"]
     matmuls = [r for r in rows if r["op"] == "matmul"]
-    core = [r for r in matmuls if r["where"].startswith("fbtrain/models/core/")]
-    assert core, "no matmul of the core was recorded"
-    assert all(set(r["dtypes"]) == {"float32"} for r in core), core
+    core = [r for r in rows if r["op"] == "core" or
+            (r["op"] == "matmul" and r["where"].startswith("fbtrain/models/core/"))]
+    assert bool(core) == feedback, core
+    assert all(set(r["dtypes"]) <= {"float32", "int64", "bool"} for r in core), core
     for r in rows:
         if r["op"] in ("layer_norm", "softmax", "loss"):
             assert r["dtypes"][0] == "float32", r
     if precision == "fp32":
-        assert all(set(r["dtypes"]) <= {"float32", "int64"} for r in rows), rows
-        assert {r["precision"] for r in matmuls} == {"ieee"}
+        assert all(set(r["dtypes"]) <= {"float32", "int64", "bool"} for r in rows), rows
+        assert {r["precision"] for r in matmuls + core} == {"ieee"}
     else:
         assert all(r["precision"] == "tf32" for r in core), core
         assert any("bfloat16" in r["dtypes"] for r in matmuls), "the head did not run bf16"
@@ -92,7 +94,7 @@ def test_training_on_fake_cuda(kind: str, context: str, data: str, precision: st
     # Set-up copies the model and data to the device, once; nothing else syncs.
     phases.pop("setup")
     assert not phases, phases
-    check_dtypes(report, precision)
+    check_dtypes(report, precision, feedback=kind != "transformer")
 
 
 def test_eval_on_fake_cuda_reads_the_host_once() -> None:
@@ -102,6 +104,7 @@ def test_eval_on_fake_cuda_reads_the_host_once() -> None:
     phases.pop("load", None)  # the checkpoint's weights copied to the device, once
     assert not phases, phases
     assert report["tokens"] > 0
+    check_dtypes(report, "auto")  # eval runs at the run's precision (auto): TF32, bf16 head
 
 
 def test_sampling_on_fake_cuda_reads_the_host_once_a_token() -> None:
@@ -112,3 +115,24 @@ def test_sampling_on_fake_cuda_reads_the_host_once_a_token() -> None:
     assert not [k for k in sample if k[0] == "blocking to device"], sample
     phases.pop("load", None)
     assert not phases, phases
+
+
+def test_dropout_costs_a_training_step_its_bool_masks_not_float_ones(tmp_path: Path) -> None:
+    """The peak of one training step (MemTracker on fake CUDA) with dropout and without:
+    the difference is the masks at one byte an element (L layers; T steps, T - 1 of them
+    attending; B rows; widths D and F; the attention probabilities' windows) and small
+    scratch. Masks of four bytes, or a kept copy of the hidden layer after its dropout,
+    would each put it past twice that."""
+    L, D, H, F, T, B = 2, 32, 2, 256, 16, 8
+    config = tmp_path / "tiny.yaml"
+    config.write_text(
+        f"model: {{kind: feedback_kv, d_model: {D}, n_heads: {H}, d_ff: {F}, "
+        f"n_layers: {L}, max_rel_pos: {T}}}\n"
+        f"train: {{batch_size: {B}, eval_windows: 4, constant_tokens: false}}\n"
+        f"curriculum: [{{seq_len: {T}}}]\n")
+    peaks = {p: fake_cuda("memory", "--config", str(config), "--set", f"model.dropout={p}")
+             ["stages"][0]["peak_bytes"] for p in (0.0, 0.2)}
+    window_elements = B * H * sum(range(T))  # step t attends to t slots (window >= T)
+    mask_bytes = L * ((T - 1) * B * D + window_elements + T * B * F + T * B * D)
+    overhead = peaks[0.2] - peaks[0.0]
+    assert mask_bytes <= overhead < 2 * mask_bytes, (overhead, mask_bytes)

@@ -1,4 +1,5 @@
-"""The ATen path's launch count (scripts/launch_count.py) and its freedom from host syncs."""
+"""The ATen path's launch count (scripts/launch_count.py) and its freedom from host syncs, and
+what the host queues for a step through whole-step CUDA graphs."""
 
 from __future__ import annotations
 
@@ -19,22 +20,18 @@ from fbtrain.models.core.autograd import flatten_layers  # noqa: E402
 from fbtrain.models.core.native import NativeCore  # noqa: E402
 from fbtrain.models.core.spec import CoreInputs, CoreSpec  # noqa: E402
 
-try:
-    import triton.language as tl
-except ImportError:  # the tests that launch Triton kernels skip
-    tl = None
-
 TINY = dict(d_model=8, n_heads=2, d_ff=16, n_layers=1, max_rel_pos=16)
 
 # One attending token-layer of feedback_kv (one layer, no dropout, no key/value bias) on the
 # ATen path, counted by hand from csrc/feedback_core.cpp. Forward: LayerNorm, folded query
-# projection (addmm_ into its prefilled bias), content + position scores (baddbmm, which
-# first copies the position scores: copy_), softmax, probabilities @ values (bmm), output
-# projection (addmm_) + residual (add_), LayerNorm, W1 with its bias and relu
-# (_addmm_activation), W2 (addmm_) + residual (add_); per step: the memory mix and its
+# projection into scratch (addmm with its bias), content + position scores (baddbmm, which
+# first copies the position scores: copy_), the queries copied into the tape (copy_),
+# softmax, probabilities @ values (bmm), output projection (addmm_) + residual (add_),
+# LayerNorm, W1 with its bias and relu (_addmm_activation), W2 (addmm_) + residual (add_);
+# per step: the memory mix and its
 # keys/values (2 mm), the latter written straight into the slot-major key/value buffer.
-FORWARD_STEP = {"native_layer_norm": 2, "addmm_": 3, "_addmm_activation": 1, "baddbmm": 1,
-                "_softmax": 1, "bmm": 1, "add_": 2, "mm": 2, "copy_": 1}
+FORWARD_STEP = {"native_layer_norm": 2, "addmm": 1, "addmm_": 2, "_addmm_activation": 1,
+                "baddbmm": 1, "_softmax": 1, "bmm": 1, "add_": 2, "mm": 2, "copy_": 2}
 # Backward: d_memory from the slot's key/value gradients (mm), the top gradient + mix *
 # d_memory (addcmul); W2^T (mm), relu (threshold_backward), W1^T (mm), LayerNorm backward,
 # + residual (add); Wo^T (mm), d_prob (bmm), softmax backward and its copy into the folded
@@ -44,12 +41,15 @@ FORWARD_STEP = {"native_layer_norm": 2, "addmm_": 3, "_addmm_activation": 1, "ba
 BACKWARD_STEP = {"mm": 5, "copy_": 1, "addcmul": 1, "threshold_backward": 1,
                  "native_layer_norm_backward": 2, "add": 2, "bmm": 2, "addcmul_": 1,
                  "baddbmm_": 2, "_softmax_backward_data": 1}
-BUDGET = 37  # core launches per token-layer (see the budget test): 35.5 now
-# What the host queues for a whole-step graph (FBTRAIN_CUDA_GRAPHS=step), whatever the
-# sizes: the rate's fill, the batch's two copies into the graph, the replay, the figures'
-# copy to the host.
+# Core launches per token-layer with dropout (see the budget test). Bool dropout masks (a
+# quarter of float masks' memory) cost a scale multiply where a float mask was one multiply:
+# docs/performance.md gives the count before and after.
+BUDGET = 43
+# What the host queues for a whole-step graph (FBTRAIN_CUDA_GRAPHS=1), whatever the sizes:
+# the rate's fill, the batch's two copies into the graph, the replay, the figures' copy to
+# the host.
 STEP_GRAPH_HOST = {"aten::fill_": 1, "aten::copy_": 3, launch_count.GRAPH_REPLAY: 1}
-STEP_GRAPH_TARGET = 8  # issue 32: "at most a handful of launches a step"
+STEP_GRAPH_TARGET = 8  # "at most a handful of launches a step"
 
 
 def sweep_counts(seq_len: int) -> dict[str, collections.Counter]:
@@ -81,24 +81,24 @@ def test_a_cpu_per_batch_matmul_counts_as_the_one_gemm_cuda_runs():
     assert not {"aten::relu_", "aten::clamp_min_", "aten::clamp_min"} & set(fwd)
 
 
-def test_launch_summary_is_per_token_layer_with_a_modelled_floor():
+def test_launch_summary_is_per_token_layer():
     counts = {"launches": {s: collections.Counter() for s in launch_count.SECTIONS},
               "syncs": {s: collections.Counter() for s in launch_count.SECTIONS},
               "token_layers": 8}
     counts["launches"]["forward sweep"]["aten::mm"] = 40
     counts["launches"]["rest"]["aten::add"] = 8
-    s = launch_count.summary(counts, us_per_launch=5.0)
+    s = launch_count.summary(counts)
     assert s["launches_total"] == 48 and s["per_token_layer_total"] == 6.0
     assert s["per_token_layer"]["forward sweep"] == 5.0
-    assert s["launch_bound_floor_ms"] == pytest.approx(0.24)
+    assert s["host_launches_total"] == 48  # eager: every launch from the host
 
 
 def test_training_step_on_the_aten_path_stays_under_its_launch_budget():
     """The restructured ATen path's core (both sweeps and its set-up) per token-layer, with
-    dropout: 49.9 calls before the restructuring at these sizes, and no host syncs."""
+    dropout (49.9 calls before the restructuring at these sizes), and no host syncs."""
     sizes = {**TINY, "n_layers": 4}
     counts = launch_count.count_step(batch=2, seq_len=16, sizes=sizes, dropout=0.1)
-    s = launch_count.summary(counts, 5.0)
+    s = launch_count.summary(counts)
     per = s["per_token_layer"]
     assert per["forward sweep"] + per["backward sweep"] + per["core other"] < BUDGET
     assert s["host_syncs"]["forward sweep"] == s["host_syncs"]["backward sweep"] == 0
@@ -135,107 +135,13 @@ def test_aten_path_reads_no_tensor_on_the_host(kind):
     assert [g.shape for g in grads.layers] == [t.shape for t in inputs.layers]
 
 
-def _scaled_add(x_ptr, r_ptr, w_ptr, out_ptr, D: tl.constexpr):
-    """out = (x + r) * w, one row of D per program (``triton.jit``-ed in the test; only
-    Triton builtins, which its interpreter runs in a process that imported Triton to
-    compile)."""
-    row = tl.program_id(0)
-    cols = tl.arange(0, D)
-    x = tl.load(x_ptr + row * D + cols) + tl.load(r_ptr + row * D + cols)
-    tl.store(out_ptr + row * D + cols, x * tl.load(w_ptr + cols))
-
-
-def test_each_triton_launch_is_one_kernel_and_nothing_below_it_counts(monkeypatch):
-    """Three launches of an interpreted Triton kernel inside a sweep mark: three kernels of
-    that sweep, none of the interpreter's own ATen calls, and each one host launch."""
-    triton = pytest.importorskip("triton", reason="Triton is not installed")
-    from torch.profiler import ProfilerActivity, profile, record_function
-
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    kernel = triton.jit(_scaled_add)
-    D = 16
-    x, r = torch.randn(4, D, dtype=torch.float64), torch.randn(4, D, dtype=torch.float64)
-    w = torch.randn(D, dtype=torch.float64)
-    out = torch.empty_like(x)
-    with (launch_count.launch_marks(), profile(activities=[ProfilerActivity.CPU]) as prof,
-          record_function("fbtrain::forward_sweep")):
-        for _ in range(3):
-            kernel[(4,)](x, r, w, out, D=D)
-        torch.add(x, r)  # and one ATen kernel beside them
-    assert torch.equal(out, (x + r) * w)  # the interpreter really ran it
-    counts = launch_count.count_events(prof.events())
-    assert counts["launches"]["forward sweep"] == {"triton::_scaled_add": 3, "aten::add": 1}
-    assert counts["host_launches"]["forward sweep"] == counts["launches"]["forward sweep"]
-    assert not any(counts["launches"][s] for s in ("backward sweep", "core other", "rest"))
-
-
-def test_graphed_step_queues_one_host_launch_per_captured_call():
-    """With one CUDA graph per shape (the CPU stand-in of GraphedCore's replay), the sweeps'
-    kernels still run on the device but the host queues one replay per core call, plus the
-    copies into the graphs' inputs and out of their outputs; the rest of the step is
-    unchanged."""
-    sizes = {**TINY, "n_layers": 2}
-    eager = launch_count.count_step(batch=2, seq_len=4, sizes=sizes, dropout=0.1)
-    graphed = launch_count.count_step(batch=2, seq_len=4, sizes=sizes, dropout=0.1,
-                                      graphed=True)
-    for sec in ("forward sweep", "backward sweep"):
-        assert graphed["launches"][sec] == eager["launches"][sec]
-        assert eager["host_launches"][sec] == eager["launches"][sec]
-        assert not graphed["host_launches"][sec]
-    assert graphed["launches"]["rest"] == graphed["host_launches"]["rest"] == \
-        eager["launches"]["rest"]
-    host = graphed["host_launches"]["core other"]
-    copies = (graphed["launches"]["core other"]["aten::copy_"]
-              - eager["launches"]["core other"]["aten::copy_"])
-    assert host == {launch_count.GRAPH_REPLAY: 2, "aten::copy_": copies} and copies > 20
-    s = launch_count.summary(graphed, 5.0)
-    rest = sum(graphed["launches"]["rest"].values())
-    assert s["host_launches_total"] == sum(host.values()) + rest
-    assert s["launch_bound_floor_ms"] == pytest.approx(s["host_launches_total"] * 5e-3)
-
-
-def _fused_or_skip() -> None:
-    pytest.importorskip("triton", reason="Triton is not installed")
-    try:
-        from fbtrain.models.core import fused  # noqa: F401
-    except ImportError as e:
-        pytest.skip(f"the fused core is not on this branch ({e})")
-
-
-@pytest.mark.parametrize("kind", ["feedback_kv", "feedback"])
-def test_fused_core_runs_at_most_8_kernels_a_token_layer(kind):
-    """The fused core (interpreted), with dropout: one more step adds at most 8 kernels per
-    layer to its forward and backward together, it makes no host sync, and graphed the host
-    queues one replay per core call."""
-    _fused_or_skip()
-    sizes = {**TINY, "n_layers": 2}
-
-    def count(seq_len: int, graphed: bool = False) -> dict:
-        return launch_count.count_step(kind, batch=3, seq_len=seq_len, sizes=sizes,
-                                       dropout=0.1, optimizer=False, core="fused",
-                                       graphed=graphed)
-
-    short, long = count(3), count(4)
-    added = sum(sum(long["launches"][s].values()) - sum(short["launches"][s].values())
-                for s in ("forward sweep", "backward sweep", "core other"))
-    assert 0 < added <= 8 * sizes["n_layers"]
-    assert any(op.startswith(launch_count.TRITON_PREFIX)
-               for op in long["launches"]["forward sweep"])
-    assert not any(sum(long["syncs"][s].values()) for s in ("forward sweep", "backward sweep"))
-    graphed = count(4, graphed=True)
-    for sec in ("forward sweep", "backward sweep"):
-        assert graphed["launches"][sec] == long["launches"][sec]
-    replays = sum(c[launch_count.GRAPH_REPLAY] for c in graphed["host_launches"].values())
-    assert replays == 2
-
-
 def _queued(counts: dict, key: str) -> dict[str, collections.Counter]:
     """The sections of ``counts[key]`` that hold anything."""
     return {sec: c for sec, c in counts[key].items() if c}
 
 
 def test_whole_step_graph_queues_a_handful_of_launches_and_reads_once():
-    """The trainer's whole-step graphs (FBTRAIN_CUDA_GRAPHS=step, its StepGraphs with the CPU
+    """The trainer's whole-step graphs (FBTRAIN_CUDA_GRAPHS=1, its StepGraphs with the CPU
     stand-in of the captured step), with dropout: every kernel of the step - the core's
     sweeps, embedding, loss, backward, clipping, AdamW - runs inside the one replay, and the
     host queues 5 launches and reads the device once (the step's figures), at any length
@@ -250,17 +156,5 @@ def test_whole_step_graph_queues_a_handful_of_launches_and_reads_once():
         for sec in ("forward sweep", "backward sweep"):
             assert sum(counts["launches"][sec].values()) > 10 * seq_len * n_layers
         assert counts["launches"]["rest"]["aten::_fused_adamw_"] == 2  # its two groups
-    s = launch_count.summary(counts, 5.0)
+    s = launch_count.summary(counts)
     assert s["host_launches_total"] == sum(STEP_GRAPH_HOST.values()) <= STEP_GRAPH_TARGET
-
-
-def test_fused_core_whole_step_graph_queues_the_same_handful():
-    """The fused core (interpreted) inside a whole-step graph: its Triton kernels run in the
-    replay, and the host queues what it queues for the ATen path."""
-    _fused_or_skip()
-    counts = launch_count.count_step(batch=3, seq_len=4, sizes={**TINY, "n_layers": 2},
-                                     dropout=0.1, core="fused", step_graph=True)
-    assert _queued(counts, "host_launches") == {"rest": STEP_GRAPH_HOST}
-    assert _queued(counts, "syncs") == {"rest": {"fbtrain::host_sync": 1}}
-    assert any(op.startswith(launch_count.TRITON_PREFIX)
-               for op in counts["launches"]["forward sweep"])

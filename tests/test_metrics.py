@@ -308,21 +308,28 @@ def test_status_line_on_a_tty(monkeypatch: pytest.MonkeyPatch) -> None:
     assert "step 35/50 70%" in lines[-2]
 
 
-def test_the_eta_is_the_measured_wall_clock_rate_after_warm_up(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """The ETA: tokens still to train at the wall-clock rate of the steps after warm-up
-    (evaluations between them included), not the rate of the first, slowest step."""
+def test_tokens_per_second_leave_out_warm_up_and_smooth_over_the_last_steps() -> None:
+    """The status line's rate is over the last steps (a window), a record's since the last
+    record; both leave out the warm-up step, which the totals (the closing line's) keep. A
+    load spell that makes 2 of 4 steps 4x slower halves the window's rate (a record's
+    window, the 2 steps alone, falls 4x)."""
     from fbtrain.train import report
 
-    clock = iter([100.0, 130.0])
-    monkeypatch.setattr(report.time, "perf_counter", lambda: next(clock))
-    meter = report.Throughput(warmup=1)
-    meter.add(1000, 50.0)  # the warm-up step: slow, left out
-    assert meter.remaining_seconds(10_000) is None
-    meter.add(1000, 2.0)  # at t=100 a 2 s step ended: the clock starts at 98
-    meter.add(1000, 2.0)
-    # at t=130: 2,000 tokens in 32 s (with an evaluation between): 16 s per 1,000 tokens
-    assert meter.remaining_seconds(10_000) == pytest.approx(160.0)
+    meter = report.Throughput(window=4, warmup=1)
+    meter.add(1000, 50.0)  # the warm-up step: slow, left out of both rates
+    assert meter.recent_rate() is None and meter.window_rate() is None
+    for _ in range(4):
+        meter.add(1000, 1.0)
+    assert meter.recent_rate() == pytest.approx(1000.0)
+    assert meter.window_rate() == pytest.approx(1000.0) and meter.window_rate() is None
+    for _ in range(2):
+        meter.add(1000, 4.0)
+    assert meter.window_rate() == pytest.approx(250.0)
+    assert meter.recent_rate() == pytest.approx(4000 / 10)  # 2 steps of 1 s, 2 of 4 s
+    for _ in range(4):  # the spell over: the window forgets it
+        meter.add(1000, 1.0)
+    assert meter.recent_rate() == pytest.approx(1000.0)
+    assert (meter.tokens, meter.seconds) == (11_000, 50.0 + 4 + 8 + 4)
 
 
 def test_console_only_logger_without_run_dir(capsys: pytest.CaptureFixture[str]) -> None:

@@ -304,9 +304,11 @@ def test_result_does_not_depend_on_batch_sharding(kind, dropout, path, threads, 
         loss_of(torch.cat([logits, logits2], 1)).backward()
         runs.append((logits, state.keys, state.values, grads(model)))
     (a, *a_state, a_grads), (b, *b_state, b_grads) = runs
-    torch.testing.assert_close(b, a, rtol=0, atol=1e-12)
+    # Relative: the shards sum in another order, and keys and values reach tens (dropout
+    # scales them up), where 1e-12 is a few dozen float64 steps.
+    torch.testing.assert_close(b, a, rtol=1e-11, atol=1e-12)
     for x, y in zip(b_state, a_state, strict=True):
-        torch.testing.assert_close(x, y, rtol=0, atol=1e-12)
+        torch.testing.assert_close(x, y, rtol=1e-11, atol=1e-12)
     assert a_grads.keys() == b_grads.keys()
     for name in a_grads:
         torch.testing.assert_close(b_grads[name], a_grads[name], rtol=1e-10, atol=1e-10,

@@ -41,23 +41,29 @@ def test_every_subcommand_is_walked() -> None:
 
 def test_the_summary_of_a_long_run_fits_80_columns() -> None:
     """A long run's figures (step 20,000, 1,024 windows, 123,456 tokens/s, 12 hours) still
-    give lines of at most 80 columns, each broken between parts."""
+    give lines of at most 80 columns, each broken between parts; the rate is the tokens
+    over the steps' time, and the wall time's parts add up."""
     run = SimpleNamespace(data=SimpleNamespace(val_x=[0] * 1024), amp_dtype=None,
                           ctx=SimpleNamespace(device=torch.device("cpu")), clock=RunClock(),
                           raw_model=SimpleNamespace(core_params=()))  # a feedback kind
     progress = SimpleNamespace(step=20000, val_loss=1.60871, best_val_loss=1.60013,
                                tokens=20_480_000)
-    lines = report.summary(run, progress, 123456.0, 45296.0).splitlines()
+    spent = report.SegmentTime(wall=45296.0, tokens=20_480_000, steps=20_480_000 / 123456,
+                               evaluating=1200.4, sampling=301.0)
+    lines = report.summary(run, progress, spent).splitlines()
     assert all(len(ln) <= 80 for ln in lines), lines
     assert re.fullmatch(r"done at step 20000 \| val loss 1\.6087 \(bpc 2\.3209, 1024 fixed "
-                        r"windows\) \| best 1\.6001 \| 123,456 tokens/s on cpu \(\d+ threads?, "
-                        r"fp32, [^|]*core\) \| wall 12h34m", " | ".join(lines)), lines
-    # Resumed (a third segment): the run's totals, then this segment's rate and time.
+                        r"windows\) \| best 1\.6001 \| 20,480,000 tokens in 2m46s of steps "
+                        r"\| 123,456 tokens/s on cpu \(\d+ threads?, fp32, [^|]*core\) \| wall "
+                        r"12h34m: 2m46s steps, 20m00s evaluating, 5m01s sampling, 12h07m "
+                        r"other", " | ".join(lines)), lines
+    # Resumed (a third segment): the run's totals, then this segment's figures, labelled.
     run.clock = RunClock(seconds=3600.0, segments=2)
-    lines = report.summary(run, progress, 123456.0, 45296.0).splitlines()
+    lines = report.summary(run, progress, spent).splitlines()
     assert all(len(ln) <= 80 for ln in lines), lines
     assert re.search(r"\| run: 20,480,000 tokens, 13h34m training in 3 segments \| this "
-                     r"segment: 123,456 tokens/s on cpu \(\d+ threads?, fp32, [^|]*core\), 12h34m$",
+                     r"segment: 20,480,000 tokens in 2m46s of steps \| 123,456 tokens/s on cpu "
+                     r"\(\d+ threads?, fp32, [^|]*core\) \| wall 12h34m: ",
                      " | ".join(lines)), lines
 
 

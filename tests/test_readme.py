@@ -62,6 +62,9 @@ def test_readme_eval_block_is_what_eval_prints():
               "loss": float(shown["loss"].split()[0]), "bpc": float(shown["bpc"]),
               "perplexity": float(shown["perplexity"])}
     assert format_result(result) == block
+    # eval's default precision is the run's own run.precision (the main job's config's).
+    config = yaml.safe_load((ROOT / "configs" / "tiny_shakespeare.yaml").read_text())
+    assert shown["precision"] == config["run"]["precision"]
 
 
 def test_readme_says_what_make_test_does_and_what_to_expect():
@@ -74,8 +77,9 @@ def test_readme_says_what_make_test_does_and_what_to_expect():
     assert "`make lint` runs ruff" in text
     assert "about 5 minutes on an idle 2-core machine" in text and "ETA" in text
     assert "2.1 GB" in text and "`make train` again continues" in text
-    # The machine line: which figures to expect, by what lscpu says.
-    assert "if `lscpu` lists\navx512" in text or "if `lscpu` lists avx512" in text
+    # The figures shown are one machine's; what to expect on another is a range
+    # (test_docs checks it against results.md's machines).
+    assert "one machine's" in text and "expect **" in text
 
 
 def test_readme_tensorboard_needs_the_venv_and_opens_unsmoothed():
@@ -151,6 +155,13 @@ def test_make_install_installs_no_dev_tools_and_make_test_does():
     assert "[dev]" not in install and "pytest" not in install
     train = make_dry_run("train")
     assert "[dev]" not in train
+    # pip is quiet: each phase says first what it installs (torch's download takes minutes).
+    lines = install.splitlines()
+    for i, line in enumerate(lines):
+        if " -m pip install" in line:
+            package = line.split()[-1].strip("'")
+            assert lines[i - 1].startswith('echo "make install: installing '), lines[i - 1]
+            assert package in lines[i - 1] or "pyproject.toml" in lines[i - 1], lines[i - 1]
     for target in ("test", "lint"):
         assert re.search(r"pip install -q .*-e '\.\[dev\]'", make_dry_run(target))
 
@@ -161,21 +172,20 @@ def test_make_test_runs_the_numeric_tests_again_held_to_avx2():
     (and MKL) to AVX2 and refuses to run if torch still dispatches to AVX-512."""
     commands = make_dry_run("test").splitlines()
     passes = [c for c in commands if " -m pytest" in c]
-    # Both in two processes (pytest-xdist), the first over the whole suite.
-    assert len(passes) == 2 and passes[0].endswith(" -m pytest -n 2 --dist worksteal")
-    held = passes[1]
+    # Both in two processes (pytest-xdist), the first over the whole suite; each ends with
+    # its slowest tests and, failing, a line naming the pass (its output may be long).
+    pytest = " -m pytest -n 2 --dist worksteal --durations=25"
+    assert len(passes) == 2 and passes[0].split(" || ")[0].endswith(pytest)
+    assert "pass 1 of 2 (every test) failed" in passes[0].split(" || ")[1]
+    held, failed = passes[1].split(" || ")
+    assert "pass 2 of 2 (the numeric tests held to AVX2) failed" in failed
     assert held.startswith("ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ")
-    files, deselect = held.split(" -m pytest -n 2 --dist worksteal ", 1)[1].split(" -k ", 1)
-    files = files.split()
-    assert deselect == "'not (test_launches and fused_core)'"  # counts, not floats
+    files = held.split(pytest + " ", 1)[1].split()
     assert "tests/test_legacy_checkpoints.py" in files and "tests/test_train.py" in files
-    # The fused core's float32 step: interpreted Triton is numpy, but the C++ core it is
-    # checked against moves with the dispatch.
-    assert "tests/test_fused_core.py::test_fused_float32_step_matches_the_cpp_core" in files
     assert all((ROOT / f.split("::")[0]).is_file() for f in files), files
     check = next(c for c in commands if "get_cpu_capability" in c)
     assert check.startswith("ATEN_CPU_CAPABILITY=avx2 ") and 'sys.exit(c == "AVX512")' in check
-    assert commands.index(check) < commands.index(held)
+    assert commands.index(check) < commands.index(passes[1])
 
 
 def test_ci_runs_the_readmes_test_command():

@@ -7,7 +7,11 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
+import shutil
 import signal
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,8 +19,9 @@ import pytest
 
 from fbtrain.checkpoint import load_checkpoint
 from fbtrain.config import config_from_dict
+from fbtrain.make_command import MAKE_TARGET_ENV, make_command
 from fbtrain.train import TrainingError, run
-from fbtrain.train.report import MAKE_TARGET_ENV, resume_hint
+from fbtrain.train.report import resume_hint
 from tests.test_train import assert_same_tensors, make_raw, records
 
 
@@ -84,9 +89,11 @@ def test_a_resumed_run_closes_with_the_runs_totals(tmp_path, capsys, own_sigint)
     last = load_checkpoint(run_dir / "checkpoints" / "last.pt")
     assert last["clock"]["segments"] == 2 and last["clock"]["seconds"] > first["clock"]["seconds"]
     tokens = last["progress"]["tokens"]
-    closing = " | ".join(out.splitlines()[-3:])
+    closing = " | ".join(out.splitlines()[-5:])
     assert re.search(rf"\| run: {tokens:,} tokens, \d+s training in 2 segments \| this "
-                     r"segment: [\d,]+ tokens/s on cpu \([^)]*\), \d+s$", closing), closing
+                     rf"segment: {tokens - first['progress']['tokens']:,} tokens in [\d.]+s of "
+                     r"steps \| [\d,]+ tokens/s on cpu \([^)]*\) \| wall [\d.]+s: ",
+                     closing), closing
     # The resumed segment's first status line (step 4, its first step: not yet measured)
     # has no rate; the next step redraws it with the rate and the ETA.
     steps = [ln for ln in out.splitlines() if ln.startswith("step ") and "/8" in ln]
@@ -98,15 +105,67 @@ def test_an_uninterrupted_run_keeps_its_closing_line(tmp_path, capsys):
     """One segment: the closing line as before (rate, wall), no totals to tell apart."""
     run(config_from_dict(make_raw(tmp_path, train={"max_steps": 2})))
     out = capsys.readouterr().out
-    assert "segment" not in out and re.search(r"tokens/s on cpu .*\| wall \d+s", out)
+    assert "segment" not in out and re.search(r"tokens/s on cpu .*\nwall [\d.]+s: ", out)
+
+
+def under_make(monkeypatch: pytest.MonkeyPatch, target: str, makeflags: str = "") -> None:
+    """This process as the Makefile's ``target`` recipe runs it, make given ``makeflags``."""
+    monkeypatch.setenv("MAKELEVEL", "1")
+    monkeypatch.setenv(MAKE_TARGET_ENV, target)
+    monkeypatch.setenv("MAKEFLAGS", makeflags)
+    for name in ("DATA", "CONFIG"):
+        monkeypatch.delenv(name, raising=False)
 
 
 def test_the_interrupt_line_names_the_make_command_under_make(monkeypatch):
-    monkeypatch.setenv("MAKELEVEL", "1")
-    monkeypatch.setenv(MAKE_TARGET_ENV, "quick")
+    under_make(monkeypatch, "quick")
     assert resume_hint() == "run `make quick` again to resume (it passes --resume auto)"
     monkeypatch.delenv("MAKELEVEL")  # the variable inherited, but no make running it
     assert "--resume auto" in resume_hint() and "`make train`" in resume_hint()
+
+
+def test_the_interrupt_line_repeats_the_make_variables(monkeypatch):
+    """``make train DATA='my text.txt' CONFIG=c.yaml``, as make passes it on (MAKEFLAGS:
+    spaces escaped, ``$`` doubled), and DATA from the environment (make reads it too)."""
+    under_make(monkeypatch, "train", "s -- CONFIG=c.yaml DATA=my\\ text.txt")
+    assert resume_hint() == ("run `make train CONFIG=c.yaml DATA='my text.txt'` again to "
+                             "resume (it passes --resume auto)")
+    under_make(monkeypatch, "quick", " -j2 --jobserver-auth=3,4 -- JOBS=4")
+    monkeypatch.setenv("DATA", "in.txt")
+    assert "`make quick JOBS=4 DATA=in.txt`" in resume_hint()
+    assert make_command(DATA="FILE") == "make quick JOBS=4 DATA=FILE"
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+def test_following_the_interrupt_line_resumes_on_the_same_data(tmp_path, monkeypatch,
+                                                               own_sigint):
+    """A run started by ``make quick DATA=FILE`` and stopped names ``make quick DATA=FILE``;
+    that command (the Makefile's own recipe, dry-run) trains on FILE again: no download."""
+    raw = make_raw(tmp_path, train={"max_steps": 4})
+    data = raw["data"]["path"]
+    under_make(monkeypatch, "quick", f" -- DATA={data.replace(' ', chr(92) + ' ')}")
+    with pytest.raises(TrainingError) as stop:
+        run(config_from_dict(raw), quiet=True, on_step=_stop_at(2))
+    hint = re.search(r"run `(make [^`]*)` again", str(stop.value))
+    assert hint and hint.group(1) == f"make quick DATA={shlex.quote(data)}", str(stop.value)
+    root = Path(__file__).resolve().parents[1]
+    monkeypatch.delenv("MAKEFLAGS")
+    monkeypatch.delenv("MAKELEVEL")
+    dry = subprocess.run([*shlex.split(hint.group(1)), "-n", "VENV=/nonexistent/venv"],
+                         cwd=root, capture_output=True, text=True, timeout=30)
+    assert dry.returncode == 0, dry.stderr
+    assert f"--set data.path={data}" in dry.stdout and "--resume auto" in dry.stdout
+
+
+def test_a_failed_download_under_make_names_the_make_target(tmp_path):
+    """Offline, ``make quick`` (no DATA) fails to download: the way out it names is
+    ``make quick DATA=FILE``, not ``make train``."""
+    env = {**os.environ, "MAKELEVEL": "1", MAKE_TARGET_ENV: "quick", "MAKEFLAGS": ""}
+    env.pop("DATA", None)
+    shown = subprocess.run([sys.executable, "-c",
+                            "from fbtrain.data.fetch import OFFLINE_HINT; print(OFFLINE_HINT)"],
+                           env=env, capture_output=True, text=True, timeout=60)
+    assert shown.stdout.strip().endswith("(with make: make quick DATA=FILE)"), shown
 
 
 def test_the_makefile_names_its_targets():

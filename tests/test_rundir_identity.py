@@ -138,6 +138,69 @@ def test_a_folder_as_last_pt_is_refused_before_training(tmp_path: Path) -> None:
     assert sorted(p.name for p in fresh.iterdir()) == [".lock", "metrics.jsonl"]
 
 
+def test_a_file_where_tensorboards_val_folder_goes_is_refused_before_training(
+        tmp_path: Path) -> None:
+    """A file named val in a fresh run directory: "[Errno 17] File exists" after the run's
+    files were written, so the folder then needed --resume. Now refused first, naming it,
+    and the same command trains once the file is moved away."""
+    raw = make_raw(tmp_path, "v", train={"max_steps": 2},
+                   logging={"tensorboard": True, "progress": False})
+    run_dir = tmp_path / "runs" / "v"
+    run_dir.mkdir(parents=True)
+    (run_dir / "val").write_text("x\n")
+    line = _one_error(_train_cli(tmp_path, raw))
+    assert line == (f"error: {run_dir / 'val'} is not a folder, so the run could not write "
+                    "into it; move it away (or train under another run.name, "
+                    "--set run.name=NEW)")
+    assert sorted(p.name for p in run_dir.iterdir()) == [".lock", "val"]
+    (run_dir / "val").unlink()
+    assert _train_cli(tmp_path, raw).exit_code == 0
+
+
+@pytest.mark.parametrize("kind", ["dangling link", "file", "file above"])
+def test_a_run_directory_that_is_no_folder_is_named(tmp_path: Path, kind: str) -> None:
+    """A symbolic link to nowhere as the run directory said "cannot write: file exists"."""
+    raw = make_raw(tmp_path, "r", train={"max_steps": 2})
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    if kind == "dangling link":
+        (runs / "r").symlink_to(tmp_path / "nowhere")
+        what = (f"run directory {runs / 'r'} is a symbolic link to {tmp_path / 'nowhere'}, "
+                f"which does not exist; create {tmp_path / 'nowhere'}")
+    elif kind == "file":
+        (runs / "r").write_text("x\n")
+        what = f"run directory {runs / 'r'} is a file, not a folder; move it away"
+    else:
+        (runs / "r").write_text("x\n")
+        raw["run"]["out_dir"] = str(runs / "r" / "deeper")
+        what = (f"run directory {runs / 'r' / 'deeper' / 'r'}: the folder {runs / 'r'} is a "
+                "file, not a folder; move it away")
+    line = _one_error(_train_cli(tmp_path, raw))
+    assert line == f"error: {what} (or train under another run.out_dir or run.name)"
+
+
+def test_a_resume_puts_a_stale_best_pt_right(tmp_path: Path,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """best.pt left at a worse step than the best the run recorded (its copy failed on a
+    full disk): the summary said the best loss while sample used the stale file. A resume
+    (even one with nothing to train) puts the checkpoint that scored the best back."""
+    raw = make_raw(tmp_path, train={"max_steps": 9, "eval_every": 3},
+                   checkpoint={"every": 3, "keep_last": 5})
+    ckpts = run(config_from_dict(raw), quiet=True) / "checkpoints"
+    losses = {p: load_checkpoint(p)["progress"]["val_loss"] for p in ckpts.glob("step-*.pt")}
+    best = min(losses, key=losses.__getitem__)
+    worst = max(losses, key=losses.__getitem__)
+    shutil.copyfile(worst, ckpts / "best.pt")
+    capsys.readouterr()
+    run(config_from_dict(raw), resume="auto")
+    out = capsys.readouterr().out
+    worst_step, best_step = (load_checkpoint(p)["step"] for p in (worst, best))
+    assert (f"best.pt held step {worst_step} (val loss {losses[worst]:.4f}): it is now a copy "
+            f"of {'last.pt' if best_step == 9 else best.name} (step {best_step}), which scored "
+            f"the best validation loss the run recorded ({losses[best]:.4f})") in out
+    assert (ckpts / "best.pt").read_bytes() == best.read_bytes()
+
+
 # ----------------------------------------------------------------------------- items 4, 5
 
 

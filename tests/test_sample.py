@@ -464,6 +464,35 @@ def test_memory_check_counts_each_samples_model_state(monkeypatch, tok: CharToke
     assert len(generate(model, tok, "a", 1, num_samples=10)) == 10  # well within 1 MiB
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_prompts_cost_grows_as_its_pass_does(kind: str, tok: CharTokenizer) -> None:
+    """The estimate took every prompt position's attention over the whole prompt (its
+    square) for every kind: a 50 KB prompt was refused as needing 55.9 GiB, where a
+    feedback model reads it a token at a time and really took 275 MB. Its cost is now the
+    kind's own: linear for the feedback models, quadratic for the transformer, whose
+    scores do span the prompt (scripts/sample_memory.py holds both to the real peak)."""
+    model = tiny_model(kind)
+    cost = [sample.sampling_bytes(model, tok, p, 1, 10)[1] for p in (10**4, 2 * 10**4,
+                                                                      3 * 10**4)]
+    steps = (cost[1] - cost[0], cost[2] - cost[1])
+    if kind == "transformer":
+        assert steps[1] > steps[0]
+    else:
+        assert steps[1] == steps[0]
+
+
+def test_a_long_prompt_is_sampled_from_or_named_when_it_cannot_fit(
+        monkeypatch: pytest.MonkeyPatch, tok: CharTokenizer) -> None:
+    prompt = "abc " * 12_500  # 50,000 characters
+    monkeypatch.setattr(sample, "memory_bytes", lambda device="cpu": 1 << 30)
+    assert len(generate(tiny_model(), tok, prompt, 3, generator=gen(0))[0]) == 3
+    monkeypatch.setattr(sample, "memory_bytes", lambda device="cpu": 1 << 20)
+    with pytest.raises(ValueError, match=(
+            r"^a prompt of 50,000 characters x num_samples = 1: sampling needs about [\d.]+ "
+            r"MiB of memory, more than the 1\.0 MiB of this machine; shorten the prompt$")):
+        generate(tiny_model(), tok, prompt, 3)
+
+
 def test_memory_check_allows_ordinary_requests(tok: CharTokenizer) -> None:
     sample.check_memory(tiny_model(), tok, 100, 64, 100_000, "cpu")  # ~80 MB: fine
 

@@ -1,4 +1,5 @@
-"""One optimizer step's loss normalisation: the mean over every scored target of the step.
+"""One optimizer step's loss normalisation: the mean over every scored target of the step;
+and its one read on the host.
 
 Two gloo ranks on halves of a global batch, two accumulated micro-batches, and one process
 on the whole batch must give the same loss, accuracy and gradients (to float tolerance), on
@@ -28,7 +29,10 @@ from fbtrain.data.streams import IGNORE_INDEX
 from fbtrain.distributed import DistContext
 from fbtrain.train.setup import set_up
 from fbtrain.train.signals import StopSignals
-from fbtrain.train.step import train_step
+from fbtrain.train.step import HOST_SYNC, train_step
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+import launch_count  # noqa: E402  (scripts/: the profiler's op tree, syncs counted)
 
 REPO = Path(__file__).resolve().parents[1]
 CHILD_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
@@ -212,3 +216,27 @@ def test_ranks_above_0_draw_their_own_dropout_masks(tmp_path: Path) -> None:
     assert not torch.equal(logits[1], logits[0])
     assert not torch.equal(logits[2], logits[0])
     assert not torch.equal(logits[2], logits[1])
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_step_reads_the_host_once(tmp_path: Path, case: str,
+                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A training step on the ATen path (the GPU's) reads the device once: its figures
+    (loss, gradient norm, accuracy, memory RMS, whether anything was scored) in one copy.
+    A labelled step used to read its scored count a second time (``bool(scored)``).
+    (Fused AdamW's CPU kernel reads its step counts with item(); CUDA's does not, and the
+    counter does not count them.)"""
+    from torch.profiler import ProfilerActivity, profile
+
+    monkeypatch.setenv("FBTRAIN_CORE_ATEN", "1")
+    raw = make_raw(tmp_path, CASES[case](tmp_path), BATCH)
+    run, _, _ = set_up(config_from_dict(raw), DistContext(torch.device("cpu")),
+                       CheckpointManager(tmp_path / "run", 1), None)
+    import dataclasses
+
+    run = dataclasses.replace(run, batches=FixedBatches([global_batch(raw)]))
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        result = train_step(run, 0, StopSignals(), tmp_path / "last.pt")
+    syncs = launch_count.count_events(prof.events())["syncs"]
+    assert {section: dict(c) for section, c in syncs.items() if c} == {"rest": {HOST_SYNC: 1}}
+    assert result.memory_rms.device.type == "cpu" and result.loss > 0

@@ -1,10 +1,11 @@
 """Whole-step CUDA graphs (fbtrain/train/step_graph.py), on the CPU with a stand-in for the
 graph that replays the captured step into the same buffers, as a CUDA graph does.
 
-The graphed step must give the eager step's numbers bit for bit where the learning rate is
-a float32 number (and the float32-rounded rate's numbers otherwise), across a change of
-shape, with dropout and clipping; it must stop before the update on a non-finite loss; and
-where it cannot run it says why in one line.
+The graphed step runs the eager step's own body (train/step.py's step_body), and must give
+the eager step's numbers bit for bit where the learning rate is a float32 number (and the
+float32-rounded rate's numbers otherwise), across a change of shape, with dropout and
+clipping; it must stop before the update on a non-finite loss; and where it cannot run it
+says why in one line.
 """
 
 from __future__ import annotations
@@ -22,8 +23,7 @@ import torch
 from fbtrain.checkpoint.files import CheckpointManager
 from fbtrain.config import config_from_dict
 from fbtrain.distributed import DistContext
-from fbtrain.models.core import graphs, native
-from fbtrain.train import step_graph
+from fbtrain.train import step, step_graph
 from fbtrain.train.setup import Run, set_up
 from fbtrain.train.signals import StopSignals
 from fbtrain.train.step import TrainingError, train_step
@@ -84,11 +84,6 @@ def make_run(tmp_path: Path, lr: float = LR, precision: str = "fp32", **train: A
     return run
 
 
-def graphs_of(run: Run) -> step_graph.StepGraphs:
-    return step_graph.StepGraphs(run.model, run.optimizer, run.params, run.cfg.train.grad_clip,
-                                 run.amp_dtype, run.ctx)
-
-
 def state_of(run: Run) -> list[torch.Tensor]:
     """Every parameter and every optimizer state tensor (step counts included)."""
     opt = run.optimizer.state_dict()
@@ -117,9 +112,8 @@ def eager_and_graphed(tmp_path: Path, lr: float = LR, precision: str = "fp32"
     eager_results = [train_step(eager, i, StopSignals(), tmp_path / "last.pt")
                      for i in range(STEPS)]
     graphed = make_run(tmp_path / "graphed", lr, precision)
-    step_graphs = graphs_of(graphed)
-    graphed_results = [step_graph.graphed_train_step(graphed, step_graphs, i, StopSignals(),
-                                                     tmp_path / "last.pt")
+    step_graphs = step_graph.StepGraphs(graphed)
+    graphed_results = [train_step(graphed, i, StopSignals(), tmp_path / "last.pt", step_graphs)
                        for i in range(STEPS)]
     return eager_results, graphed_results, eager, graphed
 
@@ -165,20 +159,20 @@ def test_a_non_finite_replayed_step_stops_before_its_update(tmp_path, stand_in, 
     the weights and AdamW's state (its step counts too) are those the step started from -
     the graph skipped the update on the device."""
     run = make_run(tmp_path)
-    step_graphs = graphs_of(run)
+    step_graphs = step_graph.StepGraphs(run)
     for i in range(2):  # the capture, and one replay
-        step_graph.graphed_train_step(run, step_graphs, i, StopSignals(), tmp_path / "last.pt")
+        train_step(run, i, StopSignals(), tmp_path / "last.pt", step_graphs)
     before = state_of(run)
-    score_sums = step_graph.score_sums
+    score_sums = step.score_sums
 
     def infinite(logits, y):
         ce, count, correct = score_sums(logits, y)
         return ce * float("inf"), count, correct
 
-    monkeypatch.setattr(step_graph, "score_sums", infinite)
+    monkeypatch.setattr(step, "score_sums", infinite)  # the body the graph replays
     with pytest.raises(TrainingError, match=r"^step 3: loss is inf; stopped before the "
                                             r"optimizer step, no checkpoint written"):
-        step_graph.graphed_train_step(run, step_graphs, 2, StopSignals(), tmp_path / "last.pt")
+        train_step(run, 2, StopSignals(), tmp_path / "last.pt", step_graphs)
     assert stand_in.made[0].replays == 2  # it was a replay that stopped
     for a, b in zip(before, state_of(run), strict=True):
         assert torch.equal(a, b)
@@ -191,11 +185,11 @@ def test_step_graphs_say_in_one_line_why_they_cannot_run(tmp_path, monkeypatch, 
     run = make_run(tmp_path)
     assert step_graph.step_function(run) is train_step
     assert capsys.readouterr().err == ""
-    monkeypatch.setenv(graphs.GRAPHS_ENV, "step")
+    monkeypatch.setenv(step_graph.GRAPHS_ENV, "1")
     assert step_graph.step_function(run) is train_step
     assert capsys.readouterr().err.splitlines() == [
-        "fbtrain: FBTRAIN_CUDA_GRAPHS=step is set, but the device is cpu, not CUDA; the step "
-        "runs eagerly (its core graphed where it can be)"]
+        "fbtrain: FBTRAIN_CUDA_GRAPHS is set, but the device is cpu, not CUDA; the step runs "
+        "eagerly"]
     cuda = DistContext(types.SimpleNamespace(type="cuda"))
     cases = {
         "DDP's gradient all-reduces cannot be captured with the step":
@@ -217,7 +211,7 @@ def test_step_graphs_say_in_one_line_why_they_cannot_run(tmp_path, monkeypatch, 
             dataclasses.replace(run, **{"ctx": cuda, **change})) == why
     monkeypatch.setenv("FBTRAIN_CORE", "python")
     assert step_graph.step_graph_problem(dataclasses.replace(run, ctx=cuda)) == (
-        "the PyTorch core syncs with the host (it needs the C++ or the fused core)")
+        "the PyTorch core syncs with the host (it needs the C++ core)")
     # A model that runs no core (the transformer) does not need a capturable one.
     coreless = dataclasses.replace(run, ctx=cuda, raw_model=torch.nn.Linear(2, 2))
     assert step_graph.step_graph_problem(coreless) == ""
@@ -225,7 +219,7 @@ def test_step_graphs_say_in_one_line_why_they_cannot_run(tmp_path, monkeypatch, 
 
 def test_the_trainer_trains_through_step_graphs_where_they_run(tmp_path, stand_in,
                                                                monkeypatch, capsys):
-    """``FBTRAIN_CUDA_GRAPHS=step`` where a capture can run (the device check waived for
+    """``FBTRAIN_CUDA_GRAPHS=1`` where a capture can run (the device check waived for
     the stand-in): the trainer's steps go through the graphs, after the one notice line,
     and its loss log is eager training's."""
     import json
@@ -240,23 +234,12 @@ def test_the_trainer_trains_through_step_graphs_where_they_run(tmp_path, stand_i
                 for r in map(json.loads, lines.splitlines())]
 
     eager = losses("eager")
-    monkeypatch.setenv(graphs.GRAPHS_ENV, "step")
+    monkeypatch.setenv(step_graph.GRAPHS_ENV, "1")
     monkeypatch.setattr(step_graph, "step_graph_problem", lambda run: "")
     capsys.readouterr()
     assert losses("graphed") == eager
-    assert step_graph.STEP_MODE_NOTICE in capsys.readouterr().err.splitlines()
+    assert step_graph.GRAPHS_NOTICE in capsys.readouterr().err.splitlines()
     assert [g.replays for g in stand_in.made] == [2, 2]
-
-
-def test_the_core_is_not_graphed_inside_a_step_graph(monkeypatch):
-    """Inside a whole step's run or capture the core's own graphs are not used (a capture
-    cannot nest); outside it they are, as before. (``like`` stands in for a CUDA tensor.)"""
-    monkeypatch.setenv(graphs.GRAPHS_ENV, "step")
-    monkeypatch.setattr(graphs, "_graphed", {})
-    like = types.SimpleNamespace(is_cuda=True)
-    with graphs.suspended():
-        assert graphs.maybe_graphed(native.NativeCore, like) is native.NativeCore
-    assert isinstance(graphs.maybe_graphed(native.NativeCore, like), graphs.GraphedCore)
 
 
 def test_the_gpu_check_script_runs_on_its_cpu_stand_in(tmp_path, monkeypatch, capsys):
@@ -271,14 +254,14 @@ def test_the_gpu_check_script_runs_on_its_cpu_stand_in(tmp_path, monkeypatch, ca
 
     out = tmp_path / "check.json"
     assert step_graph_check.main(["--json", str(out)]) == 0
-    row = json.loads(out.read_text())["rows"]["auto/fp32"]
+    row = json.loads(out.read_text())["rows"]["fp32"]
     assert row["bitwise_equal"] and row["captured"] and row["eager_repeatable"]
     assert row["graphed_ms"] > 0 and row["eager_ms"] > 0
     monkeypatch.setattr(step_graph_check, "LR", 1e-3)
     assert step_graph_check.main(["--json", str(out)]) == 1
-    row = json.loads(out.read_text())["rows"]["auto/fp32"]
+    row = json.loads(out.read_text())["rows"]["fp32"]
     assert row["eager_repeatable"] and row["captured"] and not row["bitwise_equal"]
-    assert "auto/fp32: FAILED" in capsys.readouterr().out
+    assert "fp32: FAILED" in capsys.readouterr().out
     assert step_graph_check.main(["--require-cuda"]) == 1
     assert capsys.readouterr().err == "error: no CUDA device; this check is for a CUDA machine\n"
 
@@ -286,8 +269,8 @@ def test_the_gpu_check_script_runs_on_its_cpu_stand_in(tmp_path, monkeypatch, ca
 def test_a_failed_capture_runs_every_step_eagerly_after_one_line(tmp_path, monkeypatch,
                                                                  capsys):
     """A capture that fails: one notice line, the step it followed already trained eagerly,
-    every later step eager too (no capture tried again, nor of the core), and the numbers
-    are eager training's."""
+    every later step eager too (no capture tried again), and the numbers are eager
+    training's."""
     tried = []
 
     def failing(body, device, stream):
@@ -295,12 +278,11 @@ def test_a_failed_capture_runs_every_step_eagerly_after_one_line(tmp_path, monke
         raise RuntimeError("operation not permitted when stream is capturing\nmore detail")
 
     monkeypatch.setattr(step_graph, "_StepGraph", failing)
-    monkeypatch.setattr(graphs, "_capture_failed", False)
     eager_results, graphed_results, eager, graphed = eager_and_graphed(tmp_path)
     assert [figures(r) for r in graphed_results] == [figures(r) for r in eager_results]
     for a, b in zip(state_of(eager), state_of(graphed), strict=True):
         assert torch.equal(a, b)
-    assert len(tried) == 1 and graphs.capture_status()["failed"]
+    assert len(tried) == 1
     assert capsys.readouterr().err.splitlines() == [
         "fbtrain: CUDA graph capture of the training step failed (operation not permitted "
         "when stream is capturing); running it eagerly from now on"]

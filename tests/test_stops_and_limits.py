@@ -8,7 +8,7 @@ rank of two gloo processes.
 
 from __future__ import annotations
 
-import importlib.util
+import errno
 import re
 import resource
 import signal
@@ -24,9 +24,14 @@ import pytest
 import torch
 import yaml
 from test_train import CHILD_ENV, make_cfg, make_raw
+from typer.testing import CliRunner
 
+import fbtrain.checkpoint.files as files_module
 import fbtrain.sample
+import fbtrain.train.setup as train_setup
 from fbtrain.checkpoint import load_checkpoint
+from fbtrain.cli import app
+from fbtrain.cli_errors import exit_code_for
 from fbtrain.config import ConfigError, limits, load_config
 from fbtrain.config.schema import MAX_SAMPLE_LENGTH
 from fbtrain.models.core import select
@@ -135,7 +140,7 @@ def test_weight_decay_times_lr_must_stay_below_one() -> None:
 # ----------------------------------------------------------------------------- item 11
 
 
-@pytest.mark.parametrize("value", ["garbage", "2", "steps"])
+@pytest.mark.parametrize("value", ["garbage", "2", "step"])
 def test_an_unknown_cuda_graphs_value_is_refused(tmp_path: Path, value: str,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """It used to train without a word (garbage read as off)."""
@@ -150,7 +155,7 @@ def test_an_unknown_cuda_graphs_value_is_refused(tmp_path: Path, value: str,
     assert result.exit_code == 2
     assert result.stderr.splitlines() == [
         f"error: FBTRAIN_CUDA_GRAPHS={value!r} is not a setting; use one of 1, true, yes, "
-        "on, 0, false, no, off or step (or leave it unset)"]
+        "on, 0, false, no, off (or leave it unset)"]
     assert not (tmp_path / "runs").exists()
 
 
@@ -160,7 +165,7 @@ def test_the_start_line_names_the_core_and_an_idle_switch_says_so(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture,
         graphs: str, core: str, label: str | None) -> None:
     """On a CPU, FBTRAIN_CUDA_GRAPHS=1 did nothing and said nothing; the device line did not
-    say which core ran."""
+    say which core ran. (Now one line on stderr says why the step runs eagerly.)"""
     from fbtrain.models.core import native
 
     monkeypatch.setenv("FBTRAIN_CUDA_GRAPHS", graphs)
@@ -168,20 +173,12 @@ def test_the_start_line_names_the_core_and_an_idle_switch_says_so(
     if label is None:  # auto: the C++ core where it builds
         label = "C++ core" if select.core() is native.NativeCore else "PyTorch core"
     run(make_cfg(tmp_path, train={"max_steps": 1}))
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
     threads = torch.get_num_threads()
     assert f"device: cpu ({threads} thread{'s' if threads > 1 else ''}, fp32, {label})\n" in out
-    idle = (f"FBTRAIN_CUDA_GRAPHS={graphs} does nothing here: CUDA graphs need a CUDA device, "
-            "and this run is on cpu")
-    assert (idle in out) == (graphs != "0")
-
-
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
-def test_the_fused_core_in_the_interpreter_is_named_so(monkeypatch: pytest.MonkeyPatch) -> None:
-    """FBTRAIN_CORE=fused TRITON_INTERPRET=1 ran at 2 tokens/s under 'cpu (2 threads, fp32)'."""
-    monkeypatch.setenv("FBTRAIN_CORE", "fused")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert select.core_label(select.core()) == "fused core (Triton interpreter)"
+    idle = ("fbtrain: FBTRAIN_CUDA_GRAPHS is set, but the device is cpu, not CUDA; the step "
+            "runs eagerly")
+    assert (idle in err.splitlines()) == (graphs != "0")
 
 
 # ----------------------------------------------------------------------------- item 8
@@ -261,6 +258,102 @@ def test_the_cgroup_memory_limit_is_read_from_v1_and_v2(
     (tmp_path / "cgroup").write_text(proc)
     found = limits.cgroup_limit(tmp_path, tmp_path / "cgroup")
     assert (found.size if found else None) == expected
+
+
+def _raised_over(inner: BaseException) -> SystemError:
+    """The SystemError a C function raises over the error it met (as an import or torch's
+    optimizer set-up did under a tight ulimit -v)."""
+    try:
+        raise inner
+    except BaseException as e:
+        outer = SystemError("<built-in function x> returned a result with an exception set")
+        outer.__cause__ = e
+        return outer
+
+
+@pytest.mark.parametrize(("error", "failed"), [
+    (MemoryError(), True),
+    (RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 8 bytes"),
+     True),
+    (RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"), True),
+    (RuntimeError("can't start new thread"), True),
+    (OSError(errno.ENOMEM, "Cannot allocate memory"), True),
+    (_raised_over(MemoryError()), True),
+    (RuntimeError("shapes do not match"), False),  # a bug: keeps its traceback
+    (OSError(errno.ENOENT, "No such file"), False),
+    (SystemError("returned NULL without setting an exception"), False),
+    (_raised_over(ValueError("x")), False),
+], ids=lambda v: type(v).__name__ if isinstance(v, BaseException) else str(v))
+def test_what_an_allocation_that_failed_looks_like(error: BaseException, failed: bool) -> None:
+    assert limits.is_allocation_failure(error) is failed
+    assert (exit_code_for(error) == 2) is (failed or isinstance(error, OSError))
+
+
+@pytest.mark.parametrize("error", [MemoryError(), _raised_over(MemoryError())],
+                         ids=["MemoryError", "SystemError"])
+def test_running_out_of_memory_in_the_set_up_is_one_line_and_exit_2(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, error: BaseException) -> None:
+    """Building the optimizer (it imports torch._dynamo) under a tight ulimit -v: a
+    SystemError or MemoryError traceback, as the one-line exit of a step covered steps
+    only. Now the same one line, and a fresh start leaves no run directory behind."""
+    def build_optimizer(*args: Any, **kwargs: Any) -> None:
+        raise error
+
+    monkeypatch.setattr(train_setup, "build_optimizer", build_optimizer)
+    config = tmp_path / "cfg.yaml"
+    config.write_text(yaml.safe_dump(make_raw(tmp_path, train={"max_steps": 2})))
+    result = CliRunner().invoke(app, ["train", "--config", str(config), "--quiet"])
+    assert result.exit_code == 2, result.output
+    assert re.fullmatch(
+        r"error: out of memory setting up the run \(data, model, optimizer\): this [^;]+; make "
+        r"the model or the data smaller, or give the process more memory\n", result.stderr)
+    assert not (tmp_path / "runs").exists()
+
+
+def test_running_out_of_memory_anywhere_else_is_one_line_and_exit_2(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An allocation no command names (here a checkpoint's copy): one line naming the
+    limit, exit 2, never a traceback."""
+    def atomic_copy(src: Path, dst: Path) -> None:
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: "
+                           "can't allocate memory: you tried to allocate 1048576 bytes.")
+
+    monkeypatch.setattr(files_module, "atomic_copy", atomic_copy)
+    monkeypatch.setattr(limits, "physical_memory", lambda: 2**34)
+    monkeypatch.setattr(limits, "cgroup_limit", lambda: None)
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    config = tmp_path / "cfg.yaml"
+    config.write_text(yaml.safe_dump(make_raw(tmp_path, train={"max_steps": 2})))
+    result = CliRunner().invoke(app, ["train", "--config", str(config), "--quiet"])
+    assert result.exit_code == 2, result.output
+    limit = ("this machine has 16.0 GiB" if soft == resource.RLIM_INFINITY
+             else "this process's address-space limit")
+    assert result.stderr.startswith("error: out of memory (it asked for 1.0 MiB): " + limit)
+    assert result.stderr.endswith("; give the process more memory, or ask for less\n")
+    assert len(result.stderr.splitlines()) == 1
+
+
+def test_a_sample_that_runs_out_of_memory_says_so_and_is_not_drawn_again(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Under ulimit -v the step-0 sample failed with a MemoryError, which says nothing of
+    itself: "warning: sampling failed at step 0: " and no reason; every later sample then
+    pressed on the limit again. Now the reason is out of memory, and no more samples are
+    drawn: training comes first."""
+    calls: list[int] = []
+
+    def generate(*args: Any, **kwargs: Any) -> list[str]:
+        calls.append(1)
+        raise MemoryError
+
+    monkeypatch.setattr(fbtrain.sample, "generate", generate)
+    run(make_cfg(tmp_path, train={"max_steps": 6, "eval_every": 3}))
+    out = capsys.readouterr().out
+    [line] = [line for line in out.splitlines() if "sampling failed" in line]
+    assert re.fullmatch(r"warning: sampling failed at step 0: out of memory: this .+; no more "
+                        r"samples are drawn in this run", line), line
+    assert len(calls) == 1  # not at steps 3 and 6
+    assert load_checkpoint(tmp_path / "runs" / "run" / "checkpoints" / "last.pt")["step"] == 6
 
 
 # ----------------------------------------------------------------------------- item 9

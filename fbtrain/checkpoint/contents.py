@@ -17,7 +17,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from fbtrain.checkpoint.export import WEIGHTS_FILE, is_export, read_export, write_export
+from fbtrain.checkpoint.export import (
+    WEIGHTS_FILE,
+    export_folder,
+    is_export,
+    read_export,
+    write_export,
+)
 from fbtrain.checkpoint.files import CheckpointError, resolve_checkpoint
 from fbtrain.checkpoint.state import (
     architecture_diff,
@@ -38,14 +44,20 @@ WARM_START_ARCHITECTURE = ("d_model", "n_heads", "d_ff", "n_layers", "max_rel_po
 
 
 def check_warm_start(source: str, model_cfg: ModelConfig) -> tuple[Path, dict[str, Any]]:
-    """The ``train.init_from`` checkpoint ``source``, loaded: it must hold a model whose
-    weights have the shapes ``model_cfg`` makes (the kind may differ, on purpose)."""
-    path = resolve_checkpoint(source, prefer="best")
-    init = read_checkpoint(path)
+    """The ``train.init_from`` checkpoint ``source`` (a file, a run directory or an export:
+    only the weights are needed), loaded: it must hold a model whose weights are finite and
+    have the shapes ``model_cfg`` makes (the kind may differ, on purpose)."""
+    path = resolve_model(source, prefer="best")
+    init = read_export(path) if is_export(path) else read_checkpoint(path)
     if not (isinstance(init.get("model"), dict) and isinstance(init.get("vocab"), list)
             and isinstance(init.get("model_config"), dict)):
         raise CheckpointError(f"{path}: train.init_from needs a model checkpoint "
                               "(with 'model', 'model_config' and 'vocab')")
+    bad = nonfinite_tensors(init["model"])
+    if bad:  # step 1 would say "loss is nan ... try a lower train.lr"
+        raise CheckpointError(f"{path}: train.init_from's weights hold NaN or inf (in "
+                              f"{listed(bad)}); the checkpoint is damaged or its training "
+                              "diverged")
     diff = architecture_diff(init["model_config"], model_cfg, WARM_START_ARCHITECTURE)
     if diff:
         raise CheckpointError(
@@ -188,9 +200,9 @@ def load_model(
 
 
 def resolve_model(path: str | Path, prefer: str = "best") -> Path:
-    """What ``path`` names to load a model from: an exported folder as it is, else the
-    checkpoint file :func:`resolve_checkpoint` finds."""
-    return Path(path) if is_export(path) else resolve_checkpoint(path, prefer=prefer)
+    """What ``path`` names to load a model from: an exported folder (given as the folder or
+    its weights file), else the checkpoint file :func:`resolve_checkpoint` finds."""
+    return export_folder(path) or resolve_checkpoint(path, prefer=prefer)
 
 
 def export_model(source: str | Path, out: str | Path) -> tuple[Path, list[Path]]:

@@ -51,11 +51,21 @@ FILES_KEY = "fbtrain.files"  # weights metadata: {file: sha256} of the other two
 
 def is_export(path: str | Path) -> bool:
     """Whether ``path`` is an exported model's folder: it holds ``model.safetensors``, or
-    ``config.json`` and no ``checkpoints/`` (an export that lost its weights, which
-    :func:`read_export` then refuses by name, rather than "no checkpoint found")."""
+    ``config.json`` (an export that lost its weights, which :func:`read_export` then
+    refuses by name, rather than "no checkpoint found"); and no ``checkpoints/``: a run
+    directory is read as one, whatever else it holds (an export copied into it)."""
     path = Path(path)
-    return (path / WEIGHTS_FILE).is_file() or (
-        (path / CONFIG_FILE).is_file() and not (path / CHECKPOINT_DIR).exists())
+    return ((path / WEIGHTS_FILE).is_file() or (path / CONFIG_FILE).is_file()) \
+        and not (path / CHECKPOINT_DIR).exists()
+
+
+def export_folder(path: str | Path) -> Path | None:
+    """The exported model's folder ``path`` names: the folder itself or its weights file
+    (``exports/ts/model.safetensors``); None when it names no export."""
+    path = Path(path)
+    if path.name == WEIGHTS_FILE and path.is_file() and is_export(path.parent):
+        return path.parent
+    return path if is_export(path) else None
 
 
 def write_export(out: Path, state: dict[str, torch.Tensor], model_config: dict[str, Any],

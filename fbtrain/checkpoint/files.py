@@ -113,6 +113,10 @@ def peek_checkpoint(path: Path) -> dict[str, Any] | None:
 
 def _why_unreadable(path: Path, head: bytes, error: Exception) -> str:
     """Turn whatever torch.load raised into a short explanation, judged from the file's bytes."""
+    if path.suffix.lower() in (".yaml", ".yml"):
+        run = path.parent if (path.parent / CHECKPOINT_DIR).is_dir() else None
+        return ("this looks like a config, not a checkpoint: train with it by `fbtrain train "
+                f"--config {path}`" + (f"; its run's model: --checkpoint {run}" if run else ""))
     if isinstance(error, pickle.UnpicklingError) and "Weights only load failed" in str(error):
         if not zipfile.is_zipfile(path):
             return "not a PyTorch checkpoint file (a plain pickle or some other format)"
@@ -161,17 +165,40 @@ def resolve_checkpoint(path: str | Path, prefer: str = "best") -> Path:
     if path.is_file():
         return path
     if not path.exists():
-        raise CheckpointError(f"{path}: no such checkpoint file or run directory")
+        around = _runs_in(path.parent)
+        raise CheckpointError(
+            f"{path}: no such checkpoint file or run directory"
+            + (f" ({path.parent} holds {around})" if around else "")
+            + "; a run directory is made by training: `fbtrain train --config FILE` writes "
+            "runs/<run.name> (`make train`: runs/tiny_shakespeare)")
     if not path.is_dir():
         raise CheckpointError(f"{path}: not a checkpoint file or run directory")
-    folder = path / CHECKPOINT_DIR if (path / CHECKPOINT_DIR).is_dir() else path
     names = [BEST, LAST] if prefer == "best" else [LAST]
-    candidates = [folder / name for name in names]
-    for candidate in candidates:
-        if candidate.is_file():
-            return candidate
-    looked = ", ".join(str(c) for c in candidates)
-    raise CheckpointError(f"{path}: no checkpoint found (looked for {looked})")
+    inside = path / CHECKPOINT_DIR
+    # A run directory's checkpoints are in checkpoints/; a folder of .pt files works too.
+    for folder in (inside, path) if path.name != CHECKPOINT_DIR else (path,):
+        for candidate in (folder / name for name in names):
+            if candidate.is_file():
+                return candidate
+    runs = _runs_in(path)
+    if runs and not inside.is_dir():
+        raise CheckpointError(f"{path}: a folder of runs, not a run; give one of them: {runs}")
+    folder = path if path.name == CHECKPOINT_DIR else inside
+    looked = ", ".join(str(folder / name) for name in names)
+    raise CheckpointError(f"{path}: no checkpoint found (looked for {looked}); a run saves "
+                          "one every checkpoint.every steps, at each evaluation and when "
+                          "stopped")
+
+
+def _runs_in(folder: Path, shown: int = 5) -> str:
+    """The run directories in ``folder`` (those with a ``checkpoints/``), listed as
+    paths: ``runs/quick, runs/tiny_shakespeare``; "" when there are none."""
+    try:
+        runs = sorted(d for d in folder.iterdir() if (d / CHECKPOINT_DIR).is_dir())
+    except OSError:
+        return ""
+    listed = ", ".join(str(d) for d in runs[:shown])
+    return listed + (f" and {len(runs) - shown} more" if len(runs) > shown else "")
 
 
 # ----------------------------------------------------------------------------- manager
@@ -243,9 +270,9 @@ class CheckpointManager:
         written = self.last_path
         if numbered:
             written = self.step_path(step)
-            _atomic_copy(self.last_path, written)
+            atomic_copy(self.last_path, written)
         if best:
-            _atomic_copy(self.last_path, self.best_path)
+            atomic_copy(self.last_path, self.best_path)
         self.purge(keep=written)
         return written
 
@@ -267,6 +294,7 @@ class CheckpointManager:
         return removed
 
 
-def _atomic_copy(src: Path, dst: Path) -> None:
+def atomic_copy(src: Path, dst: Path) -> None:
+    """Copy ``src`` over ``dst`` atomically (a temp file beside it, then a rename)."""
     with open(src, "rb") as source:
         atomic_write(dst, lambda f: shutil.copyfileobj(source, f, 1 << 20))

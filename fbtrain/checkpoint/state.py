@@ -39,6 +39,7 @@ from fbtrain.data.errors import DataError
 from fbtrain.data.identity import DataIdentity
 from fbtrain.messages import a_type, first_line, is_int, is_number
 from fbtrain.rng import RngStateError
+from fbtrain.rundir_names import CHECKPOINT_DIR, CONFIG
 
 # Model fields that fix the shapes of the weights; a checkpoint must agree on all of them.
 ARCHITECTURE = ("kind", "d_model", "n_heads", "d_ff", "n_layers", "max_rel_pos", "memory_norm")
@@ -90,14 +91,7 @@ def restore_checkpoint(path: Path, payload: dict[str, Any], parts: Mapping[str, 
     every part checks its own state, and only when all fit is any loaded. Entries of the
     checkpoint that no part names are ignored (a GradScaler's state resumed without fp16).
     """
-    saved = payload.get("model_config")
-    if not isinstance(saved, dict):
-        raise CheckpointError(f"{path}: cannot resume from it: model_config: "
-                              f"{expect_dict(saved) or 'not a dict of ModelConfig fields'}")
-    diff = architecture_diff(saved, model_cfg, ARCHITECTURE)
-    if diff:
-        raise CheckpointError(f"{path}: the checkpoint's model differs from model.* in the "
-                              f"config ({'; '.join(diff)}); resume with its config")
+    refuse_other_model(path, payload, model_cfg)
     progress = payload.get("progress")
     if isinstance(progress, dict) and payload.get("step") != progress.get("step"):
         raise CheckpointError(f"{path}: cannot resume from it: step is {payload.get('step')!r}"
@@ -114,6 +108,24 @@ def restore_checkpoint(path: Path, payload: dict[str, Any], parts: Mapping[str, 
         except (RuntimeError, ValueError, KeyError, DataError, RngStateError) as e:
             raise CheckpointError(f"{path}: cannot restore training state: {name}: "
                                   f"{first_line(e)}") from None
+
+
+def refuse_other_model(path: Path, payload: dict[str, Any], model_cfg: ModelConfig) -> None:
+    """CheckpointError when the checkpoint ``payload`` read from ``path`` holds another model
+    than ``model_cfg``, naming the run's ``config.yaml`` to resume with (beside
+    ``checkpoints/``). Cheap, so a resume checks it before it loads (or downloads) data."""
+    saved = payload.get("model_config")
+    if not isinstance(saved, dict):
+        raise CheckpointError(f"{path}: cannot resume from it: model_config: "
+                              f"{expect_dict(saved) or 'not a dict of ModelConfig fields'}")
+    diff = architecture_diff(saved, model_cfg, ARCHITECTURE)
+    if diff:
+        config = path.parent.parent / CONFIG
+        use = (f"resume with the run's own config (--config {config})"
+               if path.parent.name == CHECKPOINT_DIR and config.is_file()
+               else "resume with its config")
+        raise CheckpointError(f"{path}: the checkpoint's model differs from model.* in the "
+                              f"config ({'; '.join(diff)}); {use}")
 
 
 def architecture_diff(saved: dict[str, Any], model: ModelConfig, keys: tuple[str, ...]

@@ -60,6 +60,10 @@ class ModelKind:
     # Floats one micro-batch of (batch, seq_len) keeps for its backward on `carried`
     # slots of memory from the previous segment: a lower bound (config/budget.py).
     activations: Callable[[ModelShape, int, int, int], int]
+    # Floats a no-gradient pass over a prompt holds at its peak, for (samples, prompt
+    # tokens, vocabulary size): sampling's memory check (sample.py), which
+    # scripts/sample_memory.py holds against the real peak (docs/performance.md).
+    prompt_pass: Callable[[ModelShape, int, int, int], int]
 
     def key_value_sets(self, cfg: ModelShape) -> int:
         """Key/value sets of the memory state ([n_sets, B*H, slots, d_k])."""
@@ -131,6 +135,27 @@ def _transformer_activations(cfg: ModelShape, batch: int, seq_len: int, carried:
     return batch * cfg.n_layers * per_layer
 
 
+def _feedback_prompt_pass(cfg: ModelShape, samples: int, prompt: int, vocab: int) -> int:
+    """feedback.py without gradients: per prompt position the embedding, every layer's
+    output and m_t (the core's outputs), the memory keys and values of every slot, the
+    final LayerNorm's output and the logits. The core attends a step's window at a time
+    and keeps no tape, so nothing grows with the square of the prompt."""
+    d, key_sets = cfg.d_model, KINDS[cfg.kind].key_value_sets(cfg)
+    return samples * prompt * (vocab + (cfg.n_layers + 4 + 2 * key_sets) * d)
+
+
+def _transformer_prompt_pass(cfg: ModelShape, samples: int, prompt: int, vocab: int) -> int:
+    """transformer.py without gradients: the whole prompt attends at once, so a layer holds
+    three [samples, H, P, P] score tensors at a time (the scores, the position term
+    gathered for them, their sum, then the masked scores and their softmax) beside the
+    [P, P] offsets and position index (int64: 2 floats each) and masks; per position the
+    embedding, each layer's input, keys and values, the feed-forward hidden, the final
+    LayerNorm's output and the logits."""
+    d, h, layers = cfg.d_model, cfg.n_heads, cfg.n_layers
+    square = prompt * prompt * (3 * samples * h + 5)
+    return square + samples * prompt * (vocab + (3 * layers + 2) * d + cfg.d_ff)
+
+
 # ----------------------------------------------------------------------------- the registry
 
 
@@ -146,13 +171,14 @@ _FEEDBACK = "fbtrain.models.feedback:FeedbackTransformer"
 KINDS: dict[str, ModelKind] = {kind.name: kind for kind in (
     ModelKind("feedback", "per-layer key/value", _FEEDBACK, shared_kv=False, memory_mix=True,
               fp32_activations=True, carried_sources=_one, parameters=_feedback_parameters,
-              activations=_feedback_activations),
+              activations=_feedback_activations, prompt_pass=_feedback_prompt_pass),
     ModelKind("feedback_kv", "shared key/value", _FEEDBACK, shared_kv=True, memory_mix=True,
               fp32_activations=True, carried_sources=_one, parameters=_feedback_kv_parameters,
-              activations=_feedback_activations),
+              activations=_feedback_activations, prompt_pass=_feedback_prompt_pass),
     ModelKind("transformer", "", "fbtrain.models.transformer:Transformer", shared_kv=False,
               memory_mix=False, fp32_activations=False, carried_sources=_every_layer,
-              parameters=_transformer_parameters, activations=_transformer_activations),
+              parameters=_transformer_parameters, activations=_transformer_activations,
+              prompt_pass=_transformer_prompt_pass),
 )}
 
 

@@ -231,7 +231,8 @@ class TrainConfig(Section):
         "every evaluation, the first and the last included).", min=0)
     sample_length: int = _f(200, "Characters in each logged sample (at most 100,000; "
                             "longer texts: fbtrain sample).", min=1, max=MAX_SAMPLE_LENGTH)
-    init_from: str | None = _f(None, "Warm start: a transformer checkpoint (or run dir).")
+    init_from: str | None = _f(None, "Warm start: a transformer checkpoint (or run dir, or "
+                               "export).")
 
 
 @dataclass

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from fbtrain.config import DataConfig
+from fbtrain.config.limits import allocation_failed, is_allocation_failure
 from fbtrain.data import algorithmic, archives
 from fbtrain.data.errors import DataError, VocabularyError
 from fbtrain.data.sources import SOURCES
@@ -65,8 +66,24 @@ def load_corpus(data_cfg: DataConfig, vocab: Sequence[str] | None = None, *,
     by ``data.val_fraction``, without the standard size check and split.
 
     Downloads into the cache when needed (under DDP the trainer lets rank 0 call this
-    first). Raises DataError when the data does not fit ``vocab``.
+    first). Raises DataError when the data does not fit ``vocab``, or this process's
+    memory (an allocation that failed while reading or tokenizing it).
     """
+    try:
+        return _read_corpus(data_cfg, vocab, any_text)
+    except (MemoryError, RuntimeError, SystemError) as e:
+        if not is_allocation_failure(e):
+            raise
+        if data_cfg.path:
+            where, fix = f"data.path {Path(data_cfg.path).expanduser()}", "use a smaller file"
+        else:
+            where, fix = f"dataset {data_cfg.dataset}", "give the process more memory"
+        raise DataError(f"{where}: {allocation_failed(e, 'reading and tokenizing it', fix)}"
+                        ) from None
+
+
+def _read_corpus(data_cfg: DataConfig, vocab: Sequence[str] | None, any_text: bool
+                 ) -> Corpus:
     if data_cfg.dataset == ALGORITHMIC:
         return algorithmic_corpus(data_cfg, vocab)
     source = SOURCES.get(data_cfg.dataset)

@@ -29,12 +29,14 @@ from fbtrain.data.errors import DataError, one_line
 from fbtrain.data.sources import SOURCES
 from fbtrain.filelock import LockHeld, PidLock, describe_holder
 from fbtrain.io import atomic_write
+from fbtrain.make_command import make_command
 from fbtrain.progress import Progress, amount, note
 
 log = logging.getLogger(__name__)
 
+# With make: the command that runs this process (make quick, its variables), given DATA.
 OFFLINE_HINT = ("or work offline with --set data.path=FILE pointing at a local copy of the "
-                "corpus (with make: make train DATA=FILE)")
+                f"corpus (with make: {make_command(DATA='FILE') or 'make train DATA=FILE'})")
 _CHUNK = 1 << 16  # bytes per streamed read: large enough to be fast, small enough to stay live
 # A download's total time, retries included: enwik8's 36 MB zip at 20 KB/s. A module
 # constant (not configuration) so that tests can lower it.

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import logging
 import os
+import select
 import stat
 from pathlib import Path
 from typing import BinaryIO
 
 from fbtrain.config import DataConfig
-from fbtrain.config.budget import format_bytes, physical_memory
+from fbtrain.config.budget import available_memory, format_bytes
 from fbtrain.data.errors import DataError, one_line
 from fbtrain.data.fetch import (
     OFFLINE_HINT,
@@ -26,35 +27,42 @@ from fbtrain.data.fetch import (
     sha256_bytes,
 )
 from fbtrain.io import NotRegularFileError, open_regular
+from fbtrain.progress import note
 
 log = logging.getLogger(__name__)
 
 
+BOM = "\ufeff"  # the UTF-8 byte-order mark, as decoded
+
+
 def _decode(raw: bytes | bytearray, what: str, fix: str | None = None) -> str:
-    """``raw`` as UTF-8 text; DataError "<what> is not valid UTF-8 / is empty; <fix>" (fix
-    None: the advice for a local file)."""
+    """``raw`` as UTF-8 text without a leading byte-order mark; DataError "<what> is not
+    valid UTF-8 / is empty; <fix>" (fix None: the advice for a local file)."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise DataError(f"{what} is not valid UTF-8 (byte {e.start}); "
                         f"{fix or 'convert it to UTF-8 text'}") from None
+    # A byte-order mark (some editors write one) marks the encoding; it is not a character
+    # of the text, and would otherwise become one of the vocabulary.
+    text = text.removeprefix(BOM)
     if not text:
         raise DataError(f"{what} is empty; {fix or 'point it at a text file with content'}")
     return text
 
 
-# Memory that reading and tokenizing a text takes, per byte of the file, at least: the
-# bytes read (1), then for each character - there is one per 4 bytes of UTF-8 at least -
-# its entry in the tokenizer's list of pieces and of ids and its int64 id (24). So a text
-# the machine could not hold is refused before a byte is read, not by a MemoryError.
-TEXT_MEMORY_PER_BYTE = 7
+# Peak memory of reading and tokenizing a text (load_corpus), per byte of the file, as
+# measured for an ASCII text (one character a byte: the most per byte; other scripts take
+# less); the figures and the command that measured them: docs/datasets.md, "Memory".
+# So a text this process could not hold is refused before a byte is read, not killed.
+TEXT_MEMORY_PER_BYTE = 18
 
 
 def read_local(path_str: str, memory_per_byte: int = TEXT_MEMORY_PER_BYTE) -> bytearray:
     """The bytes of ``data.path`` (never the network): a regular file only (``/dev/zero``
-    would be read without end), and one whose ``memory_per_byte`` times its size fits this
-    machine's memory (:func:`fbtrain.config.budget.physical_memory`); DataError naming the
-    file otherwise."""
+    would be read without end), and one whose ``memory_per_byte`` times its size fits the
+    memory this process may use (:func:`fbtrain.config.budget.available_memory`: the
+    machine's, ``ulimit -v``'s, the cgroup's); DataError naming the file otherwise."""
     path = Path(path_str).expanduser()
     try:
         with open_regular(path, pipes=True) as f:
@@ -77,27 +85,47 @@ def read_local(path_str: str, memory_per_byte: int = TEXT_MEMORY_PER_BYTE) -> by
 
 
 def _read_pipe(f: BinaryIO, path: Path, per_byte: int) -> bytearray:
-    """All a pipe gives, up to what this machine could tokenize; DataError past that."""
-    available = physical_memory()
-    limit = available // per_byte if available is not None else None
-    raw = bytearray()
-    while chunk := f.read(1 << 20):
+    """All a pipe gives (``f``: opened non-blocking), up to what this process could
+    tokenize; DataError past that. A named pipe no program writes to yet is waited for, and
+    said so on stderr (it blocked before anything was printed)."""
+    available = available_memory()
+    limit = available.size // per_byte if available is not None else None
+    first = f.read(_PIPE_CHUNK)  # None: a writer has it open, with nothing written yet;
+    if first == b"":  # b"": no program has it open to write
+        note(f"data.path {path} is a named pipe (FIFO) that no program writes to yet: "
+             "waiting for one (Ctrl-C to stop)")
+        # Readable once a writer has written (or come and gone): what it wrote stays in
+        # the pipe for f, which held it open all along.
+        select.select([f], [], [])
+        first = f.read(_PIPE_CHUNK)
+    os.set_blocking(f.fileno(), True)
+    return _read_rest(f, bytearray(first or b""), path, per_byte, limit)
+
+
+def _read_rest(f: BinaryIO, raw: bytearray, path: Path, per_byte: int, limit: int | None
+               ) -> bytearray:
+    """``raw`` and all that ``f`` still gives; DataError once that passes ``limit`` bytes."""
+    while chunk := f.read(_PIPE_CHUNK):
         raw += chunk
         if limit is not None and len(raw) > limit:
             _check_memory(path, len(raw), per_byte)
     return raw
 
 
+_PIPE_CHUNK = 1 << 20  # bytes read from a pipe at a time
+
+
 def _check_memory(path: Path, size: int, per_byte: int) -> None:
     """DataError when a file of ``size`` bytes, at ``per_byte`` bytes of memory each,
-    cannot fit in this machine's memory (nothing is checked where the system does not say)."""
-    available = physical_memory()
+    cannot fit in the memory this process may use (nothing is checked where the system
+    does not say)."""
+    available = available_memory()
     need = size * per_byte
-    if available is not None and need > available:
+    if available is not None and need > available.size:
         raise DataError(f"data.path {path} is {format_bytes(size)}: reading and tokenizing it "
-                        f"needs at least {format_bytes(need)} of memory ({per_byte} bytes per "
-                        f"byte of the file) but this machine has {format_bytes(available)}; "
-                        "use a smaller file")
+                        f"needs about {format_bytes(need)} of memory ({per_byte} bytes per "
+                        f"byte of the file) but {available.holder} "
+                        f"{format_bytes(available.size)}{available.how}; use a smaller file")
 
 
 def _read_local(path_str: str) -> str:

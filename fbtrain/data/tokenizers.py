@@ -51,7 +51,7 @@ class Tokenizer:
     def _valid(token: object) -> bool:
         return isinstance(token, str)
 
-    def pieces(self, text: str) -> list[str]:
+    def pieces(self, text: str) -> Sequence[str]:
         """``text`` cut into tokens (not yet checked against the vocabulary)."""
         raise NotImplementedError
 
@@ -166,8 +166,10 @@ class CharTokenizer(Tokenizer):
         """Vocabulary of the sorted distinct characters of ``text`` (65 for Tiny Shakespeare)."""
         return cls(sorted(set(text)))
 
-    def pieces(self, text: str) -> list[str]:
-        return list(text)
+    def pieces(self, text: str) -> Sequence[str]:
+        # The text itself, not list(text): a list would hold 8 bytes a character, and one
+        # string object (about 80 bytes) for each character past U+00FF, while encode runs.
+        return text
 
 
 class WordTokenizer(Tokenizer):

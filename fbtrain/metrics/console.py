@@ -17,9 +17,12 @@ from typing import Any
 
 from tqdm import tqdm
 
+from fbtrain.io import write_error
 from fbtrain.metrics.values import is_number, plain
-from fbtrain.progress import isatty
+from fbtrain.progress import isatty, note
 
+# A console that is there but cannot take more: a full disk (or /dev/full), a file too big.
+_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 # Keys the console line formats specially, in this order, before any others.
 _CONSOLE_ORDER = ("loss", "bpc", "seq_len", "tokens_per_sec")
 
@@ -160,13 +163,18 @@ class Console:
     @contextlib.contextmanager
     def _guard(self) -> Iterator[None]:
         """Losing the console never costs the run: when stdout is gone (a closed pipe such
-        as ``| head``, a closed terminal) the console is switched off and training goes on,
-        still writing metrics.jsonl, TensorBoard and checkpoints."""
+        as ``| head``, a closed terminal) or full (``> /dev/full``, a log on a full disk:
+        said once on stderr) the console is switched off and training goes on, still
+        writing metrics.jsonl, TensorBoard and checkpoints (whose own failure stops it)."""
         try:
             yield
         except OSError as e:
-            if e.errno not in (errno.EPIPE, errno.EIO, errno.ENXIO):
+            full = write_error("stdout", e) if e.errno in _FULL else None
+            if e.errno not in (errno.EPIPE, errno.EIO, errno.ENXIO) and full is None:
                 raise
+            if full is not None:
+                note(f"warning: {full}; training goes on without console output (the run's "
+                     "files are written as before)")
             self.enabled = False
             if self._bar is not None:
                 self._bar.disable = True  # closing it must not write to the lost console

@@ -8,15 +8,24 @@ training loop never has to ask which rank it is on before logging.
 Files in the run directory:
 
 - ``metrics.jsonl``: one JSON object per :meth:`MetricsLogger.log` call, ``{"step": N, ...}``,
-  flushed at once so a killed run keeps every line it logged;
+  written at once so a killed run keeps every line it logged, and whole or not at all (a
+  disk that fills mid-line leaves no half line);
 - ``events.out.tfevents.*`` in the run directory and in its ``val/``
   sub-runs: TensorBoard events (see :mod:`.tensorboard` for the layout).
+
+A file write that fails (a full disk, a file where TensorBoard's ``val/`` folder goes) does
+not raise at once: it is kept as :attr:`MetricsLogger.failure`, nothing more is written to
+the files, and the trainer saves the step it has just trained before it reports the failure
+(:meth:`MetricsLogger.raise_failure`), so a log that cannot be written never costs a step.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
@@ -56,8 +65,10 @@ class MetricsLogger:
         self.console = Console(enabled=enabled, quiet=not console, progress=progress,
                                total_steps=total_steps, initial_step=initial_step)
         self.initial_step = initial_step
-        self._jsonl: IO[str] | None = None
+        self._jsonl: IO[bytes] | None = None
         self._tb: TensorBoardWriter | None = None
+        # The first file write that failed; none is tried after it (see the module's doc).
+        self.failure: OSError | None = None
         self._last_step = initial_step  # newest step seen; final hparams are logged there
         self._closed = False
         if enabled and tensorboard and self.run_dir is not None:
@@ -87,9 +98,9 @@ class MetricsLogger:
         for key, value in metrics.items():
             if f"{prefix}{key}" != "step":  # the step argument is the one source of truth
                 record[f"{prefix}{key}"] = plain(value)
-        self._write_jsonl(record)
+        self._write(self._write_jsonl, record)
         if self._tb is not None:
-            self._tb.add_record(int(step), record)
+            self._write(self._tb.add_record, int(step), record)
 
     def log_text(self, step: int, tag: str, text: str, *, echo: bool = True) -> None:
         """Log a text (e.g. a generated sample) to TensorBoard; ``echo``: print it too.
@@ -99,7 +110,7 @@ class MetricsLogger:
         if not self.enabled:
             return
         if self._tb is not None:
-            self._tb.add_text(tag, text, step)
+            self._write(self._tb.add_text, tag, text, step)
         if echo:
             self.info(text_block(tag, step, text))
 
@@ -113,14 +124,22 @@ class MetricsLogger:
         numbers, booleans booleans; integers and any other value become strings. Written
         at step 0: a resume keeps them. ``labelled``: the data has accuracy to chart.
         """
-        if self.enabled and self._tb is not None:
-            self._tb.start_run(hparams, memory_weights=memory_weights, labelled=labelled)
+        tb = self._tb
+        if self.enabled and tb is not None:
+            self._write(lambda: tb.start_run(hparams, memory_weights=memory_weights,
+                                             labelled=labelled))
 
     def end_run(self) -> None:
         """Mark the HParams session finished (at the newest step, so a resume from an
         earlier one purges it along with the steps it repeats)."""
         if self.enabled and self._tb is not None:
-            self._tb.end_run(self._last_step)
+            self._write(self._tb.end_run, self._last_step)
+
+    def raise_failure(self) -> None:
+        """Raise :attr:`failure`, the file write that failed, if one did: the trainer calls
+        this once the step it trained is saved."""
+        if self.failure is not None:
+            raise self.failure
 
     def truncate_after(self, step: int) -> None:
         """Keep only JSONL records with ``step <= step`` (atomic rewrite), for resuming.
@@ -203,27 +222,51 @@ class MetricsLogger:
 
     # ------------------------------------------------------------------ internals
 
+    def _write(self, write: Callable[..., None], *args: Any) -> None:
+        """``write(*args)`` to a file; its failure is kept as :attr:`failure`, not raised,
+        and after one nothing more is written (see the module's docstring)."""
+        if self.failure is not None:
+            return
+        try:
+            write(*args)
+        except OSError as e:
+            self.failure = e
+
     def _write_jsonl(self, record: dict[str, Any]) -> None:
         if self.jsonl_path is None:
             return
         # default=: a stray tensor or array must cost a less tidy line, not the training run.
+        # json_safe: a non-finite figure is null, so every line is strict JSON.
+        line = (json.dumps(json_safe(record), default=_json_fallback) + "\n").encode("utf-8")
         try:
             if self._jsonl is None:
                 self.jsonl_path.parent.mkdir(parents=True, exist_ok=True)
-                needs_newline = _ends_without_newline(self.jsonl_path)
-                # Held open for the logger's life (closed in close()), not per line.
-                self._jsonl = open(self.jsonl_path, "a", encoding="utf-8")  # noqa: SIM115
-                if needs_newline:
+                if _ends_without_newline(self.jsonl_path):
                     # A killed run can leave half a line; start ours on a fresh one.
-                    self._jsonl.write("\n")
-            # json_safe: a non-finite figure is null, so every line is strict JSON.
-            self._jsonl.write(json.dumps(json_safe(record), default=_json_fallback) + "\n")
-            self._jsonl.flush()
+                    line = b"\n" + line
+                # Held open for the logger's life (closed in close()), not per line;
+                # unbuffered, so nothing is left to write at close.
+                self._jsonl = open(self.jsonl_path, "ab", buffering=0)  # noqa: SIM115
+            append_whole(self._jsonl, line)
         except OSError as e:  # a full disk: say which file, in one line
             failed = write_error(self.jsonl_path, e)
             if failed is None:
                 raise
             raise failed from None
+
+
+def append_whole(f: IO[bytes], data: bytes) -> None:
+    """Append ``data`` to the unbuffered file ``f`` whole or not at all: a write cut short
+    (a disk that fills mid-line) is cut off the file again before the error is raised."""
+    start = os.fstat(f.fileno()).st_size
+    view = memoryview(data)
+    try:
+        while view:  # a regular file takes some bytes each call, or raises
+            view = view[f.write(view) or 0:]
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.ftruncate(f.fileno(), start)
+        raise
 
 
 def text_block(tag: str, step: int, text: str) -> str:

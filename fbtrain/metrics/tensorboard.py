@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import threading
 import time
 from collections.abc import Iterator
@@ -29,7 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fbtrain.config.curriculum import Curriculum
-from fbtrain.io import write_error
+from fbtrain.io import FileWriteError, write_error
 from fbtrain.metrics.values import is_number, plain
 
 if TYPE_CHECKING:
@@ -125,7 +126,11 @@ class TensorBoardWriter:
         if subrun not in self._writers:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._files[subrun] = self.log_dir / subrun  # its folder, until the file exists
+            folder = self.log_dir / subrun
+            if subrun and not folder.is_dir() and (folder.exists() or folder.is_symlink()):
+                # makedirs' "[Errno 17] File exists", which names no fix
+                raise FileWriteError(errno.ENOTDIR, "not a folder", str(folder))
+            self._files[subrun] = folder  # its folder, until the file exists
             with self._named(subrun):
                 writer = SummaryWriter(log_dir=str(self.log_dir / subrun),
                                        purge_step=self.purge_step)

@@ -1,4 +1,5 @@
-"""A training step that runs out of memory: one line naming the batch and what fits, exit 2.
+"""A training step (or the set-up before it) that runs out of memory: one line naming the
+batch and what fits, exit 2.
 
 The config's memory estimate (:mod:`fbtrain.config.budget`) refuses only what cannot fit
 (it is a lower bound); a batch it lets through can still fail to allocate. The allocator's
@@ -14,27 +15,15 @@ from typing import TYPE_CHECKING
 import torch
 
 from fbtrain.config.budget import available_memory, estimate
-from fbtrain.config.limits import MemoryLimit
-from fbtrain.errors import UserError
+from fbtrain.config.limits import MemoryLimit, allocation_failed, is_allocation_failure
+from fbtrain.errors import OutOfMemory
 from fbtrain.messages import format_bytes
 
 if TYPE_CHECKING:
     from fbtrain.config import Config
     from fbtrain.train.setup import Run
 
-# What the CPU allocator (c10's alloc_cpu) and CUDA's say when an allocation fails.
-ALLOCATION_FAILURES = ("can't allocate memory", "CUDA out of memory", "out of memory")
-
-
-class OutOfMemory(UserError):
-    """A training step could not allocate the memory its batch needs (exit 2)."""
-
-
-def is_allocation_failure(error: BaseException) -> bool:
-    """Whether ``error`` is an allocation that failed (not a bug that mentions memory)."""
-    if isinstance(error, (MemoryError, torch.OutOfMemoryError)):
-        return True
-    return isinstance(error, RuntimeError) and any(s in str(error) for s in ALLOCATION_FAILURES)
+__all__ = ["OutOfMemory", "is_allocation_failure", "out_of_memory", "setting_up"]
 
 
 def device_limit(device: torch.device) -> MemoryLimit | None:
@@ -84,3 +73,11 @@ def out_of_memory(run: Run, index: int) -> OutOfMemory:
                 "keeps the tokens per step")
     return OutOfMemory(f"{what}, but {limit.holder} {format_bytes(limit.size)}{limit.how}: "
                        f"lower train.batch_size{hint}")
+
+
+def setting_up(error: BaseException) -> OutOfMemory:
+    """The error for the set-up (data, model, optimizer: before the first step) running out
+    of memory (``error``: the allocation that failed, :func:`is_allocation_failure`)."""
+    return OutOfMemory(allocation_failed(error, "setting up the run (data, model, optimizer)",
+                                         "make the model or the data smaller, or give the "
+                                         "process more memory"))

@@ -6,19 +6,19 @@ decides *when* to say something. Also the throughput meter behind tokens/s.
 
 from __future__ import annotations
 
-import os
 import signal
-import time
+from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from fbtrain.config.kinds import model_kind
 from fbtrain.evaluate import LN2
+from fbtrain.make_command import make_command
+from fbtrain.messages import is_int, is_number
 from fbtrain.metrics.console import fit_parts, format_duration
 from fbtrain.models import count_parameters
-from fbtrain.models.core.graphs import idle_graphs_note
 from fbtrain.models.core.select import core, core_label
 from fbtrain.train.batches import CarriedStreams
 
@@ -27,32 +27,46 @@ if TYPE_CHECKING:
     from fbtrain.train.step import StepResult
 
 WARMUP_STEPS = 1  # steps of each process left out of tokens/s (allocations, first kernels)
+# The status line's tokens/s is over the steps of its last 8 lines (train.log_every steps
+# each): one line's steps are an eighth of it, so a short spell of load on a shared machine
+# moves it by a part, not several-fold.
+RATE_LINES = 8
 
 
 class Throughput:
-    """Tokens per second of whole training steps (their own time, not eval or saving), and
-    the wall-clock rate the ETA is computed from.
+    """Tokens per second of whole training steps (their own time, not evaluations, samples
+    or saves).
 
-    The first ``WARMUP_STEPS`` steps of a process are left out: they pay for allocations
-    and first-call setup that the rest of the run does not.
+    :meth:`window_rate` is a metrics record's (the steps since the previous record),
+    :meth:`recent_rate` the status line's: the last ``window`` steps, so that it moves
+    with the machine's load without jumping with every short spell of it. Both leave out
+    the first ``warmup`` steps of a process: they pay for allocations and first-call set-up
+    that the rest of the run does not. ``tokens`` and ``seconds`` count every step of the
+    process (the closing line's: its rate is their ratio).
     """
 
-    def __init__(self, warmup: int = WARMUP_STEPS):
+    def __init__(self, window: int, warmup: int = WARMUP_STEPS):
         self._skip = warmup
         self._window = [0, 0.0]  # tokens, seconds since the last window_rate()
-        self.tokens, self.seconds = 0, 0.0  # whole run (of this process)
-        self._wall_start: float | None = None  # when the first measured step began
+        self._recent: deque[tuple[int, float]] = deque(maxlen=window)
+        self._recent_sum = [0, 0.0]
+        self.tokens, self.seconds = 0, 0.0  # every step of this process
 
     def add(self, tokens: int, seconds: float) -> None:
+        self.tokens += tokens
+        self.seconds += seconds
         if self._skip > 0:
             self._skip -= 1
             return
-        if self._wall_start is None:  # wall clock from the start of this step on
-            self._wall_start = time.perf_counter() - seconds
         self._window[0] += tokens
         self._window[1] += seconds
-        self.tokens += tokens
-        self.seconds += seconds
+        if len(self._recent) == self._recent.maxlen:
+            old_tokens, old_seconds = self._recent[0]
+            self._recent_sum[0] -= old_tokens
+            self._recent_sum[1] -= old_seconds
+        self._recent.append((tokens, seconds))
+        self._recent_sum[0] += tokens
+        self._recent_sum[1] += seconds
 
     def window_rate(self) -> float | None:
         """Tokens/s since the previous call (None when no measured step), then reset."""
@@ -60,25 +74,51 @@ class Throughput:
         self._window = [0, 0.0]
         return tokens / seconds if seconds > 0 else None
 
+    def recent_rate(self) -> float | None:
+        """Tokens/s over the last ``window`` measured steps (None before one)."""
+        tokens, seconds = self._recent_sum
+        return tokens / seconds if self._recent and seconds > 0 else None
+
+
+@dataclass(frozen=True)
+class SegmentTime:
+    """Where this process's wall time went, for the closing line: ``tokens`` trained in
+    ``steps`` seconds of training steps, ``evaluating`` and ``sampling`` seconds, and the
+    ``wall`` time since it started (the rest: set-up, saves, logging)."""
+
+    wall: float
+    tokens: int
+    steps: float
+    evaluating: float = 0.0
+    sampling: float = 0.0
+
     @property
-    def overall_rate(self) -> float | None:
-        return self.tokens / self.seconds if self.seconds > 0 else None
+    def rate(self) -> float | None:
+        """Tokens/s of the training steps: ``tokens`` / ``steps``."""
+        return self.tokens / self.steps if self.tokens and self.steps > 0 else None
 
-    def remaining_seconds(self, tokens_left: int) -> float | None:
-        """Seconds to train ``tokens_left`` more tokens at the wall-clock rate of the steps
-        measured so far (after warm-up), the evaluations, samples and saves between them
-        included: an ETA that the rest of the run can keep. None before a measured step."""
-        if self._wall_start is None or self.tokens <= 0:
-            return None
-        wall = time.perf_counter() - self._wall_start
-        return max(0, tokens_left) * wall / self.tokens
+    def parts(self, device: str) -> list[str]:
+        """``1,536,000 tokens in 10m45s of steps``, ``2,381 tokens/s on cpu (...)`` and
+        ``wall 11m50s: 10m45s steps, 40s evaluating, 12s sampling, 13s other``: each time
+        rounded to whole seconds (tenths under a minute of wall time), and "other" (set-up,
+        saves, logging) what is left, so the figures add up to the wall time as shown."""
+        unit = 0.1 if self.wall < 60 else 1.0
 
+        def show(units: int) -> str:
+            return f"{units * unit:.1f}s" if unit < 1 else format_duration(units)
 
-def remaining_seconds(run: Run, progress: Progress, throughput: Throughput) -> float | None:
-    """The ETA of ``run``: its tokens still to train (the curriculum's, so longer stages
-    ahead count for what they are) at :meth:`Throughput.remaining_seconds`' rate."""
-    total = run.curriculum.total_tokens() * run.ctx.world_size
-    return throughput.remaining_seconds(total - progress.tokens)
+        wall, steps, evaluating, sampling = (round(t / unit) for t in (
+            self.wall, self.steps, self.evaluating, self.sampling))
+        other = max(0, wall - steps - evaluating - sampling)
+        parts = []
+        if self.rate is not None:
+            parts += [f"{self.tokens:,} tokens in {show(steps)} of steps",
+                      f"{self.rate:,.0f} tokens/s on {device}"]
+        spent = [f"{show(steps)} steps", f"{show(evaluating)} evaluating"]
+        if sampling:
+            spent.append(f"{show(sampling)} sampling")
+        parts.append(f"wall {show(wall)}: {', '.join(spent)}, {show(other)} other")
+        return parts
 
 
 def has_core(run: Run) -> bool:
@@ -87,9 +127,9 @@ def has_core(run: Run) -> bool:
 
 
 def device_text(run: Run) -> str:
-    """``cpu (2 threads, fp32, C++ core)`` or ``cuda:0 (NVIDIA H200, bf16 autocast, fused
-    core (Triton))``: where, at what precision, and (feedback kinds) which core runs, as
-    $FBTRAIN_CORE chose it (an interpreter, far slower, must not look like the C++ core)."""
+    """``cpu (2 threads, fp32, C++ core)`` or ``cuda:0 (NVIDIA H200, bf16 autocast, C++
+    core)``: where, at what precision, and (feedback kinds) which core runs, as
+    $FBTRAIN_CORE chose it (the PyTorch core, far slower, must not look like the C++ one)."""
     dtype = {None: "fp32", torch.bfloat16: "bf16 autocast",
              torch.float16: "fp16 autocast"}[run.amp_dtype]
     if has_core(run):
@@ -114,9 +154,6 @@ def announcement(run: Run, progress: Progress, resume_path: Path | None,
                  f"{cfg.model.n_heads} heads)")
     ranks = f" x {run.ctx.world_size} ranks (DDP)" if run.ctx.enabled else ""
     lines.append(f"device: {device_text(run)}{ranks}")
-    idle = idle_graphs_note(run.ctx.device, has_core(run))
-    if idle:
-        lines.append(idle)
     labelled = " (targets only where labelled; accuracy reported)" if data.labelled else ""
     lines.append(f"data: {data.n_tokens[0]:,} train / {data.n_tokens[1]:,} val "
                  f"{data.tokenizer.unit}s{labelled}, vocabulary {data.tokenizer.vocab_size}")
@@ -152,11 +189,8 @@ def step_metrics(run: Run, result: StepResult, tokens: int, rate: float | None
     }
     if result.accuracy is not None:
         metrics["accuracy"] = result.accuracy
-    model, device = run.raw_model, run.ctx.device
-    if model_kind(run.cfg.model.kind).memory_mix:
-        with torch.no_grad():
-            weights = model.memory_weights().float().tolist()
-        metrics.update({f"mem_weight/{i}": w for i, w in enumerate(weights)})
+    metrics.update({f"mem_weight/{i}": w for i, w in enumerate(result.memory_weights)})
+    device = run.ctx.device
     if device.type == "cuda":
         metrics["peak_mem_mib"] = torch.cuda.max_memory_allocated(device) / 2**20
     return metrics
@@ -180,45 +214,62 @@ def evaluation_line(step: int, metrics: dict[str, float], improved: bool,
             f" ({windows} fixed windows){accuracy}{best}")
 
 
-def summary(run: Run, progress: Progress, rate: float | None, seconds: float) -> str:
-    """The last lines: where training stopped, its losses, its speed and its wall time,
-    ``|``-separated and wrapped between parts into lines of at most 80 columns
-    (:func:`~fbtrain.metrics.console.fit_parts`).
-
-    ``rate`` and ``seconds`` are this process's. A run resumed (its clock counts earlier
-    segments) gives the run's totals, its tokens and training time over all segments, and
-    this segment's rate and time labelled as such."""
+def summary(run: Run, progress: Progress, time: SegmentTime) -> str:
+    """The last lines: where training stopped, its losses, then what this process trained,
+    at what rate, and where its wall time went (:class:`SegmentTime`), ``|``-separated and
+    wrapped between parts into lines of at most 80 columns
+    (:func:`~fbtrain.metrics.console.fit_parts`). A run resumed (its clock counts earlier
+    segments) first gives the run's totals, its tokens and training time over all segments,
+    then this segment's figures, labelled as such."""
     parts = [f"done at step {progress.step}"]
     if progress.val_loss is not None:
         parts.append(f"val loss {progress.val_loss:.4f} (bpc {progress.val_loss / LN2:.4f}, "
                      f"{len(run.data.val_x)} fixed windows)")
     if progress.best_val_loss is not None:
         parts.append(f"best {progress.best_val_loss:.4f}")
+    lines = fit_parts(parts)
     clock = run.clock
+    segment = time.parts(device_text(run))
     if clock.resumed:
-        segments = clock.segments + 1
-        parts.append(f"run: {progress.tokens:,} tokens, "
-                     f"{format_duration(clock.seconds + seconds)} training in {segments} "
-                     "segments")
-        speed = f"{rate:,.0f} tokens/s on {device_text(run)}, " if rate is not None else ""
-        parts.append(f"this segment: {speed}{format_duration(seconds)}")
-        return "\n".join(fit_parts(parts))
-    if rate is not None:
-        parts.append(f"{rate:,.0f} tokens/s on {device_text(run)}")
-    parts.append(f"wall {format_duration(seconds)}")
-    return "\n".join(fit_parts(parts))
+        lines += fit_parts([f"run: {progress.tokens:,} tokens, "
+                            f"{format_duration(clock.seconds + time.wall)} training in "
+                            f"{clock.segments + 1} segments"])
+        segment[0] = f"this segment: {segment[0]}"
+    return "\n".join(lines + fit_parts(segment))
 
 
-# Set by the Makefile's train and quick recipes: the command a user runs again to resume.
-MAKE_TARGET_ENV = "FBTRAIN_MAKE_TARGET"
+def finished_lines(run_dir: Path, path: Path, payload: dict[str, Any], max_steps: int
+                   ) -> tuple[str, str]:
+    """What a run that has nothing left to train says instead of training: that it is done
+    and what to do next, then its closing line from the checkpoint ``payload`` (read from
+    ``path``): step, losses, and the run's tokens and training time (its ``clock``)."""
+    step, progress = payload["step"], payload["progress"]
+    done = (f"{run_dir} is already trained: {path.name} is at step {step} and "
+            f"train.max_steps is {max_steps}, so there is nothing to train (to train on: "
+            f"--set train.max_steps=N, more than {step}; to try it: fbtrain sample "
+            f"--checkpoint {run_dir})")
+    parts = [f"done at step {step}"]
+    if is_number(progress.get("val_loss")):
+        parts.append(f"val loss {progress['val_loss']:.4f} (bpc {progress['val_loss'] / LN2:.4f})")
+    if is_number(progress.get("best_val_loss")):
+        parts.append(f"best {progress['best_val_loss']:.4f}")
+    clock = payload.get("clock")
+    if (isinstance(clock, dict) and is_number(clock.get("seconds"))
+            and is_int(clock.get("segments"))):
+        segments = clock["segments"]
+        parts.append(f"run: {progress.get('tokens', 0):,} tokens, "
+                     f"{format_duration(clock['seconds'])} training in {segments} "
+                     f"segment{'s' if segments != 1 else ''}")
+    return done, "\n".join(fit_parts(parts))
 
 
 def resume_hint() -> str:
-    """How to resume, in the interrupt line: ``make <target>`` again when make started
-    the run (it passes ``--resume auto``), else both forms."""
-    target = os.environ.get(MAKE_TARGET_ENV, "").strip()
-    if target and os.environ.get("MAKELEVEL"):
-        return f"run `make {target}` again to resume (it passes --resume auto)"
+    """How to resume, in the interrupt line: the make command again, with the variables it
+    was given (``make quick DATA=input.txt``), when make started the run (it passes
+    ``--resume auto``), else both forms."""
+    command = make_command()
+    if command:
+        return f"run `{command}` again to resume (it passes --resume auto)"
     return "resume with --resume auto (or run `make train` again, if make started it)"
 
 

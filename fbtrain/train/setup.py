@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from fbtrain.checkpoint.best import heal_best
 from fbtrain.checkpoint.contents import WarmStart, apply_warm_start, check_warm_start
 from fbtrain.checkpoint.files import CheckpointManager, save_checkpoint
 from fbtrain.checkpoint.state import (
@@ -28,6 +29,7 @@ from fbtrain.checkpoint.state import (
     Stateful,
     expect_dict,
     make_checkpoint,
+    refuse_other_model,
     restore_checkpoint,
 )
 from fbtrain.config import Config
@@ -42,7 +44,7 @@ from fbtrain.distributed import DistContext
 from fbtrain.messages import is_int, is_number
 from fbtrain.models import build_model
 from fbtrain.rng import GlobalRng, rank_seed, seed_everything
-from fbtrain.rundir import choose_resume
+from fbtrain.rundir import ResumeChoice, choose_resume
 from fbtrain.runhistory import Segment, changed_settings, describe_changes
 from fbtrain.train.batches import CarriedStreams, RandomWindows
 from fbtrain.train.clock import RunClock
@@ -145,16 +147,41 @@ class Run:
     segment: Segment = Segment()  # the run's id and what history.jsonl records of this start
 
 
+def resume_choice(cfg: Config, manager: CheckpointManager, resume: str | None
+                  ) -> ResumeChoice:
+    """Where the run starts (:func:`~fbtrain.rundir.choose_resume`), a checkpoint of another
+    model refused before anything is loaded or downloaded. Call with the run directory's
+    lock held (the trainer takes it first): the choice is made from what the directory
+    holds."""
+    choice = choose_resume(resume, manager)
+    if choice.path is not None and choice.payload is not None:
+        refuse_other_model(choice.path, choice.payload, cfg.model)
+    return choice
+
+
+def finished(cfg: Config, choice: ResumeChoice) -> bool:
+    """Whether the run directory's own checkpoint that ``choice`` resumes from has trained
+    ``train.max_steps`` (or more) and was evaluated at its step: nothing is left to do."""
+    if choice.new_run:  # another run's checkpoint, into a new directory
+        return False
+    payload = choice.payload or {}
+    step, progress = payload.get("step"), payload.get("progress")
+    if not (is_int(step) and step >= cfg.train.max_steps and isinstance(progress, dict)):
+        return False  # to train, or a checkpoint whose problems the resume reports
+    return progress.get("val_step", step) == step
+
+
 def set_up(cfg: Config, ctx: DistContext, manager: CheckpointManager, resume: str | None,
-           seams: Seams | None = None) -> tuple[Run, Progress, Path | None]:
+           choice: ResumeChoice | None = None, seams: Seams | None = None
+           ) -> tuple[Run, Progress, Path | None]:
     """Build the run (fresh, resumed or warm-started): ``(run, progress, resumed_from)``.
 
-    Call with the run directory's lock held (the trainer takes it first): which checkpoint
-    to continue from is decided from what the directory holds.
+    Call with the run directory's lock held: ``choice`` is :func:`resume_choice` of
+    ``resume``, made here when not given.
     """
     clock = RunClock()  # this segment starts now
     seams = seams or Seams()
-    choice = choose_resume(resume, manager)
+    choice = choice or resume_choice(cfg, manager, resume)
     resume_path, payload = choice.path, choice.payload
     init_path, init = warm_start_source(cfg, payload)
     seed_everything(cfg.run.seed)
@@ -187,11 +214,19 @@ def set_up(cfg: Config, ctx: DistContext, manager: CheckpointManager, resume: st
         changed = changed_settings(saved, cfg.to_dict()) if isinstance(saved, dict) else {}
         if changed:
             notes += (describe_changes(changed, progress.step),)
+        saved_ranks = payload.get("world_size", 1)
+        if is_int(saved_ranks) and saved_ranks != ctx.world_size:
+            changed["world_size"] = [saved_ranks, ctx.world_size]  # history.jsonl's too
+            notes += (ranks_changed(run, saved_ranks, progress.step),)
         unchecked = data.identity.unchecked_note(payload.get("data"), resume_path)
         notes += (unchecked,) if unchecked else ()
         rewound = set_aside_abandoned(manager, resume_path, progress.step) if ctx.is_main \
             else None
         notes += (rewound,) if rewound else ()
+        # best.pt that a failed save left behind the recorded best: put right, or named
+        healed = heal_best(manager, progress.best_val_loss) \
+            if ctx.is_main and not choice.new_run else None
+        notes += (healed,) if healed else ()
     model = ctx.wrap(raw_model)  # after the restore: DDP broadcasts rank 0's weights
     model.train()
     segment = Segment(choice.run_id, choice.new_run, changed)
@@ -203,6 +238,17 @@ def _build_on(model_cfg: Any, vocab_size: int, device: torch.device) -> nn.Modul
     """The model, initialised (on the CPU: the same numbers whatever the device) and moved
     to ``device``."""
     return build_model(model_cfg, vocab_size).to(device)
+
+
+def ranks_changed(run: Run, saved_ranks: int, step: int) -> str:
+    """The line a resume on another number of DDP ranks than the checkpoint's prints: a
+    step trains every rank's batch, so the sequences per step change with it."""
+    cfg, ranks = run.cfg, run.ctx.world_size
+    per_rank = run.curriculum.batch_size_at(step) * cfg.train.grad_accum
+    return (f"DDP ranks changed from what the checkpoint (step {step}) trained with: "
+            f"world_size {saved_ranks} -> {ranks}, so a step now trains {ranks * per_rank:,} "
+            f"sequences ({ranks} x train.batch_size x train.grad_accum), not "
+            f"{saved_ranks * per_rank:,} (history.jsonl records it)")
 
 
 # ----------------------------------------------------------------------------- what to resume

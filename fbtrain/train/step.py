@@ -1,9 +1,10 @@
 """One optimizer step: forward/backward over the micro-batches, clip, agree across ranks,
 check that the loss and gradient norm are finite, update.
 
-One host sync per step (the loss and gradient norm, needed for the non-finite check);
-everything else stays on the device. Under DDP two small all-reduces: the step's scored
-count before the backward (the loss is normalised by it), the figures after.
+One host sync per step, in every mode (:func:`read_figures`: the loss, gradient norm,
+accuracy, memory RMS and scored count in one copy, what the non-finite check and the log
+need); everything else stays on the device. Under DDP two small all-reduces: the step's
+scored count before the backward (the loss is normalised by it), the figures after.
 """
 
 from __future__ import annotations
@@ -11,20 +12,24 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
-from fbtrain.device import autocast
+from fbtrain.config.kinds import model_kind
 from fbtrain.distributed import DistContext
 from fbtrain.errors import EXIT_FAILED, TrainingError
+from fbtrain.models.state import MemoryState
 from fbtrain.scoring import count_scored, score_sums
 from fbtrain.train.setup import Run
 from fbtrain.train.signals import EXIT_CODES, STOP_PRIORITY, StopSignals
 
 EXIT_NONFINITE = EXIT_FAILED  # a non-finite loss or gradient norm
+HOST_SYNC = "fbtrain::host_sync"  # profiler mark of the step's one read on the host
 
 
 @dataclass
@@ -39,31 +44,61 @@ class StepResult:
     batch_size: int
     tokens: int  # over all ranks and micro-batches
     stop: int | None  # the signal that asks to stop after this step, if any
-    memory_rms: Tensor  # RMS of the memory keys the step left (rank 0's last micro-batch)
+    memory_rms: Tensor  # RMS of the memory keys the step left (rank 0's last micro-batch;
+    #                     0-dim on the CPU: read in the step's one host read)
     seconds: float  # the step's own time, for tokens/s
     accuracy: float | None = None  # over the scored targets, for a labelled dataset
+    memory_weights: list[float] = field(default_factory=list)  # after the update, if mixed
 
 
-def train_step(run: Run, index: int, signals: StopSignals, last: Path) -> StepResult:
+MicroBatch = tuple[Tensor, Tensor, MemoryState | None]  # inputs, targets [rows, T], memory
+# The whole step as a CUDA graph (fbtrain.train.step_graph.StepGraphs): step_body and the
+# update for a step's micro-batches at a learning rate; the figures step_body returns.
+GraphedStep = Callable[[list[MicroBatch], float], Tensor]
+
+
+def train_step(run: Run, index: int, signals: StopSignals, last: Path,
+               graphs: GraphedStep | None = None) -> StepResult:
     """Train the step with 0-based ``index``. A non-finite loss stops it before the update
-    (a :class:`TrainingError` naming ``last``, the newest checkpoint, if there is one)."""
-    cfg, ctx, device = run.cfg, run.ctx, run.ctx.device
+    (a :class:`TrainingError` naming ``last``, the newest checkpoint, if there is one).
+
+    Eager, or through ``graphs``: the same body (:func:`step_body`), read, stop rules and
+    result; the graph makes the update itself, skipped on the device on the same test
+    :func:`check_finite` makes on the host."""
     seq_len, batch = run.curriculum.seq_len_at(index), run.curriculum.batch_size_at(index)
-    accum = cfg.train.grad_accum
     start = time.perf_counter()
     lr = run.schedule.apply(run.optimizer, index)
+    micro_batches = run.batches.micro_batches(seq_len, batch, run.ctx.device)
+    stats = step_body(run, micro_batches) if graphs is None else graphs(micro_batches, lr)
+    if graphs is None:
+        update(run, stats)
+    figures = read_figures(run, with_memory_weights(run, stats), signals)
+    check_finite(run, index + 1, figures.loss, figures.grad_norm, last)
+    tokens = sum(x.numel() for x, _, _ in micro_batches) * run.ctx.world_size
+    return step_result(run, figures, lr, seq_len, batch, tokens, start)
+
+
+def step_body(run: Run, micro_batches: list[MicroBatch]) -> Tensor:
+    """Forward and backward over this rank's ``micro_batches`` (inputs and targets
+    ``[rows, T]``, the memory each starts from), then the gradients unscaled and clipped:
+    everything of a step but the update, with no read on the host.
+
+    Returns the step's figures on the device, float32 ``[5]``: the loss (the mean over
+    every scored target of the step, this rank's share of it under DDP), the gradient norm
+    before clipping, the accuracy (this rank's share, as the loss), the RMS of the memory
+    keys the last micro-batch left, and the scored targets of the step on all ranks.
+    """
+    cfg, ctx, device = run.cfg, run.ctx, run.ctx.device
     run.optimizer.zero_grad(set_to_none=True)
     loss_sum = torch.zeros((), device=device)
     correct = torch.zeros((), dtype=torch.long, device=device)
-    tokens = 0
-    micro_batches = run.batches.micro_batches(seq_len, batch, device)
     scored = step_scored(ctx, [y for _, y, _ in micro_batches])
     denominator = loss_denominator(ctx, scored)
     for micro, (x, y, state) in enumerate(micro_batches):
         # DDP all-reduces gradients on the last micro-batch only.
-        sync = micro == accum - 1 or not ctx.enabled
+        sync = micro == cfg.train.grad_accum - 1 or not ctx.enabled
         with contextlib.nullcontext() if sync else run.model.no_sync():
-            with autocast(cfg.run.precision, device):
+            with _autocast(run):
                 logits, new_state = run.model(x, state)
             ce_sum, _, right = score_sums(logits, y)
             loss = ce_sum / denominator
@@ -71,25 +106,27 @@ def train_step(run: Run, index: int, signals: StopSignals, last: Path) -> StepRe
         run.batches.keep(micro, new_state)
         loss_sum += loss.detach()
         correct += right
-        tokens += x.numel()
     memory_rms = new_state.keys.detach().float().square().mean().sqrt()
     run.scaler.unscale_(run.optimizer)
-    clip = cfg.train.grad_clip if cfg.train.grad_clip > 0 else math.inf
-    grad_norm = torch.nn.utils.clip_grad_norm_(run.params, clip)
+    grad_norm = torch.nn.utils.clip_grad_norm_(run.params, clip_value(cfg.train.grad_clip))
     accuracy = correct.float() / denominator
-    loss_value, norm_value, accuracy_value, stop = agree(run, loss_sum, grad_norm, accuracy,
-                                                         signals)
-    check_finite(run, index + 1, loss_value, norm_value, last)
-    if run.data.labelled and not bool(scored):
-        # No labelled target in the whole step: its loss, accuracy and gradient are not 0
-        # but undefined, so they are logged as null (as validation logs them); the update
-        # below is made as ever (a zero gradient), so training numbers do not change.
-        loss_value = norm_value = accuracy_value = math.nan
-    run.scaler.step(run.optimizer)  # skips the step if fp16 gradients overflowed
-    run.scaler.update()
-    return StepResult(loss_value, norm_value, lr, seq_len, batch, tokens * ctx.world_size, stop,
-                      memory_rms, time.perf_counter() - start,
-                      accuracy_value if run.data.labelled else None)
+    return torch.stack([loss_sum.float(), grad_norm.float(), accuracy.float(), memory_rms,
+                        scored.float()])
+
+
+def _autocast(run: Run) -> contextlib.AbstractContextManager:
+    """The run's autocast, without its cache of cast weights: the graphed step captures
+    this body, and cast copies cached during a capture would be the graph's, freed under it
+    (PyTorch's CUDA graph notes). The casts give the same values either way."""
+    if run.amp_dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(run.ctx.device.type, dtype=run.amp_dtype, cache_enabled=False)
+
+
+def clip_value(grad_clip: float) -> float:
+    """The gradient norm clipping clips to: ``train.grad_clip``, or no clipping at 0 (the
+    norm is still computed: it is logged and checked)."""
+    return grad_clip if grad_clip > 0 else math.inf
 
 
 def step_scored(ctx: DistContext, targets: list[Tensor]) -> Tensor:
@@ -118,31 +155,97 @@ def loss_denominator(ctx: DistContext, scored: Tensor) -> Tensor:
     return total / ctx.world_size if ctx.enabled else total
 
 
-def agree(run: Run, loss: Tensor, grad_norm: Tensor, accuracy: Tensor, signals: StopSignals
-          ) -> tuple[float, float, float, int | None]:
-    """Loss and accuracy (means over ranks of shares that :func:`loss_denominator` scaled
-    to make that mean the step's), gradient norm and stop signal, the same on every rank.
+def update(run: Run, stats: Tensor) -> None:
+    """AdamW's step, skipped on the device where :func:`step_body`'s ``stats`` hold a
+    non-finite loss or gradient norm (the test :func:`check_finite` then makes on the host
+    and stops on): so the step's one host read can come after the update and carry what
+    the update made (the memory weights the log records), and a refused step still leaves
+    the weights as they were. The optimizer is fused AdamW (``found_inf`` is how it takes
+    such a gate, as from GradScaler). Under fp16 loss scaling the scaler gates instead: it
+    skips a step whose gradients overflowed, which a non-finite loss makes them."""
+    if run.scaler.is_enabled():
+        run.scaler.step(run.optimizer)
+        run.scaler.update()
+        return
+    finite = torch.isfinite(stats[0]) & torch.isfinite(stats[1])
+    run.optimizer.found_inf = (~finite).float()
+    try:
+        run.optimizer.step()
+    finally:
+        del run.optimizer.found_inf
 
-    One small all-reduce under DDP, so that every rank stops at the same step (a rank
-    leaving alone would hang the others in their next collective).
+
+def with_memory_weights(run: Run, stats: Tensor) -> Tensor:
+    """``stats`` and, for a model that mixes its memory, its memory weights after the
+    update (``[L+1]``, float32): what the step's record logs, read with its figures."""
+    if not model_kind(run.cfg.model.kind).memory_mix:
+        return stats
+    with torch.no_grad():
+        return torch.cat([stats, run.raw_model.memory_weights().float()])
+
+
+class Figures(NamedTuple):
+    """A step's figures on the host, the same on every rank (:func:`read_figures`)."""
+
+    loss: float
+    grad_norm: float  # before clipping
+    accuracy: float
+    memory_rms: Tensor  # 0-dim float32 on the CPU: rank 0's (StepResult.memory_rms)
+    scored: bool  # whether the step scored any target, on any rank
+    stop: int | None  # the signal that asks to stop after this step, if any
+    memory_weights: list[float]  # after the update (empty unless the model mixes memory)
+
+
+def read_figures(run: Run, stats: Tensor, signals: StopSignals) -> Figures:
+    """The step's one host read: :func:`step_body`'s figures ``stats`` copied to the host,
+    agreed across ranks. The non-finite stop, the nothing-scored rule and the log all read
+    them from here.
+
+    Under DDP the copy is of one small all-reduce, so that every rank stops at the same step
+    (a rank leaving alone would hang the others in their next collective): the loss and
+    accuracy are means over ranks of shares that :func:`loss_denominator` scaled to make
+    that mean the step's, every rank holds the same (all-reduced) gradients and so the same
+    norm, the scored count is the same global one on every rank (summed, it is zero only
+    where it is zero), and the memory RMS is rank 0's (every other rank adds 0, exactly).
     """
     ctx = run.ctx
-    if not ctx.enabled:
-        loss_value, norm_value, acc_value = torch.stack(
-            [loss.float(), grad_norm.float(), accuracy.float()]).tolist()
-        return loss_value, norm_value, acc_value, signals.received
-    # One flag per signal; a stop any rank was asked for stops every rank.
-    flags = torch.tensor([float(signals.received == sig) for sig in EXIT_CODES],
-                         device=ctx.device)
-    stats = torch.cat([torch.stack([loss.float(), grad_norm.float(), accuracy.float()]),
-                       flags])
-    loss_sum, norm_sum, acc_sum, *counts = ctx.all_reduce_sum(stats).tolist()
-    asked = {sig for sig, n in zip(EXIT_CODES, counts, strict=True) if n}
-    # This rank's own signal when it has one (its exit code must match what it says).
-    stop = signals.received or next((s for s in STOP_PRIORITY if s in asked), None)
-    # Every rank holds the same (all-reduced) gradients, hence the same norm.
-    n = ctx.world_size
-    return loss_sum / n, norm_sum / n, acc_sum / n, stop
+    n_weights = len(stats) - 5  # with_memory_weights
+    if ctx.enabled:
+        # One flag per signal; a stop any rank was asked for stops every rank.
+        flags = torch.tensor([float(signals.received == sig) for sig in EXIT_CODES],
+                             device=ctx.device)
+        stats = torch.cat([stats, flags])
+        if not ctx.is_main:  # rank 0's memory RMS and weights (the others add 0, exactly)
+            stats[3] = 0.0
+            stats[5:5 + n_weights] = 0.0
+        ctx.all_reduce_sum(stats)
+    with torch.profiler.record_function(HOST_SYNC):
+        host = stats.to("cpu", copy=True)
+    loss, norm, accuracy, _, scored, *rest = host.tolist()
+    weights, counts = rest[:n_weights], rest[n_weights:]
+    stop = signals.received
+    if ctx.enabled:
+        n = ctx.world_size
+        loss, norm, accuracy = loss / n, norm / n, accuracy / n
+        asked = {sig for sig, count in zip(EXIT_CODES, counts, strict=True) if count}
+        # This rank's own signal when it has one (its exit code must match what it says).
+        stop = stop or next((s for s in STOP_PRIORITY if s in asked), None)
+    return Figures(loss, norm, accuracy, host[3], scored > 0, stop, weights)
+
+
+def step_result(run: Run, figures: Figures, lr: float, seq_len: int, batch: int,
+                tokens: int, start: float) -> StepResult:
+    """The trainer's record of a step that passed :func:`check_finite`, begun at ``start``
+    (``time.perf_counter()``) and training ``tokens`` over all ranks."""
+    loss, norm, accuracy = figures.loss, figures.grad_norm, figures.accuracy
+    if run.data.labelled and not figures.scored:
+        # No labelled target in the whole step: its loss, accuracy and gradient are not 0
+        # but undefined, so they are logged as null (as validation logs them); the update
+        # was made as ever (a zero gradient), so training numbers do not change.
+        loss = norm = accuracy = math.nan
+    return StepResult(loss, norm, lr, seq_len, batch, tokens, figures.stop, figures.memory_rms,
+                      time.perf_counter() - start, accuracy if run.data.labelled else None,
+                      figures.memory_weights)
 
 
 def check_finite(run: Run, step: int, loss: float, grad_norm: float, last: Path) -> None:

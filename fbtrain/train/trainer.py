@@ -43,23 +43,33 @@ from fbtrain.checkpoint.contents import summarize_names
 from fbtrain.checkpoint.files import CheckpointManager
 from fbtrain.config import Config, TrainConfig
 from fbtrain.config.kinds import model_kind
+from fbtrain.config.limits import allocation_failed
 from fbtrain.device import matmul_precision
 from fbtrain.distributed import DistContext, is_peer_failure, peer_lost, session
 from fbtrain.evaluate import loss_figures
 from fbtrain.inference import inference
+from fbtrain.metrics.console import Console
 from fbtrain.metrics.logger import MetricsLogger, text_block
-from fbtrain.metrics.tensorboard import hparams_of
-from fbtrain.models.core.graphs import graphs_choice
+from fbtrain.metrics.tensorboard import SUBRUNS, hparams_of
 from fbtrain.rng import sample_generator, sample_seed
-from fbtrain.rundir import RunDirLock, write_run_files
-from fbtrain.rundir_checks import check_path_length, check_writable
+from fbtrain.rundir import ResumeChoice, RunDirLock, write_run_files
+from fbtrain.rundir_checks import check_folders, check_path_length, check_writable
 from fbtrain.runhistory import record_segment
 from fbtrain.scoring import window_scores
-from fbtrain.train.oom import is_allocation_failure, out_of_memory
-from fbtrain.train.setup import Progress, Run, Seams, checkpoint_payload, set_up
+from fbtrain.train.oom import is_allocation_failure, out_of_memory, setting_up
+from fbtrain.train.pace import Clock, Pace
+from fbtrain.train.setup import (
+    Progress,
+    Run,
+    Seams,
+    checkpoint_payload,
+    finished,
+    resume_choice,
+    set_up,
+)
 from fbtrain.train.signals import EXIT_CODES, StopRequested, StopSignals
 from fbtrain.train.step import EXIT_NONFINITE, StepResult, TrainingError, train_step
-from fbtrain.train.step_graph import step_function
+from fbtrain.train.step_graph import graphs_requested, step_function
 
 EVAL_BATCH = 64  # validation windows per forward: no gradients, so wide batches are cheap
 
@@ -67,7 +77,8 @@ StepHook = Callable[[int], None]  # called with the step number after each step'
 
 
 def run(cfg: Config, *, resume: str | None = None, quiet: bool = False,
-        on_step: StepHook | None = None, seams: Seams | None = None) -> Path:
+        on_step: StepHook | None = None, clock: Clock = time.perf_counter,
+        seams: Seams | None = None) -> Path:
     """Train as ``cfg`` says and return the run directory.
 
     ``resume``: None starts fresh (refused with a ConfigError when the run directory already
@@ -78,12 +89,14 @@ def run(cfg: Config, *, resume: str | None = None, quiet: bool = False,
     (:func:`fbtrain.rundir.choose_resume`). ``quiet`` turns the
     console (progress, messages) off but for the one-line summary; files are written the
     same. ``on_step(step)``
-    runs after each trained step, before its evaluation and save (for tests). ``seams``:
-    how the data, the model and checkpoint files are made (:class:`Seams`; for harnesses).
+    runs after each trained step, before its evaluation and save (for tests); ``clock``
+    times the run for its ETA and closing line (a test's own, for costs it sets);
+    ``seams``: how the data, the model and checkpoint files are made (:class:`Seams`; for
+    harnesses).
     """
-    graphs_choice()  # a bad $FBTRAIN_CUDA_GRAPHS is refused before anything is made
+    graphs_requested()  # a bad $FBTRAIN_CUDA_GRAPHS is refused before anything is made
     with session(cfg.run.device) as ctx, matmul_precision(cfg.run.precision, ctx.device):
-        trainer = Trainer(cfg, ctx, quiet=quiet, on_step=on_step, seams=seams)
+        trainer = Trainer(cfg, ctx, quiet=quiet, on_step=on_step, clock=clock, seams=seams)
         try:
             return trainer.fit(resume)
         except RuntimeError as e:
@@ -105,20 +118,25 @@ class Trainer:
     logger: MetricsLogger
 
     def __init__(self, cfg: Config, ctx: DistContext, *, quiet: bool = False,
-                 on_step: StepHook | None = None, seams: Seams | None = None):
+                 on_step: StepHook | None = None, clock: Clock = time.perf_counter,
+                 seams: Seams | None = None):
         self.cfg, self.ctx, self.quiet, self.on_step = cfg, ctx, quiet, on_step
         self.seams = seams or Seams()
         self.run_dir = Path(cfg.run.out_dir) / cfg.run.name
         self.manager = CheckpointManager(self.run_dir, cfg.checkpoint.keep_last,
                                          self.seams.write_checkpoint)
         self.run_lock = RunDirLock(self.run_dir, enabled=ctx.is_main)
-        self.throughput = report.Throughput()
+        # The status line's rate and the ETA's costs: over the steps of its last lines.
+        window = report.RATE_LINES * cfg.train.log_every
+        self.throughput = report.Throughput(window)
+        self.pace = Pace(cfg, window, clock)  # where the time goes, and the ETA
         # (step, text) of the newest sample: samples go to TensorBoard, and the console
         # shows only this one, at the end (a sample every evaluation floods the terminal).
         self.last_sample: tuple[int, str] | None = None
         self._status_lacks_rate = False  # the status line shown has no rate yet
         self._last_shown: dict[str, Any] = {}
         self.completed = False  # every step trained and the last one saved
+        self._samples_off = False  # a sample ran out of memory: no more this run
 
     def fit(self, resume: str | None) -> Path:
         """Set up (fresh, resumed or warm-started), train to ``max_steps``, return the run dir.
@@ -130,15 +148,25 @@ class Trainer:
         """
         if self.ctx.is_main:
             check_path_length(self.run_dir)  # before mkdir: its error would print it whole
+            check_folders(self.run_dir)
             self.run_lock.create_and_acquire()
         self.ctx.barrier()  # other ranks read the directory once rank 0 owns it
         wrote = False
         try:
             if self.ctx.is_main:  # what a save would fail on, refused before training
-                check_writable(self.run_dir)
-            started = time.perf_counter()
-            self.run, self.progress, resume_path = set_up(self.cfg, self.ctx, self.manager,
-                                                          resume, self.seams)
+                check_writable(self.run_dir, SUBRUNS if self.cfg.logging.tensorboard else ())
+            started = self.pace.clock()
+            choice = resume_choice(self.cfg, self.manager, resume)
+            if finished(self.cfg, choice):  # said before any data is loaded (or downloaded)
+                self._say_finished(choice)
+                return self.run_dir
+            try:
+                self.run, self.progress, resume_path = set_up(
+                    self.cfg, self.ctx, self.manager, resume, choice, self.seams)
+            except (MemoryError, RuntimeError, SystemError, OSError) as e:
+                if not is_allocation_failure(e):
+                    raise
+                raise setting_up(e) from None
             wrote = True
             # A resume with nothing to train leaves the directory's files as they were:
             # config.yaml describes the checkpoints it holds, not settings none was made with.
@@ -182,12 +210,27 @@ class Trainer:
             self._loop(signals)
         self.completed = True
         self.logger.end_run()
+        self.logger.raise_failure()
         if self.last_sample is not None:  # the one sample the console shows: the last
             self.logger.info(text_block("sample", *self.last_sample))
-        self.logger.result(report.summary(self.run, self.progress,
-                                          self.throughput.overall_rate,
-                                          time.perf_counter() - started))
+        events = self.pace.events
+        spent = report.SegmentTime(
+            wall=self.pace.clock() - started, tokens=self.throughput.tokens,
+            steps=self.throughput.seconds, evaluating=events["evaluation"].spent,
+            sampling=events["sample"].spent)
+        self.logger.result(report.summary(self.run, self.progress, spent))
         self.ctx.barrier()
+
+    def _say_finished(self, choice: ResumeChoice) -> None:
+        """A run resumed with nothing left to train: that it is done, and its closing line
+        (no segment recorded, no file written)."""
+        assert choice.path is not None and choice.payload is not None
+        console = Console(enabled=self.ctx.is_main, quiet=self.quiet)
+        done, closing = report.finished_lines(self.run_dir, choice.path, choice.payload,
+                                              self.cfg.train.max_steps)
+        console.info(f"run directory: {self.run_dir}")
+        console.info(done)
+        console.result(closing)
 
     # ------------------------------------------------------------------ loop
 
@@ -202,8 +245,10 @@ class Trainer:
             self._evaluate_untrained(signals)
         elif self._evaluation_missed():
             self._catch_up_evaluation(signals)
-        # train_step, or its whole-step CUDA graphs where $FBTRAIN_CUDA_GRAPHS=step asks
+        self.logger.raise_failure()  # a log file that cannot be written: before training on
+        # train_step, through whole-step CUDA graphs where $FBTRAIN_CUDA_GRAPHS asks
         step = step_function(self.run) if progress.step < max_steps else train_step
+        self.pace.start()
         while progress.step < max_steps:
             seq_len = plan.seq_len_at(progress.step)
             if prev_seq_len is not None and seq_len != prev_seq_len:
@@ -216,11 +261,12 @@ class Trainer:
                 if not is_allocation_failure(e):
                     raise
                 raise out_of_memory(self.run, progress.step) from None
+            self.pace.trained(progress.step)
             self.throughput.add(result.tokens, result.seconds)
             progress.step += 1
             progress.tokens += result.tokens
             self._after_step(result, signals)
-            if self._status_lacks_rate and self.throughput.overall_rate is not None:
+            if self._status_lacks_rate and self.throughput.recent_rate() is not None:
                 self._redraw_status()
 
     def _after_step(self, result: StepResult, signals: StopSignals) -> None:
@@ -240,8 +286,11 @@ class Trainer:
         # Under DDP the stop the ranks agreed on at the step; alone, any signal so far.
         stop = result.stop if self.ctx.enabled else signals.received
         every = step % cfg.checkpoint.every == 0
-        if every or final or improved or stop is not None:
+        # A log file that could not be written stops the run, but the step is saved first.
+        failed = self.logger.failure is not None
+        if every or final or improved or stop is not None or failed:
             self._save(numbered=every or final, best=improved)
+        self.logger.raise_failure()
         if final and not self.ctx.enabled:
             stop = signals.received  # one that came during the final save counts too
         if stop is not None:
@@ -253,17 +302,19 @@ class Trainer:
                                 EXIT_CODES[stop])
 
     def _train_metrics(self, result: StepResult) -> dict[str, Any]:
-        """The step's metrics, also shown on the progress line."""
-        rate = self.throughput.window_rate()
-        metrics = report.step_metrics(self.run, result, self.progress.tokens, rate)
+        """The step's metrics (tokens/s since the last record), also shown on the progress
+        line (tokens/s over the last steps, and the ETA)."""
+        metrics = report.step_metrics(self.run, result, self.progress.tokens,
+                                      self.throughput.window_rate())
         shown = {k: metrics[k] for k in ("loss", "bpc", "accuracy", "seq_len", "lr")
                  if k in metrics}
+        rate = self.throughput.recent_rate()
         if rate is not None:
             shown["tokens_per_sec"] = rate
-        self.logger.progress(self.progress.step, shown, remaining=report.remaining_seconds(
-            self.run, self.progress, self.throughput))
+        self.logger.progress(self.progress.step, shown,
+                             remaining=self.pace.remaining(self.progress.step))
         # The first steps of a process are not measured (warm-up): a line shown before any
-        # was has no rate nor ETA, and is redrawn with them after the next step.
+        # was has no rate, and is redrawn with it after the next step.
         self._status_lacks_rate = rate is None
         self._last_shown = shown
         return metrics
@@ -271,9 +322,9 @@ class Trainer:
     def _redraw_status(self) -> None:
         """The status line again, at this step, now with the rate and the ETA (its other
         figures are the last shown: a status line, not a metrics record)."""
-        shown = {**self._last_shown, "tokens_per_sec": self.throughput.overall_rate}
-        self.logger.progress(self.progress.step, shown, remaining=report.remaining_seconds(
-            self.run, self.progress, self.throughput))
+        shown = {**self._last_shown, "tokens_per_sec": self.throughput.recent_rate()}
+        self.logger.progress(self.progress.step, shown, remaining=self.pace.remaining(
+            self.progress.step, events_done=True))
         self._status_lacks_rate = False
 
     # ------------------------------------------------------------------ evaluation, samples
@@ -348,7 +399,8 @@ class Trainer:
             return False
         data, progress = self.run.data, self.progress
         # The inference context `fbtrain eval` scores in too: its figure is this one.
-        with inference(self.run.raw_model, self.cfg.run.precision, self.ctx.device), \
+        with self.pace.timing("evaluation"), \
+                inference(self.run.raw_model, self.cfg.run.precision, self.ctx.device), \
                 signals.interruptible():
             scores = window_scores(self.run.raw_model, data.val_x, data.val_y, EVAL_BATCH)
         loss = scores.loss
@@ -367,20 +419,27 @@ class Trainer:
         return improved
 
     def _log_sample(self, signals: StopSignals) -> None:
-        """A short generated text for the log (rank 0), from its own seeded generator."""
-        if not self.ctx.is_main:
+        """A short generated text for the log (rank 0), from its own seeded generator; none
+        more once one ran out of memory (the process is at its limit: training comes first)."""
+        if not self.ctx.is_main or self._samples_off:
             return
         model, tokenizer = self.run.raw_model, self.run.data.tokenizer
         try:
             from fbtrain.sample import generate
 
             generator = sample_generator(sample_seed(self.cfg.run.seed, self.progress.step))
-            with signals.interruptible():  # generate runs in the inference context
+            # generate runs in the inference context
+            with self.pace.timing("sample"), signals.interruptible():
                 text = generate(model, tokenizer, tokenizer.start,
                                 self.cfg.train.sample_length, generator=generator,
                                 precision=self.cfg.run.precision)[0]
         except Exception as e:  # a failed sample must not cost the training run
-            self.logger.info(f"warning: sampling failed at step {self.progress.step}: {e}")
+            if is_allocation_failure(e):  # a MemoryError says nothing of itself
+                self._samples_off = True
+                reason = allocation_failed(e, "", "no more samples are drawn in this run")
+            else:
+                reason = str(e) or type(e).__name__
+            self.logger.info(f"warning: sampling failed at step {self.progress.step}: {reason}")
             return
         self.logger.log_text(self.progress.step, "sample", text, echo=False)
         self.last_sample = (self.progress.step, text)
@@ -401,8 +460,16 @@ class Trainer:
                 f"({summarize_names(bad)}); no checkpoint written (last good: "
                 f"{self.manager.last_path})", EXIT_NONFINITE)
         if self.ctx.is_main:
-            self.manager.save(self.progress.step, checkpoint_payload(self.run, self.progress),
-                              numbered=numbered, best=best)
+            try:
+                with self.pace.timing("save"):
+                    self.manager.save(self.progress.step,
+                                      checkpoint_payload(self.run, self.progress),
+                                      numbered=numbered, best=best)
+            except OSError:
+                # A log write failed first (a disk full for both, most likely): that is the
+                # failure reported, next; the previous checkpoint stays as it was.
+                if self.logger.failure is None:
+                    raise
 
 
 def sample_due(train: TrainConfig, step: int, evaluated: bool) -> bool:

@@ -108,6 +108,10 @@ WATCHED = {  # ops whose dtype flow is recorded: matmuls, softmax, LayerNorm, th
     aten._log_softmax.default: "softmax",
     aten.native_layer_norm.default: "layer_norm",
     aten.nll_loss_forward.default: "loss", aten.nll_loss2d_forward.default: "loss",
+    # Under inference_mode composite ops reach the modes whole:
+    aten.linear.default: "matmul", aten.matmul.default: "matmul",
+    aten.softmax.int: "softmax", aten.log_softmax.int: "softmax",
+    aten.layer_norm.default: "layer_norm", aten.cross_entropy_loss.default: "loss",
 }
 HARNESS_FILES = (str(Path(__file__).resolve().parent), "/torch/", "contextlib", "<frozen")
 
@@ -215,7 +219,8 @@ class HostSyncs(TorchDispatchMode):
                                 else kwargs.get("non_blocking", False))
                 if not non_blocking:  # CUDA's blocking copy ends in a stream synchronize
                     self.syncs[Sync(phase(), "blocking to device", caller())] += 1
-        family = WATCHED.get(func)
+        # fbtrain's own ops (the C++ core) reach the mode whole under inference_mode.
+        family = "core" if func.namespace == "fbtrain" else WATCHED.get(func)
         if family is not None:
             dtypes = tuple(str(a.dtype).removeprefix("torch.") for a in args
                            if isinstance(a, torch.Tensor))

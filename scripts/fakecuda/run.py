@@ -4,6 +4,9 @@
         [--data text|algorithmic] [--precision auto|fp32] [--steps 4] [--dropout 0.1]
     python scripts/fakecuda/run.py eval   (a tiny run trained for real on the CPU first)
     python scripts/fakecuda/run.py sample [--length 5]
+    python scripts/fakecuda/run.py memory --config configs/gpu.yaml [--set KEY=VALUE ...]
+        [--stage N]   (the peak of one training step at each curriculum stage; minutes a
+                       stage at gpu.yaml's sizes: fake CUDA pays a host cost per op)
 
 The JSON: ``syncs`` (phase, kind, where, count: every host sync, see harness.HostSyncs),
 ``dtypes`` (op family, input dtypes, CUDA float32 matmul precision, where, count), and per
@@ -24,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import harness  # noqa: I001  (first: it must load the CUDA plumbing before torch)
+import torch
 
 from fbtrain.config import config_from_dict
 
@@ -47,8 +51,8 @@ def tiny_config(tmp: Path, args: argparse.Namespace, device: str) -> dict[str, A
         raw["data"] = {"dataset": "algorithmic", "variables": 2, "program_len": 6,
                        "train_programs": 40, "valid_programs": 8, "test_programs": 8}
         raw["train"]["eval_windows"] = 4
-        raw["model"]["max_rel_pos"] = 64
-        raw["curriculum"] = [{"until_step": 2, "seq_len": 24}, {"seq_len": 32}]
+        raw["model"]["max_rel_pos"] = 24
+        raw["curriculum"] = [{"until_step": 2, "seq_len": 16}, {"seq_len": 24}]
     else:
         rng = random.Random(0)
         words = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog"]
@@ -111,9 +115,67 @@ def sample(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     return report(syncs, length=args.length)
 
 
+def memory(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    """The peak device memory of one training step (AdamW, as the trainer runs it) at
+    each curriculum stage of ``--config``, by torch's MemTracker under fake CUDA: what
+    ``torch.cuda.max_memory_allocated`` would report for the step, less the CUDA context
+    and the allocator's rounding and caching."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from fbtrain.checkpoint.files import CheckpointManager
+    from fbtrain.config.curriculum import Curriculum
+    from fbtrain.config.load import load_config
+    from fbtrain.distributed import DistContext
+    from fbtrain.train import setup
+    from fbtrain.train.signals import StopSignals
+    from fbtrain.train.step import train_step
+
+    # A text of Tiny Shakespeare's vocabulary size (65), long enough for the config's
+    # validation windows: the step's memory depends on the vocabulary, not the text.
+    rng = random.Random(0)
+    alphabet = [chr(c) for c in range(33, 98)]
+    (tmp / "text.txt").write_text("".join(rng.choice(alphabet) for _ in range(600_000)))
+    overrides = [*args.set, f"data.path={tmp / 'text.txt'}", f"run.out_dir={tmp}/runs",
+                 "logging.tensorboard=false", "logging.progress=false"]
+    cfg = load_config(args.config, overrides)
+    curriculum = Curriculum(cfg)
+    firsts = [0] + [s.until_step for s in curriculum.stages[:-1]]
+    stages = range(len(firsts)) if args.stage is None else [args.stage]
+    rows = []
+    for stage in stages:
+        index = firsts[stage]
+        with harness.fake_cuda() as mode:
+            ctx = DistContext(device=harness.DEVICE)
+            manager = CheckpointManager(Path(tmp) / "runs" / f"stage{stage}", 0)
+            run, _, _ = setup.set_up(cfg, ctx, manager, None,
+                                     seams=harness.seams(mode, harness.Checkpoints()))
+            # AdamW's moments as after a first step (a step's peak holds them), made
+            # before the tracker starts so that it counts them as the optimizer's.
+            for p in run.params:
+                p.grad = torch.zeros_like(p)
+            run.optimizer.step()
+            run.optimizer.zero_grad(set_to_none=True)
+            tracker = MemTracker()
+            tracker.track_external(run.raw_model, run.optimizer)
+            with harness.HostSyncs(), tracker:  # the step's one read answered
+                train_step(run, index, StopSignals(), manager.last_path)
+            peak = tracker.get_tracker_snapshot("peak")[harness.DEVICE]
+        rows.append({"stage": stage, "seq_len": curriculum.seq_len_at(index),
+                     "batch_size": curriculum.batch_size_at(index),
+                     "peak_bytes": peak["Total"],
+                     "by_kind": {str(k).rsplit(".", 1)[-1].lower(): v
+                                 for k, v in peak.items() if k != "Total"}})
+        print(f"stage {stage}: seq_len {rows[-1]['seq_len']} batch {rows[-1]['batch_size']}: "
+              f"peak {peak['Total'] / 2**30:.2f} GiB", file=sys.stderr, flush=True)
+    return {"config": args.config, "set": args.set, "stages": rows}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("command", choices=("train", "eval", "sample"))
+    parser.add_argument("command", choices=("train", "eval", "sample", "memory"))
+    parser.add_argument("--config", default="configs/gpu.yaml")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--stage", type=int, default=None, help="one curriculum stage")
     parser.add_argument("--kind", default="feedback_kv")
     parser.add_argument("--context", default="reset", choices=("reset", "carry"))
     parser.add_argument("--data", default="text", choices=("text", "algorithmic"))
@@ -123,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--length", type=int, default=5)
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="fbtrain-fake-cuda-") as tmp:
-        command = {"train": train, "eval": evaluate, "sample": sample}[args.command]
+        command = {"train": train, "eval": evaluate, "sample": sample,
+                   "memory": memory}[args.command]
         result = command(args, Path(tmp))
     print(json.dumps(result))  # the last line of the output
     return 0

@@ -7,7 +7,6 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from fbtrain.models.core.graphs import maybe_graphed
 from fbtrain.models.core.select import core
 from fbtrain.models.core.spec import (
     LAYER_PARAMS,
@@ -26,7 +25,7 @@ class FeedbackCoreFunction(torch.autograd.Function):
     non-differentiable: memory is carried on detached, as in truncated BPTT. The carried
     keys/values ``mem_k``, ``mem_v`` do get gradients, so a caller may project them from
     carried memory vectors with the current weights. The backward runs on the core the
-    forward ran on (CUDA-graphed where ``$FBTRAIN_CUDA_GRAPHS`` asks: ``graphs``).
+    forward ran on.
 
     No double backward: the cores' backward sweeps are hand-written and run without
     autograd, so their gradients are not differentiable again (``once_differentiable``:
@@ -37,8 +36,7 @@ class FeedbackCoreFunction(torch.autograd.Function):
     def forward(ctx, spec: CoreSpec, *flat: Tensor | None):
         """Run the core with a tape; keep what the backward needs on ``ctx``."""
         inputs = CoreInputs.from_flat(flat)
-        # The plain core unless CUDA graphs are asked for and this is a CUDA call (graphs).
-        ctx.core = maybe_graphed(core(), inputs.x0)
+        ctx.core = core()
         hidden, memory, keys, values, tape = ctx.core.core_forward(spec, inputs, keep_tape=True)
         # Outputs are fresh tensors, never views of saved buffers (that would make a cycle)
         # nor inference tensors (the cores run in inference mode; see CoreOutputs).

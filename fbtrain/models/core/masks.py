@@ -1,6 +1,6 @@
 """The dropout masks of one core call, drawn before the sweep in one fixed order from the
-global generator, as the C++ core draws them: so from one seed every core (C++, PyTorch,
-fused) drops the same units, and a core's result does not depend on how it splits the batch.
+global generator, as the C++ core draws them: so from one seed both cores (C++ and PyTorch)
+drop the same units, and a core's result does not depend on how it splits the batch.
 Masks are bool (a quarter of float masks' memory: gigabytes at a GPU's batch sizes), scaled
 by :attr:`Masks.scale` where they are applied.
 

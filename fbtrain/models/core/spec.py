@@ -4,9 +4,9 @@ order every part of the core uses (:class:`CoreInputs`, :class:`CoreOutputs`,
 :func:`unflatten`) and the calls every core answers (:class:`Core`).
 
 Adding a core input: a field of :class:`CoreInputs` (or :class:`LayerTensors`), the C++
-ops' schema and loops, the PyTorch core's sweeps, the fused core's, and the model that
-builds the inputs (``FeedbackTransformer.core_params``); everything that only moves the
-tensors around (autograd, graphs, the gradients' order) follows from the fields here.
+ops' schema and loops, the PyTorch core's sweeps, and the model that builds the inputs
+(``FeedbackTransformer.core_params``); everything that only moves the tensors around
+(autograd, the gradients' order) follows from the fields here.
 
 Why a core with a hand-written backward: a feedback model must run one token at a time, so
 a training step is ``seq_len * n_layers`` tiny steps. Under plain autograd every tiny op
@@ -34,7 +34,6 @@ builds on it.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol, TypeVar
@@ -42,13 +41,6 @@ from typing import Any, NamedTuple, Protocol, TypeVar
 from torch import Tensor
 
 from fbtrain.errors import UserError
-
-
-def interpreting() -> bool:
-    """Whether ``$TRITON_INTERPRET`` asks for Triton's interpreter: the fused core then runs
-    its kernels on CPU tensors. Read at every call (the fused kernels avoid what Triton fixes
-    at import, so it need not be set before Triton is imported)."""
-    return os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "yes", "on")
 
 
 class CoreError(UserError):
@@ -205,11 +197,6 @@ class BackwardInputs(NamedTuple):
     def flat(self) -> tuple[Any, ...]:
         """Every tensor, ``outputs`` and its tape spread out in place, ``layers`` last."""
         return tuple(flatten(self))
-
-    @classmethod
-    def from_flat(cls, flat: Sequence[Any], n_tape: int) -> BackwardInputs:
-        """The inverse of :meth:`flat`, given the tape's length."""
-        return unflatten(cls, flat, [n_tape])
 
 
 # Contract records nested in others, by field name.

@@ -72,9 +72,9 @@ double mask_scale(const Spec& s, at::ScalarType dtype) {
   return static_cast<double>(1.0f / static_cast<float>(1.0 - s.dropout));
 }
 
-// out = x * mask * scale (mask bool): the dropout of x, out of place.
-void drop_out(const Tensor& out, const Tensor& x, const Tensor& mask, double scale) {
-  at::mul_out(const_cast<Tensor&>(out), x, mask).mul_(scale);
+// out = x * mask * scale (mask bool): the dropout of x, written into out.
+void drop_out(Tensor out, const Tensor& x, const Tensor& mask, double scale) {
+  at::mul_out(out, x, mask).mul_(scale);
 }
 
 // First slot and length of the memory window seen by the step that creates `slot`.
@@ -150,9 +150,13 @@ struct Tape {
   }
 };
 
-// qu_width: the QU record's width, D on the CPU loops, H * (dk + P) on the ATen path
-// (there each head's row holds its query and its position scores; see AtenQuery).
-Tape make_tape(const Spec& s, const Layout& lay, const Tensor& like, int64_t qu_width) {
+// The QU record holds each step's queries [B, D] on both paths: the ATen path projects a
+// query and its position scores together (AtenQuery) into scratch, and keeps the queries
+// alone (the backward needs nothing else of that row; the position scores would be
+// P / dk times the queries' memory).
+// The probabilities after dropout (PROB_USED) are kept on the CPU loops only; the ATen path
+// recomputes them from PROB and MASK_PROB where the backward needs them (dropped_probs).
+Tape make_tape(const Spec& s, const Layout& lay, const Tensor& like, bool loops) {
   const int64_t L = s.L, B = lay.B, D = lay.D, F = lay.F;
   const int64_t n_att = lay.keep ? lay.n_att : 1, n_ff = lay.keep ? lay.T : 1;
   const bool drop = s.dropout > 0;
@@ -161,7 +165,7 @@ Tape make_tape(const Spec& s, const Layout& lay, const Tensor& like, int64_t qu_
   std::vector<Tensor> r(N_RECORDS);
   // LayerNorm outputs and statistics (A, MU1, RS1, CN, MU2, RS2) are not written in the
   // sweep: record_layer_norms recomputes them afterwards, one call per layer.
-  r[QU] = buf({L, n_att, B, qu_width});
+  r[QU] = buf({L, n_att, B, D});
   r[O] = buf({L, n_att, B, D});
   r[PROB] = buf({L, lay.prob_size});
   r[Y] = buf({L, n_ff, B, D});
@@ -173,7 +177,7 @@ Tape make_tape(const Spec& s, const Layout& lay, const Tensor& like, int64_t qu_
     return like.new_empty(shape, like.options().dtype(at::kBool)).bernoulli_(1.0 - s.dropout);
   };
   r[MASK_ATT] = drop ? mask({L, n_att, B, D}) : none();
-  r[PROB_USED] = drop ? buf({L, lay.prob_size}) : r[PROB];
+  r[PROB_USED] = !drop ? r[PROB] : loops ? buf({L, lay.prob_size}) : none();
   r[MASK_PROB] = drop ? mask({L, lay.prob_size}) : none();
   r[MASK_H] = drop ? mask({L, n_ff, B, F}) : none();
   r[MASK_FF] = drop ? mask({L, n_ff, B, D}) : none();
@@ -472,7 +476,11 @@ struct Forward {
     const std::vector<int64_t> shape{D};
     const double scale = drop ? mask_scale(s, hidden.scalar_type()) : 1.0;
     // The hidden layer after its dropout: scratch, since only W2's gradient needs it again.
-    const Tensor h_dropped = drop ? hidden.new_empty({nb, lay.F}) : Tensor();
+    Tensor h_dropped = drop ? hidden.new_empty({nb, lay.F}) : Tensor();
+    // The ATen path's query and position scores of a step, [nb, H*(dk+P)] (AtenQuery).
+    Tensor q_scores = loops ? Tensor() : hidden.new_empty({nb, H * (dk + n_pos)});
+    // The ATen path's probabilities after dropout of a step, [nb*H*ell] of nb*H*max_ell.
+    Tensor p_dropped = drop && !loops ? hidden.new_empty({nbH * lay.max_ell}) : Tensor();
     // This shard's rows of the memory buffers, and of the same seen as [n_kv, nb, H, S, dk].
     const Tensor keys_s = keys.narrow(1, b0 * H, nbH), values_s = values.narrow(1, b0 * H, nbH);
     const Tensor key_rows = keys_s.view({n_kv, nb, H, S, dk});
@@ -495,10 +503,9 @@ struct Forward {
         Tensor y = tape.ff(Y, l, t, b0, nb);
         if (ell) {  // attention is skipped while memory is empty
           const Tensor a = std::get<0>(at::native_layer_norm(x, shape, w[LN1_W], w[LN1_B], s.eps));
-          Tensor qu = tape.att(QU, l, t, b0, nb);
-          if (loops) at::addmm_out(qu, w[UQ], a, w[WQ]);  // (q + u) / sqrt(dk): [nb, D]
-          else if (prefilled) qu.addmm_(a, query[l].w);  // [nb, H*(dk+P)]: AtenQuery
-          else at::addmm_out(qu, query[l].b, a, query[l].w);
+          Tensor qu = tape.att(QU, l, t, b0, nb);  // (q + u) / sqrt(dk): [nb, D]
+          if (loops) at::addmm_out(qu, w[UQ], a, w[WQ]);
+          else at::addmm_out(q_scores, query[l].b, a, query[l].w);  // [nb, H*(dk+P)]
           Tensor o = tape.att(O, l, t, b0, nb);
           if (loops) {
             const Tensor prob = tape.prob(PROB, l, t, ell, b0, nb);
@@ -518,15 +525,16 @@ struct Forward {
           } else {  // any other device: the same, in ATen calls
             // Content scores plus the projected position scores (out of place: an in-place
             // baddbmm_ on the strided record runs one gemm per batch entry on a CPU).
-            const Tensor qp = qu.view({nbH, dk + n_pos});
+            const Tensor qp = q_scores.view({nbH, dk + n_pos});
             const Tensor scores = at::baddbmm(qp.narrow(1, dk + n_pos - ell, ell).unsqueeze(1),
                                               qp.narrow(1, 0, dk).unsqueeze(1), k_t[set]);
+            if (lay.keep) qu.view({nb, H, dk}).copy_(qp.view({nb, H, dk + n_pos}).narrow(2, 0, dk));
             Tensor prob = tape.prob(PROB, l, t, ell, b0, nb);
             Tensor prob3 = prob.view({nbH, 1, ell});
             at::_softmax_out(prob3, scores, -1, false);
             Tensor prob_used = prob;
             if (drop) {
-              prob_used = tape.prob(PROB_USED, l, t, ell, b0, nb);
+              prob_used = p_dropped.narrow(0, 0, nbH * ell).view({nb, H, ell});
               drop_out(prob_used, prob, tape.prob(MASK_PROB, l, t, ell, b0, nb), scale);
             }
             Tensor o3 = o.view({nbH, 1, dk});
@@ -633,8 +641,8 @@ void record_memory_norm(const Spec& s, const Tensor& memory, std::vector<Tensor>
   rec[MEM_RS] = rs;
 }
 
-// The ATen path's bias prefill: every step's output rows of the query projection, the
-// attention block (Y) and each layer (hidden) start as their bias, a few calls per call of the core, so that each step's matmul accumulates
+// The ATen path's bias prefill: every step's output rows of the attention block (Y) and
+// each layer (hidden) start as their bias, a few calls per call of the core, so that each step's matmul accumulates
 // into them in place (addmm_) instead of copying its bias in first and adding the
 // residual apart. Records are per step only with a tape (Layout::keep); without one the
 // steps share scratch rows and take the plain calls.
@@ -644,7 +652,6 @@ void prefill_biases(const Spec& s, const Layout& lay, const std::vector<std::vec
   for (int64_t l = 0; l < s.L; ++l) {
     hidden.select(1, l + 1).copy_(p[l][B2]);
     if (!lay.keep) continue;
-    rec[QU].select(0, l).copy_(query[l].b);
     rec[Y].select(0, l).copy_(p[l][BO]);
   }
 }
@@ -690,7 +697,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, std::vector<Tensor>> core_forward(
              x0.new_empty({T, s.L + 1, B, D}), x0.new_empty({T, B, D}),
              loops ? x0.new_empty({n_kv, B * H, S, dk}) : kv_view(kv_slots, 0),
              loops ? x0.new_empty({n_kv, B * H, S, dk}) : kv_view(kv_slots, 1),
-             make_tape(s, lay, x0, loops ? D : H * (dk + p[0][RT].size(-1))), {}};
+             make_tape(s, lay, x0, loops), {}};
   if (!loops) {
     for (const auto& w : p) fw.query.push_back(aten_query(w, H));
     prefill_biases(s, lay, p, fw.query, fw.hidden, fw.tape.rec);
@@ -775,6 +782,10 @@ struct Backward {
     // shared_kv_grads.
     const Tensor d_o_layers =
         batch_kv_grads ? at::empty({L, nb, D}, hidden.options()) : Tensor();
+    // The ATen path's probabilities after dropout, recomputed: a step's [nb*H*ell] of one
+    // layer, or of every layer ([L, nb*H*max_ell]) for shared_kv_grads.
+    const Tensor p_dropped = drop && !loops
+        ? hidden.new_empty({batch_kv_grads ? L : 1, nbH * lay.max_ell}) : Tensor();
     std::vector<Tensor> k_w(n_kv), v_t(n_kv), dk_w(n_kv), dv_w(n_kv);
     for (int64_t t = T - 1; t >= 0; --t) {
       const int64_t slot = n0 + t;
@@ -847,7 +858,13 @@ struct Backward {
             at::add_out(dz, d_ln2, dx);
           }
           const Tensor prob = tape.prob(PROB, l, t, ell, b0, nb);
-          const Tensor prob_used = drop ? tape.prob(PROB_USED, l, t, ell, b0, nb) : prob;
+          Tensor prob_used = prob;
+          if (drop && loops) {
+            prob_used = tape.prob(PROB_USED, l, t, ell, b0, nb);
+          } else if (drop && !batch_kv_grads) {  // recomputed (the forward kept no copy)
+            prob_used = p_dropped.select(0, 0).narrow(0, 0, nbH * ell).view({nb, H, ell});
+            drop_out(prob_used, prob, tape.prob(MASK_PROB, l, t, ell, b0, nb), scale);
+          }
           const Tensor qu = tape.att(QU, l, t, b0, nb);
           Tensor dqu = grad(DQU, l, t - lay.first_att, b0, nb);
           Tensor d_o;  // [nb, D]
@@ -882,7 +899,7 @@ struct Backward {
               dv_w[set].addcmul_(prob_used.view({nb, H, ell, 1}), d_o.view({nb, H, 1, dk}));
             if (drop)
               d_prob.mul_(tape.prob(MASK_PROB, l, t, ell, b0, nb).view({nbH, 1, ell})).mul_(scale);
-            const Tensor dqp = dqu.view({nbH, dk + n_pos}), qp = qu.view({nbH, dk + n_pos});
+            const Tensor dqp = dqu.view({nbH, dk + n_pos});
             // Computed apart and copied in: the CPU kernel's out= variant writes a strided
             // output wrongly (torch 2.x), and a GPU's may copy anyway.
             const Tensor d_scores = at::_softmax_backward_data(
@@ -891,8 +908,7 @@ struct Backward {
             Tensor dqu3 = dqp.narrow(1, 0, dk).unsqueeze(1);
             at::bmm_out(dqu3, d_scores, k_w[set]);
             if (!batch_kv_grads)
-              dk_w[set].addcmul_(d_scores.view({nb, H, ell, 1}),
-                                 qp.narrow(1, 0, dk).view({nb, H, 1, dk}));
+              dk_w[set].addcmul_(d_scores.view({nb, H, ell, 1}), qu.view({nb, H, 1, dk}));
           }
           Tensor da = grad(DA, l, t - lay.first_att, b0, nb);
           at::mm_out(da, dqu, loops ? wq_b : query[l].w_t);
@@ -908,7 +924,8 @@ struct Backward {
         else if (dm.defined()) below.addcmul_(dm, mix_t.select(0, l));
         dx = below;
       }
-      if (batch_kv_grads && ell) shared_kv_grads(t, ell, b0, nb, d_o_layers, dk_w[0], dv_w[0]);
+      if (batch_kv_grads && ell)
+        shared_kv_grads(t, ell, b0, nb, d_o_layers, p_dropped, dk_w[0], dv_w[0]);
     }
   }
 
@@ -918,15 +935,24 @@ struct Backward {
   // the layers, read in place from the tape (probabilities), the DQU gradients (score
   // gradients), the QU record (queries) and d_o_layers.
   void shared_kv_grads(int64_t t, int64_t ell, int64_t b0, int64_t nb, const Tensor& d_o_layers,
-                       const Tensor& dk_w, const Tensor& dv_w) const {
+                       const Tensor& p_dropped, const Tensor& dk_w, const Tensor& dv_w) const {
     const int64_t H = s.H, dk = lay.dk, L = s.L, nbH = nb * H, qp = dk + p[0][RT].size(-1);
-    const Tensor &qu = tape.rec[QU], &dqu = g[DQU];  // [L, n_att, B, H * qp]
-    const int64_t row = H * qp, layer = qu.size(1) * lay.B * row;  // strides of the records
-    const int64_t first = ((t - lay.first_att) * lay.B + b0) * row;
-    const Tensor d_scores = dqu.as_strided({nbH, ell, L}, {qp, 1, layer},
-                                           dqu.storage_offset() + first + qp - ell);
-    const Tensor q = qu.as_strided({nbH, L, dk}, {qp, layer, 1}, qu.storage_offset() + first);
-    const Tensor prob = tape.prob_layers(s.dropout > 0 ? PROB_USED : PROB, t, ell, b0, nb);
+    // dqu [L, n_att, B, H * qp]; qu [L, n_att, B, H * dk]
+    const Tensor &qu = tape.rec[QU], &dqu = g[DQU];
+    const int64_t rows_before = (t - lay.first_att) * lay.B + b0, steps = qu.size(1) * lay.B;
+    const Tensor d_scores = dqu.as_strided({nbH, ell, L}, {qp, 1, steps * H * qp},
+                                           dqu.storage_offset() + rows_before * H * qp + qp - ell);
+    const Tensor q = qu.as_strided({nbH, L, dk}, {dk, steps * H * dk, 1},
+                                   qu.storage_offset() + rows_before * H * dk);
+    Tensor prob = tape.prob_layers(PROB, t, ell, b0, nb);  // [nbH, ell, L]
+    if (s.dropout > 0) {  // every layer's probabilities after dropout: [L, nbH*ell] rows
+      const int64_t start = lay.prob_start(t, ell, b0);
+      Tensor used = p_dropped.narrow(1, 0, nbH * ell);
+      drop_out(used, tape.rec[PROB].narrow(1, start, nbH * ell),
+               tape.rec[MASK_PROB].narrow(1, start, nbH * ell),
+               mask_scale(s, used.scalar_type()));
+      prob = used.as_strided({nbH, ell, L}, {ell, 1, p_dropped.size(1)}, used.storage_offset());
+    }
     dv_w.view({nbH, ell, dk}).baddbmm_(prob, d_o_layers.view({L, nbH, dk}).transpose(0, 1));
     dk_w.view({nbH, ell, dk}).baddbmm_(d_scores, q);
   }
