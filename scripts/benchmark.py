@@ -111,6 +111,9 @@ def trainer_optimizer(model: torch.nn.Module, device: torch.device) -> torch.opt
 class Entry:
     """One model + its optimizer, and a function that runs one full training step."""
 
+    # What a step is timed by: the wall clock, or (--cpu-time) the process's CPU time.
+    clock: Callable[[], float] = time.perf_counter
+
     def __init__(self, name: str, model: torch.nn.Module,
                  forward: Callable[[torch.Tensor], torch.Tensor], device: torch.device,
                  precision: torch.dtype | None):
@@ -122,7 +125,7 @@ class Entry:
     def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
         sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
         sync()
-        start = time.perf_counter()
+        start = self.clock()
         with torch.autocast(self.device.type, dtype=self.precision or torch.float32,
                             enabled=self.precision is not None):
             logits = self.forward(x)
@@ -131,7 +134,7 @@ class Entry:
         loss.backward()
         self.optimizer.step()
         sync()
-        return time.perf_counter() - start
+        return self.clock() - start
 
 
 class GPT(torch.nn.Module):
@@ -316,6 +319,10 @@ def main() -> int:
     parser.add_argument("--profile", action="store_true",
                         help="split one step of feedback_kv, the transformer and the GPT "
                              "into the core's sweeps' own time, matmuls, copies and other")
+    parser.add_argument("--cpu-time", action="store_true",
+                        help="time steps by the process's CPU time, not the wall clock (a CPU "
+                             "shared with other jobs then does not count their turns; with "
+                             "OMP_NUM_THREADS=1 it is the step's own time)")
     parser.add_argument("--json", type=Path, help="write the figures to this file")
     parser.add_argument("--_memory-probe", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -324,17 +331,21 @@ def main() -> int:
         return 0
 
     device = resolve_device(args.device)
+    if args.cpu_time and device.type != "cpu":
+        parser.error(f"--cpu-time times the CPU's work only, not {device.type}'s: drop it there")
+    Entry.clock = time.process_time if args.cpu_time else time.perf_counter
     precision = torch.bfloat16 if device.type == "cuda" else None
     report: dict = {
         "device": str(device) if device.type == "cpu" else torch.cuda.get_device_name(device),
         "threads": torch.get_num_threads(), "torch": torch.__version__,
         "machine": platform.processor() or platform.machine(),
         "precision": "bf16 autocast" if precision else "fp32",
+        "clock": "process CPU time" if Entry.clock is time.process_time else "wall",
         "sizes": {**SIZES, "vocab": VOCAB, "batch": BATCH}, "timings": {}, "gpt": {},
         "memory_mb": {},
     }
     print(f"device {report['device']} ({report['threads']} threads), {report['precision']}, "
-          f"torch {torch.__version__}; sizes {report['sizes']}")
+          f"torch {torch.__version__}, {report['clock']} clock; sizes {report['sizes']}")
     exact = {kind: check_exact(kind) for kind in ("feedback_kv", "feedback")}
     report["exactness_max_abs_diff"] = exact
     ok = True

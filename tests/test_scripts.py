@@ -21,8 +21,9 @@ def run_script(name: str, *args: str) -> subprocess.CompletedProcess:
 def test_training_benchmark_reports_exactness_ratios_memory_and_exit_code(tmp_path: Path):
     out = tmp_path / "bench.json"
     proc = run_script("benchmark.py", "--seq-lens", "8", "--repeats", "1", "--warmup", "0",
-                      "--memory-seq-lens", "64", "--profile", "--json", str(out))
+                      "--memory-seq-lens", "64", "--profile", "--cpu-time", "--json", str(out))
     report = json.loads(out.read_text())
+    assert report["clock"] == "process CPU time" and "process CPU time clock" in proc.stdout
     assert proc.returncode == (0 if report["all_targets_met"] else 1), proc.stderr
     assert ("ALL TARGETS MET" if report["all_targets_met"] else "SOME TARGETS MISSED") \
         in proc.stdout

@@ -145,15 +145,14 @@ def _feedback_prompt_pass(cfg: ModelShape, samples: int, prompt: int, vocab: int
 
 
 def _transformer_prompt_pass(cfg: ModelShape, samples: int, prompt: int, vocab: int) -> int:
-    """transformer.py without gradients: the whole prompt attends at once, so a layer holds
-    three [samples, H, P, P] score tensors at a time (the scores, the position term
-    gathered for them, their sum, then the masked scores and their softmax) beside the
-    [P, P] offsets and position index (int64: 2 floats each) and masks; per position the
-    embedding, each layer's input, keys and values, the feed-forward hidden, the final
-    LayerNorm's output and the logits."""
-    d, h, layers = cfg.d_model, cfg.n_heads, cfg.n_layers
-    square = prompt * prompt * (3 * samples * h + 5)
-    return square + samples * prompt * (vocab + (3 * layers + 2) * d + cfg.d_ff)
+    """transformer.py without gradients: per prompt position the embedding, each layer's
+    input, keys and values, and each a second time (stacked: the inputs for the state's
+    sources, the keys and values as the state), the feed-forward hidden, the final
+    LayerNorm's output and the logits. Its attention runs a block of query rows at a time
+    over the slots they see (transformer.attend), so nothing grows with the square of the
+    prompt."""
+    d, layers = cfg.d_model, cfg.n_layers
+    return samples * prompt * (vocab + (6 * layers + 2) * d + cfg.d_ff)
 
 
 # ----------------------------------------------------------------------------- the registry
