@@ -385,6 +385,7 @@ def test_resume_with_a_missing_data_file_says_only_that(tmp_path: Path) -> None:
     raw = make_raw(tmp_path, train={"max_steps": 2})
     run(config_from_dict(raw), quiet=True)
     raw["data"]["path"] = str(tmp_path / "gone.txt")
+    raw["train"]["max_steps"] = 4  # to train on (a finished run reads no data)
     from fbtrain.data.errors import DataError
 
     with pytest.raises(DataError) as info:

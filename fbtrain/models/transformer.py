@@ -98,7 +98,8 @@ class SlotScores(torch.autograd.Function):
                                   left + base)
         ctx.geometry = base, n_off
         out = pos.new_empty(B, H, rows, n_slots)  # contiguous, as the scores' matmul takes it
-        return torch.where(blocked, pos.new_tensor(float("-inf")), by_slot, out=out)
+        # -inf made on the device (new_tensor would copy it from the host, a sync on a GPU)
+        return torch.where(blocked, pos.new_full((), float("-inf")), by_slot, out=out)
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None, None]:

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 import fbtrain.train.report as report
+from fbtrain.checkpoint.best import heal_best
 from fbtrain.checkpoint.contents import summarize_names
 from fbtrain.checkpoint.files import CheckpointManager
 from fbtrain.config import Config, TrainConfig
@@ -223,12 +224,18 @@ class Trainer:
 
     def _say_finished(self, choice: ResumeChoice) -> None:
         """A run resumed with nothing left to train: that it is done, and its closing line
-        (no segment recorded, no file written)."""
+        (no segment recorded; no file written but a best.pt put right, which a save that
+        failed left behind the best the run recorded)."""
         assert choice.path is not None and choice.payload is not None
         console = Console(enabled=self.ctx.is_main, quiet=self.quiet)
         done, closing = report.finished_lines(self.run_dir, choice.path, choice.payload,
                                               self.cfg.train.max_steps)
         console.info(f"run directory: {self.run_dir}")
+        progress = choice.payload.get("progress")
+        best = progress.get("best_val_loss") if isinstance(progress, dict) else None
+        healed = heal_best(self.manager, best) if self.ctx.is_main else None
+        if healed:
+            console.info(healed)
         console.info(done)
         console.result(closing)
 
