@@ -56,7 +56,7 @@ train: install
 	FBTRAIN_MAKE_TARGET=train $(BIN)/fbtrain train --config $(CONFIG) --resume auto $(if $(DATA),--set data.path=$(DATA))
 
 # The tests whose numbers can move under torch's CPU dispatch (model, cores, training,
-# evaluation, sampling, a legacy checkpoint's resume, launch counts): `make test` runs them
+# evaluation, sampling, a legacy checkpoint's resume): `make test` runs them
 # a second time with torch's kernels held to AVX2, as an AVX2-only CPU computes them (on an
 # AVX-512 machine the softmax, for one, then differs in its low bits): a result checked
 # against one computed another way (the C++ core, a float64 reference, a stored
@@ -68,7 +68,7 @@ train: install
 # copies, the programs' generator): the same there under any dispatch.
 NUMERIC_TESTS := tests/test_models.py tests/test_cores.py tests/test_core_spec.py \
 	tests/test_batches.py tests/test_train.py tests/test_evaluate.py tests/test_sample.py \
-	tests/test_legacy_checkpoints.py tests/test_launches.py
+	tests/test_legacy_checkpoints.py
 AVX2 := ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2
 # Test processes (pytest-xdist), each with one torch thread: on two cores two processes
 # of single-threaded tiny models keep both busy, where one process's threads mostly wait

@@ -9,8 +9,8 @@ for bit (every step's figures, every weight and AdamW state tensor), which also 
 each replay advanced the dropout generator as the eager step did (a third run, eager again,
 says whether eager training itself is repeatable there). Then TIMED more steps of each are
 timed (ms/step), and one replayed step is profiled: the host's launch calls
-(``cudaLaunchKernel`` and kin, ``cudaGraphLaunch``, ``cudaMemcpyAsync``; scripts/
-launch_count.py counts 5 on the CPU) and the kernels the GPU ran. Exits 1 when a pair
+(``cudaLaunchKernel`` and kin, ``cudaGraphLaunch``, ``cudaMemcpyAsync``; 5 are
+designed) and the kernels the GPU ran. Exits 1 when a pair
 disagrees or a capture fails.
 
 Without CUDA it runs the same code at toy sizes on the CPU, with a stand-in for the graph

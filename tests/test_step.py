@@ -32,7 +32,6 @@ from fbtrain.train.signals import StopSignals
 from fbtrain.train.step import HOST_SYNC, train_step
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-import launch_count  # noqa: E402  (scripts/: the profiler's op tree, syncs counted)
 
 REPO = Path(__file__).resolve().parents[1]
 CHILD_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
@@ -237,6 +236,14 @@ def test_a_step_reads_the_host_once(tmp_path: Path, case: str,
     run = dataclasses.replace(run, batches=FixedBatches([global_batch(raw)]))
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         result = train_step(run, 0, StopSignals(), tmp_path / "last.pt")
-    syncs = launch_count.count_events(prof.events())["syncs"]
-    assert {section: dict(c) for section, c in syncs.items() if c} == {"rest": {HOST_SYNC: 1}}
+    def reads_on_a_gpu(event) -> bool:  # fused AdamW's CPU kernel reads its step counts
+        while event is not None:
+            if event.name == "aten::_fused_adamw_":
+                return False
+            event = event.cpu_parent
+        return True
+
+    reads = [e.name for e in prof.events()
+             if e.name in (HOST_SYNC, "aten::_local_scalar_dense") and reads_on_a_gpu(e)]
+    assert reads == [HOST_SYNC]
     assert result.memory_rms.device.type == "cpu" and result.loss > 0

@@ -5,7 +5,7 @@ host's cost of launching each (a few microseconds) is the step's cost whatever t
 Captured whole - forward, loss, backward, clipping, AdamW - a step is a handful of host
 launches: the learning rate filled into its device tensor, the batch copied into the
 graph's static input buffers, one replay, and the step's one read of its figures
-(``scripts/launch_count.py --step-graph`` counts them).
+(scripts/gpu_check.py profiles the host's launch calls on a GPU).
 
 How (PyTorch's "whole network capture"): one graph per shape of the batch. The first step
 of a shape runs eagerly on the capture stream (the real step, and the warm-up a capture

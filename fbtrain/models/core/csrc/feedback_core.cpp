@@ -713,7 +713,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, std::vector<Tensor>> core_forward(
   }
   fw.hidden.select(1, 0).copy_(x0.transpose(0, 1));
   {
-    RECORD_FUNCTION("fbtrain::forward_sweep", std::vector<c10::IValue>());  // launch_count.py
+    RECORD_FUNCTION("fbtrain::forward_sweep", std::vector<c10::IValue>());  // profiler marks (benchmark.py --profile)
     for_each_shard(shard_count(x0, B), B, "fbtrain::forward_shard",
                    [&](int64_t, int64_t b0, int64_t nb) { fw.shard(b0, nb); });
   }
@@ -1017,7 +1017,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, std::vector<Tensor>> 
   const bool loops = loops_for(hidden);
   const auto mix_f = [&] {
     if (!loops) return std::vector<double>();  // the ATen path reads mix as a tensor
-    RECORD_FUNCTION("fbtrain::host_sync", std::vector<c10::IValue>());  // launch_count.py
+    RECORD_FUNCTION("fbtrain::host_sync", std::vector<c10::IValue>());  // profiler marks (benchmark.py --profile)
     const Tensor m = mix.to(at::kDouble).cpu();
     return std::vector<double>(m.data_ptr<double>(), m.data_ptr<double>() + m.numel());
   }();
@@ -1061,7 +1061,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, std::vector<Tensor>> 
     bw.mix_t = mix.to(hidden.scalar_type());
   }
   {
-    RECORD_FUNCTION("fbtrain::backward_sweep", std::vector<c10::IValue>());  // launch_count.py
+    RECORD_FUNCTION("fbtrain::backward_sweep", std::vector<c10::IValue>());  // profiler marks (benchmark.py --profile)
     for_each_shard(shards, B, "fbtrain::backward_shard",
                    [&](int64_t sh, int64_t b0, int64_t nb) { bw.shard(sh, b0, nb); });
   }
