@@ -768,3 +768,9 @@ def test_short_validation_text_names_the_keys_of_its_window(tmp_path: Path, sets
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 2
     assert result.stderr == f"error: {message}\n"
+
+
+def test_the_split_loses_no_token_to_float_noise() -> None:
+    """90 * (1 - 0.3) is 62.99999... in floating point: the training split still gets 63."""
+    train, val = split(torch.arange(90), 0.3)
+    assert (len(train), len(val)) == (63, 27)

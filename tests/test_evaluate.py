@@ -57,6 +57,16 @@ def test_every_character_scored_once(kind: str, context: str) -> None:
 
 
 @pytest.mark.parametrize("kind", KINDS)
+def test_a_windows_history_is_read_but_not_scored(kind: str) -> None:
+    """With ``history`` each reset window first runs the tokens before it, unscored: every
+    prediction is still scored once, batched windows and the ones run alone alike."""
+    model = tiny_model(kind)
+    ids = ids_of(make_text(101))
+    result = evaluate_split(model, ids, seq_len=16, batch_size=4, history=5)
+    assert result["tokens"] == 100 and result["scored"] == 100 and result["history"] == 5
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_reset_loss_matches_hand_computation(kind: str) -> None:
     model = tiny_model(kind)
     ids = ids_of(make_text(75))

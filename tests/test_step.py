@@ -247,3 +247,18 @@ def test_a_step_reads_the_host_once(tmp_path: Path, case: str,
              if e.name in (HOST_SYNC, "aten::_local_scalar_dense") and reads_on_a_gpu(e)]
     assert reads == [HOST_SYNC]
     assert result.memory_rms.device.type == "cpu" and result.loss > 0
+
+
+def test_the_eager_step_clips_its_gradients(tmp_path: Path) -> None:
+    """train.grad_clip holds on the eager step (the graphed one runs the same body): after
+    step_body the gradients' norm is the clip, where their norm before it was larger."""
+    from fbtrain.train.step import step_body
+
+    raw = make_raw(tmp_path, CASES["text"](tmp_path), BATCH)
+    raw["train"]["grad_clip"] = 1e-3
+    run, _, _ = set_up(config_from_dict(raw), DistContext(torch.device("cpu")),
+                       CheckpointManager(tmp_path / "run", 1), None)
+    stats = step_body(run, [(*global_batch(raw), None)])
+    norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in run.params]))
+    assert stats[1].item() > 1e-2  # the norm before clipping, logged
+    assert norm.item() == pytest.approx(1e-3, rel=1e-4)

@@ -1030,3 +1030,19 @@ def test_warm_start_refuses_another_architecture(tmp_path: Path) -> None:
                        r"d_model, n_heads, d_ff, n_layers, max_rel_pos$"):
         run(cfg, quiet=True)
     assert not (tmp_path / "runs" / "warm").exists()
+
+
+def test_a_resume_keeps_the_best_validation_loss_so_far(tmp_path: Path) -> None:
+    """A resumed run compares its evaluations with the best the run recorded before it:
+    restored as None, the first evaluation after a resume would overwrite best.pt, however
+    bad. A rate far too high for the two resumed steps makes step 6 evaluate worse."""
+    raw = make_raw(tmp_path, train={"max_steps": 4, "eval_every": 2})
+    run_dir = run(config_from_dict(raw), quiet=True)
+    best = load_checkpoint(run_dir / "checkpoints" / "best.pt")
+    raw["train"].update(max_steps=6, lr=0.5, warmup_steps=0, schedule="constant")
+    run(config_from_dict(raw), resume="auto", quiet=True)
+    val = {r["step"]: r["val/loss"] for r in records(run_dir) if "val/loss" in r}
+    assert val[6] > min(val[s] for s in (0, 2, 4))  # the precondition: step 6 is worse
+    after = load_checkpoint(run_dir / "checkpoints" / "best.pt")
+    assert after["step"] == best["step"] and after["progress"]["best_val_loss"] == min(
+        val[s] for s in (0, 2, 4))

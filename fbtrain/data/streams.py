@@ -64,7 +64,7 @@ def split(ids: torch.Tensor, val_fraction: float) -> tuple[torch.Tensor, torch.T
     """First ``int(n * (1 - val_fraction))`` ids for training, the rest for validation.
 
     Tiny Shakespeare (1,115,394 chars) with 0.1 gives 1,003,854 / 111,540. The tiny epsilon
-    keeps float noise (e.g. 0.7 * 10 = 6.9999...) from losing a token; it never rounds up
+    keeps float noise (e.g. 90 * (1 - 0.3) = 62.99999...) from losing a token; it never rounds up
     a genuine fraction, which is what the documented split relies on.
     """
     if not 0 < val_fraction <= MAX_VAL_FRACTION:  # also refuses NaN
