@@ -441,3 +441,19 @@ def test_sample_length_is_held_against_rlimit_as_too(tmp_path: Path) -> None:
         r"memory, more than the [\d.]+ GiB of this process's memory limit \(its address-space "
         r"limit, RLIMIT_AS / ulimit -v, less what it has mapped already\); lower num_samples "
         r"or length", line), line
+
+
+def test_a_bug_in_the_logged_sample_keeps_its_traceback(tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch
+                                                        ) -> None:
+    """A sample may fail by design (a diverged model, memory running out: a warning, and
+    training goes on); a bug inside it is no such thing and reaches the caller as itself,
+    not as "warning: sampling failed" and exit 0."""
+
+    def broken(*args: object, **kwargs: object) -> list[str]:
+        raise ValueError("a bug in generate")
+
+    monkeypatch.setattr(fbtrain.sample, "generate", broken)
+    cfg = make_cfg(tmp_path, train={"max_steps": 2, "eval_every": 2})
+    with pytest.raises(ValueError, match="a bug in generate"):
+        run(cfg, quiet=True)

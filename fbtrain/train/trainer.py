@@ -47,6 +47,7 @@ from fbtrain.config.kinds import model_kind
 from fbtrain.config.limits import allocation_failed
 from fbtrain.device import matmul_precision
 from fbtrain.distributed import DistContext, is_peer_failure, peer_lost, session
+from fbtrain.errors import UserError
 from fbtrain.evaluate import loss_figures
 from fbtrain.inference import inference
 from fbtrain.metrics.console import Console
@@ -430,26 +431,31 @@ class Trainer:
         more once one ran out of memory (the process is at its limit: training comes first)."""
         if not self.ctx.is_main or self._samples_off:
             return
-        model, tokenizer = self.run.raw_model, self.run.data.tokenizer
-        try:
-            from fbtrain.sample import generate
+        from fbtrain.sample import NonFiniteLogits, generate
 
+        model, tokenizer = self.run.raw_model, self.run.data.tokenizer
+        # A sample must not cost the training run what it may meet by design (a diverging
+        # model's logits, a user's limit, memory running out); anything else is a bug and
+        # keeps its traceback.
+        try:
             generator = sample_generator(sample_seed(self.cfg.run.seed, self.progress.step))
             # generate runs in the inference context
             with self.pace.timing("sample"), signals.interruptible():
                 text = generate(model, tokenizer, tokenizer.start,
                                 self.cfg.train.sample_length, generator=generator,
                                 precision=self.cfg.run.precision)[0]
-        except Exception as e:  # a failed sample must not cost the training run
-            if is_allocation_failure(e):  # a MemoryError says nothing of itself
-                self._samples_off = True
-                reason = allocation_failed(e, "", "no more samples are drawn in this run")
-            else:
-                reason = str(e) or type(e).__name__
-            self.logger.info(f"warning: sampling failed at step {self.progress.step}: {reason}")
+        except (NonFiniteLogits, UserError) as e:
+            reason = str(e) or type(e).__name__
+        except (MemoryError, RuntimeError, SystemError, OSError) as e:
+            if not is_allocation_failure(e):  # a MemoryError says nothing of itself
+                raise
+            self._samples_off = True
+            reason = allocation_failed(e, "", "no more samples are drawn in this run")
+        else:
+            self.logger.log_text(self.progress.step, "sample", text, echo=False)
+            self.last_sample = (self.progress.step, text)
             return
-        self.logger.log_text(self.progress.step, "sample", text, echo=False)
-        self.last_sample = (self.progress.step, text)
+        self.logger.info(f"warning: sampling failed at step {self.progress.step}: {reason}")
 
     # ------------------------------------------------------------------ checkpoints
 
