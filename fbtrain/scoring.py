@@ -67,27 +67,19 @@ class Scores:
             self._correct += int(correct)
 
     @property
-    def loss_sum(self) -> float:
-        self._settle()
-        return self._loss_sum
-
-    @property
     def count(self) -> int:
         self._settle()
         return self._count
 
     @property
-    def correct(self) -> int:
-        self._settle()
-        return self._correct
-
-    @property
     def loss(self) -> float:
-        return self.loss_sum / self.count if self.count else float("nan")
+        self._settle()
+        return self._loss_sum / self._count if self._count else float("nan")
 
     @property
     def accuracy(self) -> float:
-        return self.correct / self.count if self.count else float("nan")
+        self._settle()
+        return self._correct / self._count if self._count else float("nan")
 
 
 def window_scores(model: nn.Module, x: Tensor, y: Tensor, batch_size: int) -> Scores:

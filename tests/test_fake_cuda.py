@@ -100,7 +100,9 @@ def test_training_on_fake_cuda(kind: str, context: str, data: str, precision: st
 def test_eval_on_fake_cuda_reads_the_host_once() -> None:
     report = fake_cuda("eval")
     phases = syncs_by_phase(report)
-    assert phases.pop("eval") == Counter({("tolist", "fbtrain/scoring.py:62"): 1}), phases
+    [(kind, where)] = phases["eval"]  # one place reads, once
+    assert kind == "tolist" and where.startswith("fbtrain/scoring.py:"), phases
+    assert sum(phases.pop("eval").values()) == 1, phases
     phases.pop("load", None)  # the checkpoint's weights copied to the device, once
     assert not phases, phases
     assert report["tokens"] > 0
