@@ -4,7 +4,9 @@ one function (:func:`exit_code_for`), and the line(s) it prints (:func:`report`)
 Exit codes: 0 done, or stdout's reader left (``| head``: ends quietly); 1 training stopped
 (:class:`~fbtrain.errors.TrainingError`: a non-finite loss or gradient norm); 2 bad input
 (every :class:`~fbtrain.errors.UserError`: config, data, checkpoint, device or a command's
-argument; an OSError, whose message names the file; an allocation that failed, anywhere
+argument; an OSError the user caused, whose message names the file: a full disk, no
+permission, a path they named that is not there (:func:`user_caused`); an allocation that
+failed, anywhere
 (``MemoryError``, the allocator's RuntimeError: more memory asked for than the process may
 use); click's usage errors: an unknown flag, a value out of range, a missing option); 129 /
 130 / 143 stopped by SIGHUP / SIGINT / SIGTERM. Anything else is a bug: it keeps its
@@ -14,6 +16,7 @@ traceback (exit 1, Python's).
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import re
 import sys
@@ -44,11 +47,42 @@ def exit_code_for(error: BaseException) -> int | None:
         return error.exit_code
     if is_allocation_failure(error):  # anywhere: more memory asked for than the process has
         return EXIT_USAGE
-    if isinstance(error, OSError):  # a folder that cannot be made, a full disk: bad input
+    if isinstance(error, OSError) and user_caused(error):
         return EXIT_USAGE
     if isinstance(error, (KeyboardInterrupt, typer.Abort)):
         return exit_code(_interrupt(error))
     return None
+
+
+# What a user's setting or disk causes and the user can fix: a full disk or quota, no
+# permission, a read-only place, a name too long, a file where a folder must be (or the
+# other way round). Any other OSError (a path fbtrain made wrong) is a bug.
+_USER_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EACCES, errno.EPERM,
+                          errno.EROFS, errno.ENAMETOOLONG, errno.ENOTDIR, errno.EISDIR,
+                          errno.ELOOP})
+
+
+def user_caused(error: OSError) -> bool:
+    """Whether ``error`` is bad input (exit 2, its line) rather than a bug (its traceback):
+    one of the errnos above, or a missing file or folder the command's own arguments name
+    (``fbtrain eval --data-path missing.txt``)."""
+    if error.errno in _USER_ERRNOS:
+        return True
+    return error.errno == errno.ENOENT and error.filename is not None and \
+        os.path.abspath(os.fsdecode(error.filename)) in _named_paths()
+
+
+def _named_paths() -> set[str]:
+    """Every value the running command was given, as an absolute path (``--set KEY=VALUE``:
+    its value): the paths the user named. Empty outside a command."""
+    ctx = click.globals.get_current_context(silent=True)
+    values: list[Any] = []
+    while ctx is not None:
+        values += ctx.params.values()
+        ctx = ctx.parent
+    words = [str(w) for v in values for w in (v if isinstance(v, (list, tuple)) else [v])
+             if isinstance(w, (str, os.PathLike))]
+    return {os.path.abspath(w.split("=", 1)[-1]) for w in words if w}
 
 
 def report(error: BaseException, argv: list[str] | None = None) -> None:

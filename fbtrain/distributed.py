@@ -20,7 +20,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from fbtrain.device import resolve_device
-from fbtrain.errors import UserError
+from fbtrain.errors import EXIT_FAILED, UserError
 
 
 @dataclass
@@ -68,7 +68,7 @@ class PeerLost(UserError):
     cannot go on either. Exit 1, like a failed run; the line names the rank and the last
     checkpoint, from which ``--resume auto`` continues."""
 
-    exit_code = 1
+    exit_code = EXIT_FAILED
     # With a peer gone, the gloo group can deadlock the interpreter's teardown: freeing the
     # DDP Reducer destroys the group, whose destructor joins its worker threads holding the
     # GIL, while a worker needs the GIL to free a failed collective's tensors (seen as a

@@ -15,13 +15,21 @@ The CLI maps these and everything else (a closed pipe, an OSError, Ctrl-C, click
 errors) in one function, :func:`fbtrain.cli_errors.exit_code_for`. Anything else that
 escapes is a bug and keeps its traceback: a ``ValueError`` from fbtrain's own checks is an
 :class:`ArgumentError` raised where the check is, never a plain one caught wholesale.
-Imports nothing, so every layer can raise one.
+The exit codes' values are defined here and nowhere else. Imports only the standard
+library, so every layer can raise one.
 """
 
 from __future__ import annotations
 
-EXIT_FAILED = 1  # training stopped (a non-finite loss or gradient norm)
+EXIT_FAILED = 1  # training stopped (a non-finite loss or gradient norm), or a peer rank died
 EXIT_USAGE = 2  # bad input, as click's own usage errors
+
+
+def signal_exit_code(signum: int) -> int:
+    """128 + the signal's number, as shells report a process a signal ended: 130 for
+    SIGINT (Ctrl-C), 143 for SIGTERM, 129 for SIGHUP."""
+    return 128 + int(signum)
+
 
 
 class FbtrainError(Exception):

@@ -23,6 +23,8 @@ import signal
 import sys
 from typing import Any
 
+from fbtrain.errors import signal_exit_code
+
 STREAMS = ((0, "stdin", "r"), (1, "stdout", "w"), (2, "stderr", "w"))
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 
@@ -38,7 +40,7 @@ class Stopped(KeyboardInterrupt):
 def exit_code(interrupt: BaseException | None) -> int:
     """128 + the signal's number, as shells report a process a signal ended: 130 for Ctrl-C
     (a plain KeyboardInterrupt, or None: not known which)."""
-    return 128 + getattr(interrupt, "signum", signal.SIGINT)
+    return signal_exit_code(getattr(interrupt, "signum", signal.SIGINT))
 
 
 def prepare_process() -> None:

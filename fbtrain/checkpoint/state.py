@@ -25,8 +25,9 @@ Resuming checks every part's state before it loads any, so a damaged checkpoint 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -35,10 +36,9 @@ from torch import nn
 
 from fbtrain.checkpoint.files import FORMAT, CheckpointError, load_checkpoint
 from fbtrain.config import ModelConfig
-from fbtrain.data.errors import DataError
 from fbtrain.data.identity import DataIdentity
+from fbtrain.errors import UserError
 from fbtrain.messages import a_type, first_line, is_int, is_number
-from fbtrain.rng import RngStateError
 from fbtrain.rundir_names import CHECKPOINT_DIR, CONFIG
 
 # Model fields that fix the shapes of the weights; a checkpoint must agree on all of them.
@@ -105,9 +105,9 @@ def restore_checkpoint(path: Path, payload: dict[str, Any], parts: Mapping[str, 
             continue  # a part that may start afresh (its check said so)
         try:
             part.load_state_dict(payload[name])
-        except (RuntimeError, ValueError, KeyError, DataError, RngStateError) as e:
+        except UserError as e:  # what the state itself gets wrong; anything else is a bug
             raise CheckpointError(f"{path}: cannot restore training state: {name}: "
-                                  f"{first_line(e)}") from None
+                                  f"{first_line(e)}") from e
 
 
 def refuse_other_model(path: Path, payload: dict[str, Any], model_cfg: ModelConfig) -> None:
@@ -230,7 +230,8 @@ class ModelState:
         return f"the weights do not fit the model: {problem}" if problem else ""
 
     def load_state_dict(self, state: Any) -> None:
-        self.model.load_state_dict(strip_wrapper_prefixes(state))
+        with torch_refusal():
+            self.model.load_state_dict(strip_wrapper_prefixes(state))
 
 
 class OptimizerState:
@@ -271,7 +272,8 @@ class OptimizerState:
         return ""
 
     def load_state_dict(self, state: Any) -> None:
-        self.optimizer.load_state_dict(state)
+        with torch_refusal():
+            self.optimizer.load_state_dict(state)
 
 
 class ScalerState:
@@ -296,7 +298,24 @@ class ScalerState:
         return f"{', '.join(bad)} missing or not numbers" if bad else ""
 
     def load_state_dict(self, state: Any) -> None:
-        self.scaler.load_state_dict(state)
+        with torch_refusal():
+            self.scaler.load_state_dict(state)
+
+
+class StateMismatch(UserError):
+    """A saved state torch's own ``load_state_dict`` refused (one its part's
+    ``state_problem`` did not foresee): the checkpoint's fault, not fbtrain's."""
+
+
+@contextlib.contextmanager
+def torch_refusal() -> Iterator[None]:
+    """Around a torch object's ``load_state_dict``: the errors it refuses a state with
+    (``RuntimeError``, ``ValueError``, ``KeyError``) become a :class:`StateMismatch`, the
+    cause kept. Only torch's call goes inside: fbtrain's own code raising these is a bug."""
+    try:
+        yield
+    except (RuntimeError, ValueError, KeyError) as e:
+        raise StateMismatch(first_line(e)) from e
 
 
 # ----------------------------------------------------------------------------- helpers

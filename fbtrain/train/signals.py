@@ -13,8 +13,9 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-# 128 + signal number, as shells do. SIGHUP: the terminal (or SSH session) was closed.
-EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143, signal.SIGHUP: 129}
+# The signals that stop a run (each exits with fbtrain.errors.signal_exit_code). SIGHUP:
+# the terminal (or SSH session) was closed.
+STOPPING = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 # Under DDP a rank that received no signal stops for the most final one another rank got.
 STOP_PRIORITY = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
 
@@ -53,7 +54,7 @@ class StopSignals:
 
     def __enter__(self) -> StopSignals:
         if threading.current_thread() is threading.main_thread():
-            for sig in EXIT_CODES:
+            for sig in STOPPING:
                 self._previous[sig] = signal.signal(sig, self._handle)
         return self
 

@@ -26,9 +26,8 @@ from fbtrain.errors import EXIT_FAILED, TrainingError
 from fbtrain.models.state import MemoryState
 from fbtrain.scoring import count_scored, score_sums
 from fbtrain.train.setup import Run
-from fbtrain.train.signals import EXIT_CODES, STOP_PRIORITY, StopSignals
+from fbtrain.train.signals import STOP_PRIORITY, STOPPING, StopSignals
 
-EXIT_NONFINITE = EXIT_FAILED  # a non-finite loss or gradient norm
 HOST_SYNC = "fbtrain::host_sync"  # profiler mark of the step's one read on the host
 
 
@@ -212,7 +211,7 @@ def read_figures(run: Run, stats: Tensor, signals: StopSignals) -> Figures:
     n_weights = len(stats) - 5  # with_memory_weights
     if ctx.enabled:
         # One flag per signal; a stop any rank was asked for stops every rank.
-        flags = torch.tensor([float(signals.received == sig) for sig in EXIT_CODES],
+        flags = torch.tensor([float(signals.received == sig) for sig in STOPPING],
                              device=ctx.device)
         stats = torch.cat([stats, flags])
         if not ctx.is_main:  # rank 0's memory RMS and weights (the others add 0, exactly)
@@ -227,7 +226,7 @@ def read_figures(run: Run, stats: Tensor, signals: StopSignals) -> Figures:
     if ctx.enabled:
         n = ctx.world_size
         loss, norm, accuracy = loss / n, norm / n, accuracy / n
-        asked = {sig for sig, count in zip(EXIT_CODES, counts, strict=True) if count}
+        asked = {sig for sig, count in zip(STOPPING, counts, strict=True) if count}
         # This rank's own signal when it has one (its exit code must match what it says).
         stop = stop or next((s for s in STOP_PRIORITY if s in asked), None)
     return Figures(loss, norm, accuracy, host[3], scored > 0, stop, weights)
@@ -263,5 +262,5 @@ def check_finite(run: Run, step: int, loss: float, grad_norm: float, last: Path)
     raise TrainingError(
         f"step {step}: {what} is {value}; stopped before the optimizer step, no checkpoint "
         f"written ({good}); try {hint}",
-        EXIT_NONFINITE,
+        EXIT_FAILED,
     )

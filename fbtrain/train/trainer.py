@@ -47,7 +47,7 @@ from fbtrain.config.kinds import model_kind
 from fbtrain.config.limits import allocation_failed
 from fbtrain.device import matmul_precision
 from fbtrain.distributed import DistContext, is_peer_failure, peer_lost, session
-from fbtrain.errors import UserError
+from fbtrain.errors import EXIT_FAILED, UserError, signal_exit_code
 from fbtrain.evaluate import loss_figures
 from fbtrain.inference import inference
 from fbtrain.metrics.console import Console
@@ -69,8 +69,8 @@ from fbtrain.train.setup import (
     resume_choice,
     set_up,
 )
-from fbtrain.train.signals import EXIT_CODES, StopRequested, StopSignals
-from fbtrain.train.step import EXIT_NONFINITE, StepResult, TrainingError, train_step
+from fbtrain.train.signals import StopRequested, StopSignals
+from fbtrain.train.step import StepResult, TrainingError, train_step
 from fbtrain.train.step_graph import graphs_requested, step_function
 
 EVAL_BATCH = 64  # validation windows per forward: no gradients, so wide batches are cheap
@@ -307,7 +307,7 @@ class Trainer:
             self.ctx.barrier()  # torchrun ends every rank once one exits: let rank 0 finish
             raise TrainingError(report.interrupted_line(step, stop, self.manager.last_path,
                                                         final=final, cut=cut),
-                                EXIT_CODES[stop])
+                                signal_exit_code(stop))
 
     def _train_metrics(self, result: StepResult) -> dict[str, Any]:
         """The step's metrics (tokens/s since the last record), also shown on the progress
@@ -351,7 +351,7 @@ class Trainer:
             received = signals.received or signal.SIGINT
             raise TrainingError(f"interrupted before the first step "
                                 f"({signal.Signals(received).name}); nothing was trained, so "
-                                "no checkpoint was written", EXIT_CODES[received]) from None
+                                "no checkpoint was written", signal_exit_code(received)) from None
 
     def _evaluation_missed(self) -> bool:
         """Whether the checkpoint resumed from is at an evaluation step whose evaluation a
@@ -471,7 +471,7 @@ class Trainer:
             raise TrainingError(
                 f"step {self.progress.step}: weights hold non-finite values "
                 f"({summarize_names(bad)}); no checkpoint written (last good: "
-                f"{self.manager.last_path})", EXIT_NONFINITE)
+                f"{self.manager.last_path})", EXIT_FAILED)
         if self.ctx.is_main:
             try:
                 with self.pace.timing("save"):
