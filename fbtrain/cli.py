@@ -185,8 +185,8 @@ def train(
     """Train a model from a config.
 
     Downloads (or reads) the text, tokenizes it, then trains, evaluates and checkpoints into
-    <run.out_dir>/<run.name>/ (config.yaml, vocab.json, metrics.jsonl, TensorBoard events in
-    train/ and val/, checkpoints/).
+    <run.out_dir>/<run.name>/ (config.yaml, vocab.json, metrics.jsonl, history.jsonl,
+    checkpoints/, TensorBoard events: training's in the folder itself, validation's in val/).
     A run that already has checkpoints is continued only with --resume, never overwritten.
     """
     if list_keys:

@@ -1,6 +1,6 @@
 """The one inter-process lock fbtrain uses: an ``fcntl.flock`` on a file that names its holder.
 
-Three things must have one writer at a time: a run directory (``rundir.RunDirLock``), a
+Three things must have one writer at a time: a run directory (``rundir.lock.RunDirLock``), a
 download-cache entry (``data``'s cache lock) and the C++ core's build folder. Each holds a
 :class:`PidLock`. An flock belongs to the open file, so the kernel drops it the moment its
 holder dies, however it dies (kill -9, the OOM killer): there is never a stale lock to

@@ -16,7 +16,7 @@ import re
 CONFIG = "config.yaml"  # the resolved config
 VOCAB = "vocab.json"  # the vocabulary (also in an export folder)
 METRICS = "metrics.jsonl"  # one JSON object per log step
-HISTORY = "history.jsonl"  # one JSON object per training segment (fbtrain.runhistory)
+HISTORY = "history.jsonl"  # one JSON object per training segment (fbtrain.rundir.history)
 LOCK = ".lock"  # held by the training process (its pid inside)
 CHECKPOINT_DIR = "checkpoints"
 LAST = "last.pt"  # the newest state

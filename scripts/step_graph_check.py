@@ -38,12 +38,12 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fbtrain.checkpoint.files import CheckpointManager  # noqa: E402
 from fbtrain.config import config_from_dict  # noqa: E402
 from fbtrain.device import autocast_dtype  # noqa: E402
 from fbtrain.distributed import DistContext  # noqa: E402
+from fbtrain.rundir import RunDirectory  # noqa: E402
 from fbtrain.train import step_graph  # noqa: E402
-from fbtrain.train.setup import Run, set_up  # noqa: E402
+from fbtrain.train.setup import RunParts, set_up  # noqa: E402
 from fbtrain.train.signals import StopSignals  # noqa: E402
 from fbtrain.train.step import train_step  # noqa: E402
 
@@ -73,7 +73,7 @@ class ReplayStandIn:
             self.out.copy_(fresh)
 
 
-def make_run(tmp: Path, name: str, device: torch.device, precision: str, sizes: dict) -> Run:
+def make_run(tmp: Path, name: str, device: torch.device, precision: str, sizes: dict) -> RunParts:
     """A fresh run of feedback_kv on a generated text, as the trainer builds it: ``sizes``
     as MAIN's (``dropout`` 0.1 and a window of the longest length unless it says)."""
     tmp.mkdir(parents=True, exist_ok=True)
@@ -99,11 +99,11 @@ def make_run(tmp: Path, name: str, device: torch.device, precision: str, sizes: 
         "logging": {"tensorboard": False, "progress": False},
     }
     run, _, _ = set_up(config_from_dict(raw), DistContext(device),
-                       CheckpointManager(tmp / "runs" / name, 1), None)
+                       RunDirectory(tmp / "runs" / name, 1), None)
     return run
 
 
-def state_of(run: Run) -> list[torch.Tensor]:
+def state_of(run: RunParts) -> list[torch.Tensor]:
     """Every weight and AdamW state tensor, on the CPU."""
     opt = run.optimizer.state_dict()
     return ([p.detach().cpu().clone() for p in run.raw_model.parameters()]

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from fbtrain.models import FeedbackTransformer
+from fbtrain.models.feedback import FeedbackTransformer
 
 
 def reference_forward(model: FeedbackTransformer, tokens: Tensor) -> Tensor:

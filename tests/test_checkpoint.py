@@ -26,6 +26,7 @@ from fbtrain.checkpoint.files import atomic_copy
 from fbtrain.data.errors import DataError
 from fbtrain.data.samplers import BatchSampler
 from fbtrain.rng import RngStateError, capture_rng, restore_rng
+from fbtrain.rundir import RunDirectory
 
 
 def _live_run(tmp_path: Path, steps: int = 0, **sections):
@@ -43,8 +44,8 @@ def _live_run(tmp_path: Path, steps: int = 0, **sections):
     if steps:
         run(cfg, quiet=True)
         resume = "auto"
-    manager = CheckpointManager(Path(cfg.run.out_dir) / cfg.run.name, 1)
-    return set_up(cfg, DistContext(device=torch.device("cpu")), manager, resume)[:2]
+    directory = RunDirectory(Path(cfg.run.out_dir) / cfg.run.name, 1)
+    return set_up(cfg, DistContext(device=torch.device("cpu")), directory, resume)[:2]
 
 
 @pytest.fixture(scope="module")
@@ -533,8 +534,8 @@ def _fresh(path: Path, cfg):
     from fbtrain.distributed import DistContext
     from fbtrain.train.setup import set_up
 
-    manager = CheckpointManager(path.parent.parent.parent / "elsewhere", 1)
-    return set_up(cfg, DistContext(device=torch.device("cpu")), manager, None)[:2]
+    directory = RunDirectory(path.parent.parent.parent / "elsewhere", 1)
+    return set_up(cfg, DistContext(device=torch.device("cpu")), directory, None)[:2]
 
 
 def test_a_trainer_checkpoint_resumes_through_its_parts(trained) -> None:

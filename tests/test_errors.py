@@ -134,8 +134,8 @@ fail(PeerLost("rank 1 of 2 stopped"))
 
 def test_a_lost_peer_ends_the_process_without_pythons_teardown(tmp_path: Path) -> None:
     """PeerLost is reported (its line, stdout flushed first) and the process ends with its
-    code at once: the gloo group's teardown after a peer died can hang (issue 38.9's
-    killed-rank test hung once in CI this way), so it must not run."""
+    code at once: the gloo group's teardown after a peer died can hang (a killed-rank
+    test hung once in CI this way), so it must not run."""
     import subprocess
     import sys
 

@@ -20,11 +20,11 @@ from fbtrain import evaluate, sample
 from fbtrain.checkpoint import CheckpointError, load_checkpoint, load_model
 from fbtrain.checkpoint.contents import export_model
 from fbtrain.checkpoint.export import write_export
-from fbtrain.checkpoint.files import CheckpointManager
 from fbtrain.cli import app
 from fbtrain.config import ModelConfig
 from fbtrain.distributed import session
 from fbtrain.models import build_model
+from fbtrain.rundir import RunDirectory
 from fbtrain.train import run
 from fbtrain.train.setup import set_up
 
@@ -277,7 +277,7 @@ def test_an_export_as_init_from_warm_starts_from_its_weights(
     source = out if given == "folder" else out / "model.safetensors"
     cfg = make_cfg(tmp_path, "warm", train={"max_steps": 1, "init_from": str(source)})
     with session("cpu") as ctx:  # the run as set up, before its first step
-        built, _, _ = set_up(cfg, ctx, CheckpointManager(tmp_path / "runs" / "warm", 2), None)
+        built, _, _ = set_up(cfg, ctx, RunDirectory(tmp_path / "runs" / "warm", 2), None)
     assert built.warm_report is not None and not built.warm_report.fresh
     weights, exported = built.raw_model.state_dict(), load_model(out)[0].state_dict()
     assert weights.keys() == exported.keys()

@@ -502,6 +502,23 @@ def test_invalid_model_config_is_a_clear_error():
 # ----------------------------------------------------------------------------- the registry
 
 
+def test_a_kinds_module_is_imported_when_its_model_is_built() -> None:
+    """The registry names each class by its import path: importing fbtrain.models (as the
+    checkpoint, the trainer and the scripts do) imports no kind's module; building one
+    imports its own module alone."""
+    import subprocess
+    import sys
+
+    code = ("import sys; import fbtrain.models as m; from fbtrain.config import ModelConfig; "
+            "before = sorted(k for k in sys.modules if k in MODULES); "
+            "m.build_model(ModelConfig(kind='transformer', d_model=8, n_heads=2, d_ff=8, "
+            "n_layers=1), 5); print(before, sorted(k for k in sys.modules if k in MODULES))")
+    modules = "MODULES = ('fbtrain.models.feedback', 'fbtrain.models.transformer'); "
+    out = subprocess.run([sys.executable, "-c", modules + code], capture_output=True,
+                         text=True, check=True).stdout
+    assert out.strip() == "[] ['fbtrain.models.transformer']"
+
+
 @pytest.mark.parametrize("name", list(KINDS))
 @pytest.mark.parametrize("memory_norm", ["none", "layernorm"])
 def test_each_registry_entry_is_what_its_model_is(name: str, memory_norm: str):

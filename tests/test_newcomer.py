@@ -1,4 +1,4 @@
-"""What a newcomer trips on (issue 30, point 4): every help line and the summary within 80
+"""What a newcomer trips on: every help line and the summary within 80
 columns, a config given without --config, training without --config, the offline hint in
 the form `make train` takes, `exports/` ignored by git."""
 

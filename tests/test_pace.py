@@ -15,7 +15,7 @@ import pytest
 import fbtrain.sample
 from fbtrain.config import config_from_dict
 from fbtrain.metrics.logger import MetricsLogger
-from fbtrain.train import run, trainer
+from fbtrain.train import evaluations, run, trainer
 from fbtrain.train.pace import Pace
 from tests.test_train import make_raw
 
@@ -40,7 +40,7 @@ def costed_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, clock: FakeClock
     seconds (also its own time, for tokens/s), an evaluation ``evaluation``, a sample
     ``sample``. Returns the run directory and every progress line's (step, ETA, time)."""
     real_step_function = trainer.step_function
-    real_scores, real_generate = trainer.window_scores, fbtrain.sample.generate
+    real_scores, real_generate = evaluations.window_scores, fbtrain.sample.generate
 
     def step_function(run_: Any) -> Any:
         step = real_step_function(run_)
@@ -69,7 +69,7 @@ def costed_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, clock: FakeClock
         real_progress(self, step, postfix, remaining)
 
     monkeypatch.setattr(trainer, "step_function", step_function)
-    monkeypatch.setattr(trainer, "window_scores", scores)
+    monkeypatch.setattr(evaluations, "window_scores", scores)
     monkeypatch.setattr(fbtrain.sample, "generate", generate)
     monkeypatch.setattr(MetricsLogger, "progress", progress)
     run_dir = run(config_from_dict(make_raw(tmp_path, **sections)), clock=clock)
@@ -153,7 +153,7 @@ def test_a_stage_costs_what_its_last_steps_cost(tmp_path: Path) -> None:
 def test_the_evaluations_samples_and_saves_due_are_the_trainers(
         tmp_path: Path, eval_every: int, save_every: int, sample_every: int | None,
         max_steps: int) -> None:
-    """Counted as the trainer's cadence fires them, step by step (trainer.sample_due):
+    """Counted as the trainer's cadence fires them, step by step (evaluations.sample_due):
     an evaluation every eval_every steps and at the last, a save at each evaluation (a
     possible best), each checkpoint.every steps and the last."""
     cfg = config_from_dict(make_raw(tmp_path, train={
@@ -164,7 +164,7 @@ def test_the_evaluations_samples_and_saves_due_are_the_trainers(
         steps = range(first, max_steps + 1)
         evaluated = [s for s in steps if s % eval_every == 0 or s == max_steps]
         want = {"evaluation": len(evaluated),
-                "sample": sum(trainer.sample_due(cfg.train, s, s in evaluated) for s in steps),
+                "sample": sum(evaluations.sample_due(cfg.train, s, s in evaluated) for s in steps),
                 "save": sum(s in evaluated or s % save_every == 0 for s in steps)}
         assert pace._events_due(first) == want, first
 

@@ -32,7 +32,7 @@ def project_field(name: str) -> str:
 
 
 def test_readme_is_short():
-    """Read in two minutes (issue 39: 245 lines, about 35 of them provenance)."""
+    """Read in two minutes: what a user needs, the figures and their provenance in docs/."""
     assert len(readme().splitlines()) < 180
 
 

@@ -29,7 +29,7 @@ from fbtrain.checkpoint import CheckpointManager, load_checkpoint
 from fbtrain.cli import app
 from fbtrain.config import ConfigError, config_from_dict
 from fbtrain.io import FileWriteError, atomic_write_text, remove_stale_temps
-from fbtrain.rundir import RunDirLock
+from fbtrain.rundir.lock import RunDirLock
 from fbtrain.train import run
 
 _FDOPEN = os.fdopen  # the real one (the tests patch os.fdopen as atomic_write sees it)

@@ -60,7 +60,7 @@ def _one_error(result: Any) -> str:
 
 def test_resume_auto_refuses_a_misnamed_step_file_before_moving_anything(
         tmp_path: Path) -> None:
-    """Issue 38.1: a copy of step 3 named step-00000009.pt made --resume auto move best.pt
+    """Was: a copy of step 3 named step-00000009.pt made --resume auto move best.pt
     and step-6 aside into abandoned-from-step-3/, then fail on the file it had moved."""
     raw, ckpts = _trained(tmp_path)
     (ckpts / "last.pt").unlink()
@@ -80,7 +80,7 @@ def test_resume_auto_refuses_a_misnamed_step_file_before_moving_anything(
 
 
 def test_resume_auto_refuses_a_step_file_of_another_run(tmp_path: Path) -> None:
-    """Issue 38.2: another run's last.pt copied in as step-00000009.pt was resumed from,
+    """Was: another run's last.pt copied in as step-00000009.pt was resumed from,
     and the run's own best.pt replaced. Same model, data and seed: only the run id tells."""
     raw, ckpts = _trained(tmp_path)
     other = run(config_from_dict(make_raw(tmp_path, "other", train={"max_steps": 6})),
@@ -119,7 +119,7 @@ def test_resume_auto_refuses_another_runs_file_below_the_one_it_resumes(
 
 
 def test_a_folder_as_last_pt_is_refused_before_training(tmp_path: Path) -> None:
-    """Issue 38.3: it was named as unreadable, then 10 steps trained and the first save
+    """Was: a folder as last.pt named as unreadable, then 10 steps trained and the first save
     failed ("[Errno 21] Is a directory"), the steps lost."""
     raw, ckpts = _trained(tmp_path)
     (ckpts / "last.pt").unlink()
@@ -206,7 +206,7 @@ def test_a_resume_puts_a_stale_best_pt_right(tmp_path: Path,
 
 def test_a_resume_with_changed_settings_names_them_and_keeps_the_history(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """Issue 38.4: --set train.lr=0.01 on resume was applied in silence, and config.yaml
+    """Was: --set train.lr=0.01 on resume was applied in silence, and config.yaml
     rewritten as if the whole run had used it."""
     raw, ckpts = _trained(tmp_path)
     capsys.readouterr()
@@ -235,7 +235,7 @@ def test_a_resume_with_changed_settings_names_them_and_keeps_the_history(
 
 def test_a_v1_checkpoint_resumed_says_its_data_cannot_be_checked(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """Issue 38.5: a v1 checkpoint holds no digest of its data, so other data (here, the
+    """Was: a v1 checkpoint holds no digest of its data, so other data (here, the
     same words in another order) resumed in silence; a v2 one is refused."""
     cfg = legacy_config(tmp_path, "reset", 3)
     text = Path(cfg.data.path)
@@ -257,7 +257,7 @@ def test_a_v1_checkpoint_resumed_says_its_data_cannot_be_checked(
 
 
 def test_an_overlong_run_directory_is_one_short_line(tmp_path: Path) -> None:
-    """Issue 38.10: "[Errno 36] File name too long: '<5,000 characters>'"."""
+    """Was: "[Errno 36] File name too long: '<5,000 characters>'"."""
     deep = tmp_path / "/".join(["d" * 200] * 25)  # 5,000 characters
     line = _one_error(_train_cli(tmp_path, make_raw(tmp_path, run={
         "name": "r", "out_dir": str(deep), "device": "cpu", "seed": 7})))
@@ -286,7 +286,7 @@ def _immutable(path: Path) -> Iterator[None]:
 
 def test_an_immutable_checkpoints_folder_or_metrics_is_refused_before_training(
         tmp_path: Path) -> None:
-    """Issue 38.10: chattr +i on checkpoints/ cost 10 steps and ended on
+    """Was: chattr +i on checkpoints/ cost 10 steps and ended on
     "[Errno 1] Operation not permitted: '.../.last.pt.cueq0wj9.tmp'"."""
     raw, ckpts = _trained(tmp_path)
     raw["train"]["max_steps"] = 9

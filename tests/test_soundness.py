@@ -306,10 +306,10 @@ def test_resume_under_a_changed_world_size_draws_from_the_saved_sampler(
     trainer = Trainer(config_from_dict(raw), DistContext(device=torch.device("cpu")),
                       quiet=True)
     trainer.fit("auto")
-    expected = BatchSampler(trainer.run.data.train_ids, rank_seed(7, 0, 3))
+    expected = BatchSampler(trainer.parts.data.train_ids, rank_seed(7, 0, 3))
     for _ in range(2):  # the two resumed steps, one micro-batch each
         expected.sample(4, 8)
-    assert trainer.run.batches.sampler is trainer.run.sampler
+    assert trainer.parts.batches.sampler is trainer.parts.sampler
     saved = load_checkpoint(last)["sampler"]["generator"]
     assert torch.equal(saved, expected.generator.get_state())
 
@@ -350,15 +350,15 @@ with session("cpu") as ctx:
     trainer = Trainer(config_from_dict(raw), ctx, quiet=True)
     trainer.fit("auto")
     if ctx.rank == 0:  # rank 0 goes on with the sampler the checkpoint saved
-        expected = BatchSampler(trainer.run.data.train_ids, 7, rank=0)
+        expected = BatchSampler(trainer.parts.data.train_ids, 7, rank=0)
         expected.load_state_dict(saved["sampler"])
     else:  # the others with fresh streams of their own, seeded by (seed, rank, step)
-        expected = BatchSampler(trainer.run.data.train_ids, rank_seed(7, ctx.rank, 2),
+        expected = BatchSampler(trainer.parts.data.train_ids, rank_seed(7, ctx.rank, 2),
                                 rank=ctx.rank)
     for _ in range(2):
         expected.sample(4, 8)
-    torch.save({"same_object": trainer.run.batches.sampler is trainer.run.sampler,
-                "drawn_from": trainer.run.batches.sampler.generator.get_state(),
+    torch.save({"same_object": trainer.parts.batches.sampler is trainer.parts.sampler,
+                "drawn_from": trainer.parts.batches.sampler.generator.get_state(),
                 "expected": expected.generator.get_state()},
                f"{sys.argv[2]}/rank{ctx.rank}.pt")
 """

@@ -1,5 +1,5 @@
 """A process's own edges, tested for real: started with a standard stream closed, stopped
-by SIGTERM before training began (issue 31, items 6 and 14); a log file that cannot be
+by SIGTERM before training began; a log file that cannot be
 written after a step (the step is saved first)."""
 
 from __future__ import annotations

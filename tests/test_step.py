@@ -21,12 +21,12 @@ from typing import Any
 import pytest
 import torch
 
-from fbtrain.checkpoint.files import CheckpointManager
 from fbtrain.config import config_from_dict
 from fbtrain.data.corpus import load_corpus
 from fbtrain.data.samplers import BatchSampler
 from fbtrain.data.streams import IGNORE_INDEX
 from fbtrain.distributed import DistContext
+from fbtrain.rundir import RunDirectory
 from fbtrain.train.setup import set_up
 from fbtrain.train.signals import StopSignals
 from fbtrain.train.step import HOST_SYNC, train_step
@@ -61,7 +61,7 @@ def one_step(raw: dict[str, Any], ctx: DistContext, run_dir: Path,
     accuracy and every parameter's gradient (what DDP left, the same on every rank)."""
     import dataclasses
 
-    run, _, _ = set_up(config_from_dict(raw), ctx, CheckpointManager(run_dir, 1), None)
+    run, _, _ = set_up(config_from_dict(raw), ctx, RunDirectory(run_dir, 1), None)
     run = dataclasses.replace(run, batches=FixedBatches(parts))
     result = train_step(run, 0, StopSignals(), run_dir / "last.pt")
     grads = {name: p.grad.detach().clone() for name, p in run.raw_model.named_parameters()}
@@ -206,7 +206,7 @@ def test_ranks_above_0_draw_their_own_dropout_masks(tmp_path: Path) -> None:
     for rank in (0, 1, 2):
         ctx = DistContext(device=torch.device("cpu"), rank=rank)
         run, _, _ = set_up(config_from_dict(raw), ctx,
-                           CheckpointManager(tmp_path / f"rank{rank}", 1), None)
+                           RunDirectory(tmp_path / f"rank{rank}", 1), None)
         weights[rank] = run.raw_model.state_dict()
         assert run.model.training
         logits[rank] = run.model(tokens)[0].detach()  # the first masks the rank draws
@@ -230,7 +230,7 @@ def test_a_step_reads_the_host_once(tmp_path: Path, case: str,
     monkeypatch.setenv("FBTRAIN_CORE_ATEN", "1")
     raw = make_raw(tmp_path, CASES[case](tmp_path), BATCH)
     run, _, _ = set_up(config_from_dict(raw), DistContext(torch.device("cpu")),
-                       CheckpointManager(tmp_path / "run", 1), None)
+                       RunDirectory(tmp_path / "run", 1), None)
     import dataclasses
 
     run = dataclasses.replace(run, batches=FixedBatches([global_batch(raw)]))
@@ -257,7 +257,7 @@ def test_the_eager_step_clips_its_gradients(tmp_path: Path) -> None:
     raw = make_raw(tmp_path, CASES["text"](tmp_path), BATCH)
     raw["train"]["grad_clip"] = 1e-3
     run, _, _ = set_up(config_from_dict(raw), DistContext(torch.device("cpu")),
-                       CheckpointManager(tmp_path / "run", 1), None)
+                       RunDirectory(tmp_path / "run", 1), None)
     stats = step_body(run, [(*global_batch(raw), None)])
     norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in run.params]))
     assert stats[1].item() > 1e-2  # the norm before clipping, logged

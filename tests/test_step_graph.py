@@ -20,11 +20,11 @@ from typing import Any
 import pytest
 import torch
 
-from fbtrain.checkpoint.files import CheckpointManager
 from fbtrain.config import config_from_dict
 from fbtrain.distributed import DistContext
+from fbtrain.rundir import RunDirectory
 from fbtrain.train import step, step_graph
-from fbtrain.train.setup import Run, set_up
+from fbtrain.train.setup import RunParts, set_up
 from fbtrain.train.signals import StopSignals
 from fbtrain.train.step import TrainingError, train_step
 
@@ -64,7 +64,7 @@ def write_text(path: Path) -> Path:
     return path
 
 
-def make_run(tmp_path: Path, lr: float = LR, precision: str = "fp32", **train: Any) -> Run:
+def make_run(tmp_path: Path, lr: float = LR, precision: str = "fp32", **train: Any) -> RunParts:
     """A fresh run of a tiny feedback_kv model with dropout and clipping; the curriculum
     lengthens from 8 to 12 after three steps."""
     raw = {
@@ -80,11 +80,11 @@ def make_run(tmp_path: Path, lr: float = LR, precision: str = "fp32", **train: A
         "logging": {"tensorboard": False, "progress": False},
     }
     run, _, _ = set_up(config_from_dict(raw), DistContext(torch.device("cpu")),
-                       CheckpointManager(tmp_path / "runs" / "run", 1), None)
+                       RunDirectory(tmp_path / "runs" / "run", 1), None)
     return run
 
 
-def state_of(run: Run) -> list[torch.Tensor]:
+def state_of(run: RunParts) -> list[torch.Tensor]:
     """Every parameter and every optimizer state tensor (step counts included)."""
     opt = run.optimizer.state_dict()
     return ([p.detach().clone() for p in run.raw_model.parameters()]
@@ -105,7 +105,7 @@ def stand_in(monkeypatch) -> type[ReplayingStepGraph]:
 
 
 def eager_and_graphed(tmp_path: Path, lr: float = LR, precision: str = "fp32"
-                      ) -> tuple[list, list, Run, Run]:
+                      ) -> tuple[list, list, RunParts, RunParts]:
     """STEPS steps of one run eagerly and of a second, from the same seed, graphed."""
     # One after the other: set-up seeds the process's generators, which dropout draws from.
     eager = make_run(tmp_path / "eager", lr, precision)

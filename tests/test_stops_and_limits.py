@@ -1,4 +1,4 @@
-"""Issue 38, items 6-9, 11 and 12: a signal in the final sample, bounds on the sample length
+"""A signal in the final sample, bounds on the sample length
 and the weight decay, the process's memory limit, a rank that dies under DDP, the GPU
 switches on a CPU, and sampling from a model whose logits overflow.
 

@@ -81,8 +81,8 @@ DDP_DRIVER = textwrap.dedent("""
         raw["train"]["max_steps"] += 2
         trainer = Trainer(config_from_dict(raw), ctx, quiet=True)
         trainer.fit("auto")
-        torch.save({"model": trainer.run.raw_model.state_dict(),
-                    "sampler": trainer.run.sampler.state_dict()["generator"],
+        torch.save({"model": trainer.parts.raw_model.state_dict(),
+                    "sampler": trainer.parts.sampler.state_dict()["generator"],
                     "world_size": ctx.world_size},
                    f"{sys.argv[2]}/rank{ctx.rank}.pt")
 """)
@@ -760,7 +760,7 @@ def test_each_step_trains_at_the_scheduled_learning_rate(tmp_path: Path) -> None
     seen: list[list[float]] = []
     with session("cpu") as ctx:
         trainer = Trainer(cfg, ctx, quiet=True, on_step=lambda step: seen.append(
-            [g["lr"] for g in trainer.run.optimizer.param_groups]))
+            [g["lr"] for g in trainer.parts.optimizer.param_groups]))
         trainer.fit(None)
     expected = [LRSchedule(cfg.train).lr_at(i) for i in range(4)]
     assert expected[0] != cfg.train.lr and expected[-1] != cfg.train.lr
@@ -779,7 +779,7 @@ def test_weights_that_turn_nonfinite_are_never_saved(tmp_path: Path) -> None:
     def poison_at_step_4(step: int) -> None:
         if step == 4:
             with torch.no_grad():
-                trainer.run.raw_model.embed.weight[0, 0] = float("nan")
+                trainer.parts.raw_model.embed.weight[0, 0] = float("nan")
 
     with session("cpu") as ctx:
         trainer = Trainer(cfg, ctx, quiet=True, on_step=poison_at_step_4)

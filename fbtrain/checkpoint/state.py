@@ -8,14 +8,14 @@ can be loaded; ``state`` is None when the checkpoint holds no entry of the part'
 ``load_state_dict(state)``. The trainer names its parts in one place
 (:func:`fbtrain.train.setup.state_parts`); the parts of torch's own objects are here
 (:class:`ModelState`, :class:`OptimizerState`, :class:`ScalerState`), fbtrain's own
-implement the protocol themselves (the progress, the batch sampler, the carried streams,
-the global RNG streams). A checkpoint (format v2) is then::
+implement the protocol themselves (the training state, the batch sampler, the carried
+streams, the global RNG streams, the data's identity, the training clock). A checkpoint (format v2) is then::
 
     model, optimizer, scaler, progress,      one entry per part: its state_dict()
-    sampler, streams, rng, data
+    sampler, streams, rng, data, clock
     model_config, vocab, tokenizer           what rebuilds the model (sample, eval, export)
     config, world_size, run_id               the run it came from (run_id: see
-                                             :mod:`fbtrain.runhistory`; absent before)
+                                             :mod:`fbtrain.rundir.history`; absent before)
     step                                     the step of the weights (progress.step), for
                                              readers that need nothing else
 
@@ -148,7 +148,7 @@ RESUME_ENTRIES = ("model", "optimizer", "progress", "model_config", "rng")
 def resumable_problem(payload: dict[str, Any]) -> str:
     """'' when ``payload`` (as :func:`read_checkpoint` returns it) holds what every resume
     reads, else what is wrong: the check that picks the checkpoint to go on from
-    (:func:`fbtrain.rundir.choose_resume`) before any part exists to check its own state.
+    (:func:`fbtrain.rundir.resume.choose_resume`) before any part exists to check its own state.
     The parts' own checks follow in :func:`restore_checkpoint`."""
     missing = [k for k in RESUME_ENTRIES if not isinstance(payload.get(k), dict)]
     if missing:

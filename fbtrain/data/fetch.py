@@ -276,7 +276,7 @@ class CacheLock:
     temp files and ``leftovers``) for the block.
 
     The holder keeps a :class:`~fbtrain.filelock.PidLock` on ``<folder>/.<entry name>.lock``
-    (which also records its process id), as :class:`fbtrain.rundir.RunDirLock` does for a
+    (which also records its process id), as :class:`fbtrain.rundir.lock.RunDirLock` does for a
     run directory: the kernel drops it when the process ends however it ends. A second
     process wanting the same entry waits (polling) for up to ``wait`` seconds (None:
     :data:`LOCK_WAIT`), then gives up with a DataError naming the holder; once it holds the

@@ -12,7 +12,7 @@ import errno
 import math
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from tqdm import tqdm
@@ -180,6 +180,38 @@ class Console:
                 self._bar.disable = True  # closing it must not write to the lost console
                 self._bar = None
             silence_stdout()
+
+
+class StatusLine:
+    """The training run's status line: the figures of a logged step (:attr:`SHOWN`), the
+    recent tokens/s and the time left, drawn by ``draw(step, figures, remaining)``.
+
+    A process's first steps are not measured (warm-up), so a line drawn before any rate was
+    has none; :meth:`add_rate` draws it again with the rate once there is one (its other
+    figures the last shown: a status line, not a metrics record).
+    """
+
+    SHOWN = ("loss", "bpc", "accuracy", "seq_len", "lr")
+
+    def __init__(self, draw: Callable[[int, dict[str, Any], float | None], None]):
+        self._draw = draw
+        self._shown: dict[str, Any] = {}
+        self.lacks_rate = False  # the line shown has no rate yet
+
+    def show(self, step: int, metrics: dict[str, Any], rate: float | None,
+             remaining: float | None) -> None:
+        """Draw ``metrics``' shown figures at ``step`` with ``rate`` (None: not measured
+        yet) and ``remaining`` seconds."""
+        shown = {k: metrics[k] for k in self.SHOWN if k in metrics}
+        if rate is not None:
+            shown["tokens_per_sec"] = rate
+        self._draw(step, shown, remaining)
+        self._shown, self.lacks_rate = shown, rate is None
+
+    def add_rate(self, step: int, rate: float, remaining: float | None) -> None:
+        """The line shown again at ``step``, now with ``rate`` and ``remaining``."""
+        self._draw(step, {**self._shown, "tokens_per_sec": rate}, remaining)
+        self.lacks_rate = False
 
 
 def plain_line(step: int, total: int, postfix: dict[str, Any], eta: str | None) -> str:

@@ -1,7 +1,8 @@
 """Model kinds and ``build_model``: ``logits, state = model(tokens, state=None)``.
 
 Which class a kind is, and what else fbtrain knows about it, is its entry in the registry
-(:mod:`fbtrain.config.kinds`).
+(:mod:`fbtrain.config.kinds`), which names the class by its import path: a kind's module
+is imported when a model of that kind is built, not with this package.
 """
 
 from __future__ import annotations
@@ -13,12 +14,9 @@ from torch import nn
 from fbtrain.config import ModelConfig
 from fbtrain.config.kinds import ModelKind, model_kind
 from fbtrain.errors import ArgumentError
-from fbtrain.models.feedback import FeedbackTransformer
 from fbtrain.models.state import MemoryState
-from fbtrain.models.transformer import Transformer
 
-__all__ = ["FeedbackTransformer", "MemoryState", "Transformer", "build_model", "count_parameters",
-           "model_class"]
+__all__ = ["MemoryState", "build_model", "count_parameters", "model_class"]
 
 
 def model_class(kind: ModelKind) -> type[nn.Module]:

@@ -21,7 +21,7 @@ from fbtrain.messages import format_bytes
 
 if TYPE_CHECKING:
     from fbtrain.config import Config
-    from fbtrain.train.setup import Run
+    from fbtrain.train.setup import RunParts
 
 __all__ = ["OutOfMemory", "is_allocation_failure", "out_of_memory", "setting_up"]
 
@@ -49,7 +49,7 @@ def largest_batch(cfg: Config, size: int) -> int:
     return low
 
 
-def out_of_memory(run: Run, index: int) -> OutOfMemory:
+def out_of_memory(run: RunParts, index: int) -> OutOfMemory:
     """The error for step ``index`` (0-based) running out of memory: its batch, the limit
     it met, and the largest train.batch_size the estimate lets through (at most)."""
     cfg = run.cfg

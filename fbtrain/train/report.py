@@ -23,7 +23,7 @@ from fbtrain.models.core.select import core, core_label
 from fbtrain.train.batches import CarriedStreams
 
 if TYPE_CHECKING:
-    from fbtrain.train.setup import Progress, Run
+    from fbtrain.train.setup import RunParts, TrainState
     from fbtrain.train.step import StepResult
 
 WARMUP_STEPS = 1  # steps of each process left out of tokens/s (allocations, first kernels)
@@ -121,12 +121,12 @@ class SegmentTime:
         return parts
 
 
-def has_core(run: Run) -> bool:
+def has_core(run: RunParts) -> bool:
     """Whether ``run``'s model steps through a feedback core (the feedback kinds)."""
     return hasattr(run.raw_model, "core_params")
 
 
-def device_text(run: Run) -> str:
+def device_text(run: RunParts) -> str:
     """``cpu (2 threads, fp32, C++ core)`` or ``cuda:0 (NVIDIA H200, bf16 autocast, C++
     core)``: where, at what precision, and (feedback kinds) which core runs, as
     $FBTRAIN_CORE chose it (the PyTorch core, far slower, must not look like the C++ one)."""
@@ -141,7 +141,7 @@ def device_text(run: Run) -> str:
     return f"cpu ({threads} thread{'s' if threads != 1 else ''}, {dtype})"
 
 
-def announcement(run: Run, progress: Progress, resume_path: Path | None,
+def announcement(run: RunParts, progress: TrainState, resume_path: Path | None,
                  removed: list[Path]) -> list[str]:
     """The lines a run starts with: where, what model, what device and data, from where."""
     cfg, data = run.cfg, run.data
@@ -176,7 +176,7 @@ def announcement(run: Run, progress: Progress, resume_path: Path | None,
     return lines
 
 
-def step_metrics(run: Run, result: StepResult, tokens: int, rate: float | None
+def step_metrics(run: RunParts, result: StepResult, tokens: int, rate: float | None
                  ) -> dict[str, Any]:
     """A step's metrics record (the loss of this step, not an average: exact under resume);
     ``tokens`` trained so far, ``rate`` tokens/s since the last record."""
@@ -214,7 +214,7 @@ def evaluation_line(step: int, metrics: dict[str, float], improved: bool,
             f" ({windows} fixed windows){accuracy}{best}")
 
 
-def summary(run: Run, progress: Progress, time: SegmentTime) -> str:
+def summary(run: RunParts, progress: TrainState, time: SegmentTime) -> str:
     """The last lines: where training stopped, its losses, then what this process trained,
     at what rate, and where its wall time went (:class:`SegmentTime`), ``|``-separated and
     wrapped between parts into lines of at most 80 columns

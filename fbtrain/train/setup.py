@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from fbtrain.checkpoint.best import heal_best
 from fbtrain.checkpoint.contents import WarmStart, apply_warm_start, check_warm_start
-from fbtrain.checkpoint.files import CheckpointManager, save_checkpoint
+from fbtrain.checkpoint.files import save_checkpoint
 from fbtrain.checkpoint.state import (
     ModelState,
     OptimizerState,
@@ -44,12 +44,11 @@ from fbtrain.distributed import DistContext
 from fbtrain.messages import is_int, is_number
 from fbtrain.models import build_model
 from fbtrain.rng import GlobalRng, rank_seed, seed_everything
-from fbtrain.rundir import ResumeChoice, choose_resume
-from fbtrain.runhistory import Segment, changed_settings, describe_changes
+from fbtrain.rundir import ResumeChoice, RunDirectory, Segment
+from fbtrain.rundir.history import changed_settings, describe_changes
 from fbtrain.train.batches import CarriedStreams, RandomWindows
 from fbtrain.train.clock import RunClock
 from fbtrain.train.optim import LRSchedule, build_optimizer
-from fbtrain.train.rewind import set_aside_abandoned
 
 
 @dataclass(frozen=True)
@@ -69,7 +68,7 @@ class Seams:
 
 
 @dataclass
-class Progress:
+class TrainState:
     """What training has done so far: the trainer's only mutable state (with the model's,
     the optimizer's and the batches' own). A part of the checkpoint, as ``progress``."""
 
@@ -122,7 +121,7 @@ class TrainData:
 
 
 @dataclass(frozen=True)
-class Run:
+class RunParts:
     """One run's parts, built once by :func:`set_up`."""
 
     cfg: Config
@@ -147,13 +146,13 @@ class Run:
     segment: Segment = Segment()  # the run's id and what history.jsonl records of this start
 
 
-def resume_choice(cfg: Config, manager: CheckpointManager, resume: str | None
+def resume_choice(cfg: Config, directory: RunDirectory, resume: str | None
                   ) -> ResumeChoice:
-    """Where the run starts (:func:`~fbtrain.rundir.choose_resume`), a checkpoint of another
+    """Where the run starts (:meth:`~fbtrain.rundir.RunDirectory.choose`), a checkpoint of another
     model refused before anything is loaded or downloaded. Call with the run directory's
     lock held (the trainer takes it first): the choice is made from what the directory
     holds."""
-    choice = choose_resume(resume, manager)
+    choice = directory.choose(resume)
     if choice.path is not None and choice.payload is not None:
         refuse_other_model(choice.path, choice.payload, cfg.model)
     return choice
@@ -171,9 +170,9 @@ def finished(cfg: Config, choice: ResumeChoice) -> bool:
     return progress.get("val_step", step) == step
 
 
-def set_up(cfg: Config, ctx: DistContext, manager: CheckpointManager, resume: str | None,
+def set_up(cfg: Config, ctx: DistContext, directory: RunDirectory, resume: str | None,
            choice: ResumeChoice | None = None, seams: Seams | None = None
-           ) -> tuple[Run, Progress, Path | None]:
+           ) -> tuple[RunParts, TrainState, Path | None]:
     """Build the run (fresh, resumed or warm-started): ``(run, progress, resumed_from)``.
 
     Call with the run directory's lock held: ``choice`` is :func:`resume_choice` of
@@ -181,7 +180,7 @@ def set_up(cfg: Config, ctx: DistContext, manager: CheckpointManager, resume: st
     """
     clock = RunClock()  # this segment starts now
     seams = seams or Seams()
-    choice = choice or resume_choice(cfg, manager, resume)
+    choice = choice or resume_choice(cfg, directory, resume)
     resume_path, payload = choice.path, choice.payload
     init_path, init = warm_start_source(cfg, payload)
     seed_everything(cfg.run.seed)
@@ -199,13 +198,13 @@ def set_up(cfg: Config, ctx: DistContext, manager: CheckpointManager, resume: st
     amp_dtype = autocast_dtype(cfg.run.precision, ctx.device)
     # fp16 needs loss scaling to keep small gradients from underflowing; bf16/fp32 don't.
     scaler = torch.amp.GradScaler(ctx.device.type, enabled=amp_dtype == torch.float16)
-    run = Run(cfg=cfg, ctx=ctx, run_dir=manager.run_dir, curriculum=Curriculum(cfg),
+    run = RunParts(cfg=cfg, ctx=ctx, run_dir=directory.path, curriculum=Curriculum(cfg),
               data=data, raw_model=raw_model, model=raw_model,
               params=[p for p in raw_model.parameters() if p.requires_grad],
               optimizer=optimizer, schedule=LRSchedule(cfg.train), scaler=scaler,
               amp_dtype=amp_dtype, sampler=sampler, batches=batches, warm_report=warm_report,
               clock=clock)
-    progress = Progress()
+    progress = TrainState()
     notes = (choice.note,) if choice.note else ()
     changed: dict[str, list[Any]] = {}
     if payload is not None and resume_path is not None:
@@ -220,11 +219,10 @@ def set_up(cfg: Config, ctx: DistContext, manager: CheckpointManager, resume: st
             notes += (ranks_changed(run, saved_ranks, progress.step),)
         unchecked = data.identity.unchecked_note(payload.get("data"), resume_path)
         notes += (unchecked,) if unchecked else ()
-        rewound = set_aside_abandoned(manager, resume_path, progress.step) if ctx.is_main \
-            else None
+        rewound = directory.set_aside(resume_path, progress.step) if ctx.is_main else None
         notes += (rewound,) if rewound else ()
         # best.pt that a failed save left behind the recorded best: put right, or named
-        healed = heal_best(manager, progress.best_val_loss) \
+        healed = heal_best(directory.checkpoints, progress.best_val_loss) \
             if ctx.is_main and not choice.new_run else None
         notes += (healed,) if healed else ()
     model = ctx.wrap(raw_model)  # after the restore: DDP broadcasts rank 0's weights
@@ -240,7 +238,7 @@ def _build_on(model_cfg: Any, vocab_size: int, device: torch.device) -> nn.Modul
     return build_model(model_cfg, vocab_size).to(device)
 
 
-def ranks_changed(run: Run, saved_ranks: int, step: int) -> str:
+def ranks_changed(run: RunParts, saved_ranks: int, step: int) -> str:
     """The line a resume on another number of DDP ranks than the checkpoint's prints: a
     step trains every rank's batch, so the sequences per step change with it."""
     cfg, ranks = run.cfg, run.ctx.world_size
@@ -363,7 +361,7 @@ def make_batches(cfg: Config, ctx: DistContext, train_ids: Any
 # ----------------------------------------------------------------------------- checkpoint
 
 
-def state_parts(run: Run, progress: Progress) -> dict[str, Stateful]:
+def state_parts(run: RunParts, progress: TrainState) -> dict[str, Stateful]:
     """Every part of the training state a checkpoint holds, by name: the one list a new
     piece of resumable state joins (its class implements ``state_dict``,
     ``state_problem`` and ``load_state_dict``; :mod:`fbtrain.checkpoint.state` does the
@@ -384,7 +382,7 @@ def state_parts(run: Run, progress: Progress) -> dict[str, Stateful]:
     return parts
 
 
-def checkpoint_payload(run: Run, progress: Progress) -> dict[str, Any]:
+def checkpoint_payload(run: RunParts, progress: TrainState) -> dict[str, Any]:
     """The checkpoint of ``run`` at ``progress``: its parts, and what describes the model and
     the run (:func:`fbtrain.checkpoint.state.make_checkpoint`)."""
     return make_checkpoint(state_parts(run, progress), model_cfg=run.cfg.model,
@@ -393,7 +391,7 @@ def checkpoint_payload(run: Run, progress: Progress) -> dict[str, Any]:
                            run_id=run.segment.run_id)
 
 
-def restore(run: Run, progress: Progress, payload: dict[str, Any], path: Path) -> None:
+def restore(run: RunParts, progress: TrainState, payload: dict[str, Any], path: Path) -> None:
     """Put every part back from a checkpoint (checked whole first: a damaged one is one
     CheckpointError line, and nothing is restored).
 

@@ -25,7 +25,7 @@ from fbtrain.distributed import DistContext
 from fbtrain.errors import EXIT_FAILED, TrainingError
 from fbtrain.models.state import MemoryState
 from fbtrain.scoring import count_scored, score_sums
-from fbtrain.train.setup import Run
+from fbtrain.train.setup import RunParts
 from fbtrain.train.signals import STOP_PRIORITY, STOPPING, StopSignals
 
 HOST_SYNC = "fbtrain::host_sync"  # profiler mark of the step's one read on the host
@@ -56,7 +56,7 @@ MicroBatch = tuple[Tensor, Tensor, MemoryState | None]  # inputs, targets [rows,
 GraphedStep = Callable[[list[MicroBatch], float], Tensor]
 
 
-def train_step(run: Run, index: int, signals: StopSignals, last: Path,
+def train_step(run: RunParts, index: int, signals: StopSignals, last: Path,
                graphs: GraphedStep | None = None) -> StepResult:
     """Train the step with 0-based ``index``. A non-finite loss stops it before the update
     (a :class:`TrainingError` naming ``last``, the newest checkpoint, if there is one).
@@ -77,7 +77,7 @@ def train_step(run: Run, index: int, signals: StopSignals, last: Path,
     return step_result(run, figures, lr, seq_len, batch, tokens, start)
 
 
-def step_body(run: Run, micro_batches: list[MicroBatch]) -> Tensor:
+def step_body(run: RunParts, micro_batches: list[MicroBatch]) -> Tensor:
     """Forward and backward over this rank's ``micro_batches`` (inputs and targets
     ``[rows, T]``, the memory each starts from), then the gradients unscaled and clipped:
     everything of a step but the update, with no read on the host.
@@ -113,7 +113,7 @@ def step_body(run: Run, micro_batches: list[MicroBatch]) -> Tensor:
                         scored.float()])
 
 
-def _autocast(run: Run) -> contextlib.AbstractContextManager:
+def _autocast(run: RunParts) -> contextlib.AbstractContextManager:
     """The run's autocast, without its cache of cast weights: the graphed step captures
     this body, and cast copies cached during a capture would be the graph's, freed under it
     (PyTorch's CUDA graph notes). The casts give the same values either way."""
@@ -154,7 +154,7 @@ def loss_denominator(ctx: DistContext, scored: Tensor) -> Tensor:
     return total / ctx.world_size if ctx.enabled else total
 
 
-def update(run: Run, stats: Tensor) -> None:
+def update(run: RunParts, stats: Tensor) -> None:
     """AdamW's step, skipped on the device where :func:`step_body`'s ``stats`` hold a
     non-finite loss or gradient norm (the test :func:`check_finite` then makes on the host
     and stops on): so the step's one host read can come after the update and carry what
@@ -174,7 +174,7 @@ def update(run: Run, stats: Tensor) -> None:
         del run.optimizer.found_inf
 
 
-def with_memory_weights(run: Run, stats: Tensor) -> Tensor:
+def with_memory_weights(run: RunParts, stats: Tensor) -> Tensor:
     """``stats`` and, for a model that mixes its memory, its memory weights after the
     update (``[L+1]``, float32): what the step's record logs, read with its figures."""
     if not model_kind(run.cfg.model.kind).memory_mix:
@@ -195,7 +195,7 @@ class Figures(NamedTuple):
     memory_weights: list[float]  # after the update (empty unless the model mixes memory)
 
 
-def read_figures(run: Run, stats: Tensor, signals: StopSignals) -> Figures:
+def read_figures(run: RunParts, stats: Tensor, signals: StopSignals) -> Figures:
     """The step's one host read: :func:`step_body`'s figures ``stats`` copied to the host,
     agreed across ranks. The non-finite stop, the nothing-scored rule and the log all read
     them from here.
@@ -232,7 +232,7 @@ def read_figures(run: Run, stats: Tensor, signals: StopSignals) -> Figures:
     return Figures(loss, norm, accuracy, host[3], scored > 0, stop, weights)
 
 
-def step_result(run: Run, figures: Figures, lr: float, seq_len: int, batch: int,
+def step_result(run: RunParts, figures: Figures, lr: float, seq_len: int, batch: int,
                 tokens: int, start: float) -> StepResult:
     """The trainer's record of a step that passed :func:`check_finite`, begun at ``start``
     (``time.perf_counter()``) and training ``tokens`` over all ranks."""
@@ -247,7 +247,7 @@ def step_result(run: Run, figures: Figures, lr: float, seq_len: int, batch: int,
                       figures.memory_weights)
 
 
-def check_finite(run: Run, step: int, loss: float, grad_norm: float, last: Path) -> None:
+def check_finite(run: RunParts, step: int, loss: float, grad_norm: float, last: Path) -> None:
     """Stop before the optimizer step on a non-finite loss or gradient norm.
 
     With fp16 loss scaling an overflowing gradient is routine (the scaler skips that

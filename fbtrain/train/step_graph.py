@@ -50,7 +50,7 @@ from fbtrain.errors import UserError
 from fbtrain.messages import first_line
 from fbtrain.models.core.native import NativeCore
 from fbtrain.models.core.select import core
-from fbtrain.train.setup import Run
+from fbtrain.train.setup import RunParts
 from fbtrain.train.step import MicroBatch, StepResult, step_body, train_step
 
 GRAPHS_ENV = "FBTRAIN_CUDA_GRAPHS"
@@ -77,7 +77,7 @@ def graphs_requested() -> bool:
                     f"{', '.join(v for v in GRAPHS_ON + GRAPHS_OFF if v)} (or leave it unset)")
 
 
-def step_graph_problem(run: Run) -> str:
+def step_graph_problem(run: RunParts) -> str:
     """Why ``run``'s steps cannot be captured whole ('' when they can); the module
     docstring says why each one is refused."""
     cfg = run.cfg
@@ -99,7 +99,7 @@ def step_graph_problem(run: Run) -> str:
     return ""
 
 
-def step_function(run: Run) -> TrainStep:
+def step_function(run: RunParts) -> TrainStep:
     """:func:`~fbtrain.train.step.train_step`, through whole-step graphs where
     ``$FBTRAIN_CUDA_GRAPHS`` asks and ``run`` allows (one notice line either way)."""
     if not graphs_requested():
@@ -154,7 +154,7 @@ class StepGraphs:
     the trainer does all of that before its first step.
     """
 
-    def __init__(self, run: Run):
+    def __init__(self, run: RunParts):
         self.run, self.device = run, run.ctx.device
         # float32: CUDA's fused AdamW reads a tensor rate as float (module docstring).
         self.lr = torch.zeros((), dtype=torch.float32, device=self.device)

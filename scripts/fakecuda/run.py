@@ -122,10 +122,10 @@ def memory(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     and the allocator's rounding and caching."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    from fbtrain.checkpoint.files import CheckpointManager
     from fbtrain.config.curriculum import Curriculum
     from fbtrain.config.load import load_config
     from fbtrain.distributed import DistContext
+    from fbtrain.rundir import RunDirectory
     from fbtrain.train import setup
     from fbtrain.train.signals import StopSignals
     from fbtrain.train.step import train_step
@@ -146,8 +146,8 @@ def memory(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         index = firsts[stage]
         with harness.fake_cuda() as mode:
             ctx = DistContext(device=harness.DEVICE)
-            manager = CheckpointManager(Path(tmp) / "runs" / f"stage{stage}", 0)
-            run, _, _ = setup.set_up(cfg, ctx, manager, None,
+            directory = RunDirectory(Path(tmp) / "runs" / f"stage{stage}", 0)
+            run, _, _ = setup.set_up(cfg, ctx, directory, None,
                                      seams=harness.seams(mode, harness.Checkpoints()))
             # AdamW's moments as after a first step (a step's peak holds them), made
             # before the tracker starts so that it counts them as the optimizer's.
@@ -158,7 +158,7 @@ def memory(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             tracker = MemTracker()
             tracker.track_external(run.raw_model, run.optimizer)
             with harness.HostSyncs(), tracker:  # the step's one read answered
-                train_step(run, index, StopSignals(), manager.last_path)
+                train_step(run, index, StopSignals(), directory.checkpoints.last_path)
             peak = tracker.get_tracker_snapshot("peak")[harness.DEVICE]
         rows.append({"stage": stage, "seq_len": curriculum.seq_len_at(index),
                      "batch_size": curriculum.batch_size_at(index),

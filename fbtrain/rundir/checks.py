@@ -29,8 +29,8 @@ from fbtrain.rundir_names import (
     numbered_step,
 )
 
-# The longest name written below a run directory: TensorBoard's event files in train/ and
-# val/ ("events.out.tfevents.<time>.<host>.<pid>.<n>") and the temp files of checkpoints.
+# The longest name written below a run directory: TensorBoard's event files in val/
+# ("events.out.tfevents.<time>.<host>.<pid>.<n>") and the temp files of checkpoints.
 _LONGEST_INSIDE = 160
 _FALLBACK_PATH_MAX, _FALLBACK_NAME_MAX = 4096, 255
 # Linux's FS_IOC_GETFLAGS and the two attributes (chattr +i, +a) that refuse a rename over a

@@ -4,7 +4,7 @@ A run gets a ``run_id`` when it starts afresh (random, from the OS: it draws not
 seeded streams), kept in every line of ``history.jsonl`` and in every checkpoint it saves
 (the payload's ``run_id``). A checkpoint found in the run's ``checkpoints/`` whose
 ``run_id`` is another one was copied in from another run, and ``--resume`` refuses it
-(:func:`fbtrain.rundir.choose_resume`).
+(:func:`fbtrain.rundir.resume.choose_resume`).
 
 ``config.yaml`` always holds the current settings; the history keeps the past. Each
 segment (a fresh start, or a resume that trains) appends one line::
