@@ -47,7 +47,7 @@ $(STAMP): pyproject.toml
 dev: $(DEV_STAMP)
 
 $(DEV_STAMP): $(STAMP)
-	@echo "make dev: installing the dev extra from pyproject.toml (pytest, pytest-xdist, ruff; Triton on Linux x86_64)"
+	@echo "make dev: installing the dev extra from pyproject.toml (pytest, pytest-xdist, ruff)"
 	$(PIP) -e '.[dev]'
 	touch $@
 

@@ -334,8 +334,8 @@ def test_the_logged_sample_is_drawn_from_its_named_stream(tmp_path: Path) -> Non
     with session("cpu") as ctx:
         trainer = Trainer(cfg, ctx, quiet=True)
         run_dir = trainer.fit(None)
-    assert trainer.last_sample is not None
-    step, text = trainer.last_sample
+    assert trainer.evaluator.last_sample is not None
+    step, text = trainer.evaluator.last_sample
     model, tokenizer, _ = load_model(run_dir / "checkpoints" / "last.pt")
     generator = sample_generator(sample_seed(cfg.run.seed, step))
     assert step == 3 and text == generate(model, tokenizer, tokenizer.start,

@@ -9,7 +9,8 @@ can be loaded; ``state`` is None when the checkpoint holds no entry of the part'
 (:func:`fbtrain.train.setup.state_parts`); the parts of torch's own objects are here
 (:class:`ModelState`, :class:`OptimizerState`, :class:`ScalerState`), fbtrain's own
 implement the protocol themselves (the training state, the batch sampler, the carried
-streams, the global RNG streams, the data's identity, the training clock). A checkpoint (format v2) is then::
+streams, the global RNG streams, the data's identity, the training clock). A checkpoint
+(format v2) is then::
 
     model, optimizer, scaler, progress,      one entry per part: its state_dict()
     sampler, streams, rng, data, clock

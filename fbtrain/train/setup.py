@@ -1,5 +1,5 @@
 """Everything a run is built from, in one visible order: :func:`set_up` returns a frozen
-:class:`Run` (data, model, optimizer, batches) and the :class:`Progress` it starts from.
+:class:`RunParts` (data, model, optimizer, batches) and the :class:`TrainState` it starts from.
 
 The order is part of the contract: the random streams are seeded first, the data is loaded
 (its vocabulary fixed by the checkpoint when there is one), the model is initialised from

@@ -85,10 +85,10 @@ def run(cfg: Config, *, resume: str | None = None, quiet: bool = False,
     other value is a checkpoint file or run directory to continue from
     (:meth:`fbtrain.rundir.RunDirectory.choose`). ``quiet`` turns the console (progress,
     messages) off but for the one-line summary; files are written the same.
-    ``on_step(step)`` runs after each trained step, before its evaluation and save (for tests); ``clock``
-    times the run for its ETA and closing line (a test's own, for costs it sets);
-    ``seams``: how the data, the model and checkpoint files are made (:class:`Seams`; for
-    harnesses).
+    ``on_step(step)`` runs after each trained step, before its evaluation and save (for
+    tests); ``clock`` times the run for its ETA and closing line (a test's own, for costs
+    it sets); ``seams``: how the data, the model and checkpoint files are made
+    (:class:`Seams`; for harnesses).
     """
     graphs_requested()  # a bad $FBTRAIN_CUDA_GRAPHS is refused before anything is made
     with session(cfg.run.device) as ctx, matmul_precision(cfg.run.precision, ctx.device):
@@ -325,7 +325,7 @@ class Trainer:
             bad = [n for (n, _), ok in zip(named, finite, strict=True) if not ok]
         if bad:
             raise TrainingError(
-                f"step {self.progress.step}: weights hold non-finite values "
+                f"step {self.state.step}: weights hold non-finite values "
                 f"({summarize_names(bad)}); no checkpoint written (last good: "
                 f"{self.manager.last_path})", EXIT_FAILED)
         if self.ctx.is_main:
