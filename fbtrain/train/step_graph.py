@@ -1,7 +1,7 @@
 """Whole-step CUDA graphs (off by default; ``FBTRAIN_CUDA_GRAPHS=1`` turns them on).
 
 Why: on a GPU a training step of the feedback core is thousands of tiny kernels, and the
-host's cost of launching each (a few microseconds) is the step's cost whatever the GPU.
+host's cost of launching each, not the arithmetic, is the step's cost whatever the GPU.
 Captured whole - forward, loss, backward, clipping, AdamW - a step is a handful of host
 launches: the learning rate filled into its device tensor, the batch copied into the
 graph's static input buffers, one replay, and the step's one read of its figures
