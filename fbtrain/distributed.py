@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -31,6 +31,8 @@ class DistContext:
     world_size: int = 1
     rank: int = 0
     local_rank: int = 0
+    # The DistributedDataParallel wrappers made by :meth:`wrap`, for :meth:`release`.
+    wrapped: list[DistributedDataParallel] = field(default_factory=list, repr=False)
 
     @property
     def enabled(self) -> bool:
@@ -60,7 +62,24 @@ class DistContext:
         if not self.enabled:
             return model
         device_ids = [self.device.index] if self.device.type == "cuda" else None
-        return DistributedDataParallel(model, device_ids=device_ids)
+        wrapped = DistributedDataParallel(model, device_ids=device_ids)
+        self.wrapped.append(wrapped)
+        return wrapped
+
+    def release(self) -> None:
+        """Free each wrapper's Reducer (and the Logger that holds it) while the process group
+        still lives; the wrappers cannot train after this.
+
+        A Reducer holds the group. Freed last, after ``destroy_process_group``, it destroys
+        the group itself, inside a Python decref, holding the GIL: the gloo group's
+        destructor joins its worker thread, and a worker still freeing a finished
+        collective's tensor waits for the GIL (a rank hung at exit so, now and then). Freed
+        first, it leaves the group to ``destroy_process_group``, whose binding releases the
+        GIL while the group is destroyed."""
+        for wrapper in self.wrapped:
+            for name in ("logger", "reducer"):  # the Logger holds the Reducer
+                wrapper.__dict__.pop(name, None)
+        self.wrapped.clear()
 
 
 class PeerLost(UserError):
@@ -144,13 +163,15 @@ def session(device_name: str) -> Iterator[DistContext]:
     if owns_group:
         _import_before_the_group()
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+    context = DistContext(device=device, world_size=world_size, rank=rank, local_rank=local_rank)
     lost = False
     try:
-        yield DistContext(device=device, world_size=world_size, rank=rank, local_rank=local_rank)
+        yield context
     except PeerLost:
         lost = True
         raise
     finally:
+        context.release()
         if owns_group and dist.is_initialized():
             try:
                 dist.destroy_process_group()

@@ -262,3 +262,32 @@ def test_the_eager_step_clips_its_gradients(tmp_path: Path) -> None:
     norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in run.params]))
     assert stats[1].item() > 1e-2  # the norm before clipping, logged
     assert norm.item() == pytest.approx(1e-3, rel=1e-4)
+
+
+def test_a_session_frees_its_wrappers_reducers_while_the_group_lives(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A DDP wrapper's Reducer holds the process group; freed after the group was destroyed,
+    it destroys the gloo group inside a decref with the GIL held, and a gloo worker that
+    needs the GIL then deadlocks the rank at exit. The session frees every wrapper's
+    Reducer (and the Logger holding it) before it leaves the group."""
+    import socket
+
+    import torch.distributed as dist
+
+    from fbtrain.distributed import session
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0,
+                            world_size=1)
+    try:
+        monkeypatch.setenv("WORLD_SIZE", "2")  # a group the session finds made (and keeps)
+        monkeypatch.setenv("RANK", "0")
+        with session("cpu") as ctx:
+            wrapper = ctx.wrap(torch.nn.Linear(2, 2))
+            assert isinstance(wrapper.__dict__.get("reducer"), dist.Reducer)
+        assert "reducer" not in wrapper.__dict__ and "logger" not in wrapper.__dict__
+        assert dist.is_initialized()  # only the wrappers' hold on it was let go
+    finally:
+        dist.destroy_process_group()
