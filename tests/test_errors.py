@@ -81,14 +81,8 @@ def test_a_user_error_is_one_line_and_its_exit_code(monkeypatch: pytest.MonkeyPa
     assert result.stderr.splitlines() == ["error: x.pt: refused, for a reason"]
 
 
-def test_resume_from_a_damaged_cuda_rng_state_is_one_line_exit_2(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A checkpoint whose CUDA generator state is the wrong size, resumed through the real
-    CLI, ends in one ``error:`` line naming the file and exit code 2 (it was a ValueError
-    that ``fbtrain train`` did not map: a traceback).
-
-    Without a GPU the one call that needs CUDA answers as torch does on one (RuntimeError:
-    the state does not fit the generator); everything else is the real CLI and trainer."""
+def _trained_run(tmp_path: Path) -> tuple[dict[str, Any], Path]:
+    """A tiny run trained 2 steps, and the config (as a dict) that resumes it."""
     text = tmp_path / "text.txt"
     text.write_text("the king and the queen and my lord\n" * 40, encoding="utf-8")
     raw = {"run": {"name": "run", "out_dir": str(tmp_path / "runs"), "device": "cpu"},
@@ -98,11 +92,23 @@ def test_resume_from_a_damaged_cuda_rng_state_is_one_line_exit_2(
            "curriculum": [{"seq_len": 8}],
            "logging": {"tensorboard": False, "progress": False}}
     run_dir = run(config_from_dict(raw), quiet=True)
+    raw["train"]["max_steps"] = 3
+    return raw, run_dir
+
+
+def test_resume_from_a_damaged_cuda_rng_state_is_one_line_exit_2(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A checkpoint whose CUDA generator state is the wrong size, resumed through the real
+    CLI, ends in one ``error:`` line naming the file and exit code 2 (it was a ValueError
+    that ``fbtrain train`` did not map: a traceback).
+
+    Without a GPU the one call that needs CUDA answers as torch does on one (RuntimeError:
+    the state does not fit the generator); everything else is the real CLI and trainer."""
+    raw, run_dir = _trained_run(tmp_path)
     last = run_dir / "checkpoints" / "last.pt"
     payload = load_checkpoint(last)
     payload["rng"]["cuda"] = [torch.zeros(7, dtype=torch.uint8)]  # a generator holds 16
     save_checkpoint(last, payload)
-    raw["train"]["max_steps"] = 3
     (tmp_path / "cfg.yaml").write_text(json.dumps(raw))  # JSON is YAML
 
     def set_rng_state(state: torch.Tensor, device: Any = "cuda") -> None:
@@ -146,21 +152,6 @@ def test_a_lost_peer_ends_the_process_without_pythons_teardown(tmp_path: Path) -
     assert proc.stdout == "done at step 4\n"
     assert proc.stderr == "error: rank 1 of 2 stopped\n"
     assert not marker.exists()
-
-
-def _trained_run(tmp_path: Path) -> tuple[dict[str, Any], Path]:
-    """A tiny run trained 2 steps, and the config (as a dict) that resumes it."""
-    text = tmp_path / "text.txt"
-    text.write_text("the king and the queen and my lord\n" * 40, encoding="utf-8")
-    raw = {"run": {"name": "run", "out_dir": str(tmp_path / "runs"), "device": "cpu"},
-           "data": {"path": str(text)},
-           "model": {"d_model": 16, "n_heads": 2, "d_ff": 32, "n_layers": 1},
-           "train": {"max_steps": 2, "batch_size": 2, "eval_every": 2, "eval_windows": 2},
-           "curriculum": [{"seq_len": 8}],
-           "logging": {"tensorboard": False, "progress": False}}
-    run_dir = run(config_from_dict(raw), quiet=True)
-    raw["train"]["max_steps"] = 3
-    return raw, run_dir
 
 
 def test_a_bug_inside_a_parts_restore_keeps_its_traceback(
