@@ -418,7 +418,8 @@ class Trainer:
                                                           or loss < progress.best_val_loss)
         if improved:
             progress.best_val_loss = loss
-        metrics = {f"val/{k}": v for k, v in loss_figures(loss).items()}
+        metrics = {f"val/{k}": v
+                   for k, v in loss_figures(loss, data.chars_per_token[1]).items()}
         if data.labelled:
             metrics["val/accuracy"] = scores.accuracy
         record.update(metrics)
