@@ -83,11 +83,13 @@ def piece_bytes(piece: str) -> bytes:
     return bytes(table[c] for c in piece)
 
 
-def chunks(text: str, size: int = CHUNK_CHARS) -> Iterator[str]:
+def chunks(text: str, size: int | None = None) -> Iterator[str]:
     """``text`` in consecutive parts of about ``size`` characters, each cut after a newline
     that has no whitespace on either side: the pre-tokenizer's expression splits there in
     any case (a newline before a letter is a word of its own), so the parts give the tokens
-    of the whole. A text without such a newline is one part."""
+    of the whole. A text without such a newline is one part. ``size``: :data:`CHUNK_CHARS`
+    when None."""
+    size = size or CHUNK_CHARS
     start, n = 0, len(text)
     while n - start > size:
         at = start + size
