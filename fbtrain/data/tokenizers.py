@@ -83,23 +83,22 @@ class Tokenizer:
             ids = [self._index[c] for c in pieces]
         except KeyError:
             missing = sorted(set(pieces) - self._index.keys())
-            shown = ", ".join(self._show(c) for c in missing[:_MAX_LISTED])
-            more = f" and {len(missing) - _MAX_LISTED} more" if len(missing) > _MAX_LISTED else ""
-            raise VocabularyError(
-                f"{len(missing)} {self.unit}(s) not in the vocabulary: {shown}{more}; "
-                "the vocabulary comes from the training data"
-            ) from None
+            raise not_in_vocabulary([self._show(c) for c in missing], self.unit) from None
         return torch.tensor(ids, dtype=torch.long)
 
     def decode(self, ids: torch.Tensor | Sequence[int]) -> str:
         """Ids (list or 1-D tensor) -> text (tokens joined by ``joiner``)."""
+        return self.joiner.join(self.tokens[i] for i in self._checked(ids))
+
+    def _checked(self, ids: torch.Tensor | Sequence[int]) -> list[int]:
+        """Ids as a list; DataError for one outside the vocabulary."""
         values = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
         n = len(self.tokens)
         # Checked up front: a negative id would otherwise index from the end silently.
         bad = [i for i in values if not isinstance(i, int) or not 0 <= i < n]
         if bad:
             raise DataError(f"token id {bad[0]!r} is outside the vocabulary (0..{n - 1})")
-        return self.joiner.join(self.tokens[i] for i in values)
+        return values
 
     def to_dict(self) -> dict[str, list[str]]:
         return {self.key: list(self.tokens)}
@@ -153,6 +152,14 @@ class Tokenizer:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(vocab_size={self.vocab_size})"
+
+
+def not_in_vocabulary(missing: Sequence[str], unit: str) -> VocabularyError:
+    """"3 character(s) not in the vocabulary: 'X', 'Y', 'Z'; ...": ``missing`` as shown."""
+    shown = ", ".join(missing[:_MAX_LISTED])
+    more = f" and {len(missing) - _MAX_LISTED} more" if len(missing) > _MAX_LISTED else ""
+    return VocabularyError(f"{len(missing)} {unit}(s) not in the vocabulary: {shown}{more}; "
+                           "the vocabulary comes from the training data")
 
 
 class CharTokenizer(Tokenizer):
@@ -277,10 +284,7 @@ class BpeTokenizer(Tokenizer):
     def _check_bytes(self, text: str) -> None:
         missing = sorted(set(text.encode("utf-8")) - self._alphabet)
         if missing:
-            shown = ", ".join(f"0x{b:02x}" for b in missing[:_MAX_LISTED])
-            more = f" and {len(missing) - _MAX_LISTED} more" if len(missing) > _MAX_LISTED else ""
-            raise VocabularyError(f"{len(missing)} byte value(s) not in the vocabulary: "
-                                  f"{shown}{more}; the vocabulary comes from the training data")
+            raise not_in_vocabulary([f"0x{b:02x}" for b in missing], "byte value")
 
     def encode(self, text: str) -> torch.Tensor:
         """``text`` -> LongTensor ``[pieces]``; VocabularyError for bytes it lacks."""
@@ -301,12 +305,8 @@ class BpeTokenizer(Tokenizer):
 
     def decode(self, ids: torch.Tensor | Sequence[int]) -> str:
         """Ids -> text: the pieces' bytes read as UTF-8, U+FFFD where they are not."""
-        values = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
-        n = self.vocab_size
-        bad = [i for i in values if not isinstance(i, int) or not 0 <= i < n]
-        if bad:
-            raise DataError(f"token id {bad[0]!r} is outside the vocabulary (0..{n - 1})")
-        return b"".join(self._bytes[i] for i in values).decode("utf-8", errors="replace")
+        return b"".join(self._bytes[i] for i in self._checked(ids)).decode("utf-8",
+                                                                           errors="replace")
 
     def decoder(self) -> Decoder:
         return Utf8Decoder(self)
