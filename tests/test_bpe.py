@@ -25,7 +25,7 @@ from fbtrain.data.corpus import load_corpus
 from fbtrain.data.errors import DataError
 from fbtrain.data.samplers import fixed_windows
 from fbtrain.data.streams import split_point
-from fbtrain.data.tokenizers import BpeTokenizer, Tokenizer
+from fbtrain.data.tokenizers import BpeTokenizer, ByteTokenizer, Tokenizer
 from fbtrain.train import run
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: tiny models, one thread
@@ -154,6 +154,15 @@ def test_config_names_the_tokenizer_keys() -> None:
         config_from_dict({"data": {"vocab_size": 100}})
     with pytest.raises(ConfigError, match=r"data.tokenizer = 'words'.*one of char, byte, bpe"):
         config_from_dict({"data": {"tokenizer": "words"}})
+
+
+def test_a_text_read_as_bytes(tmp_path: Path) -> None:
+    text = make_text()
+    corpus = load_corpus(DataConfig(path=str(text_file(tmp_path, text)), tokenizer="byte"))
+    assert isinstance(corpus.tokenizer, ByteTokenizer)
+    train, val = corpus.splits["train"], corpus.splits["val"]
+    assert train.inputs.dtype == torch.uint8
+    assert len(train.inputs) + len(val.inputs) + 2 == len(text.encode("utf-8"))
 
 
 # ----------------------------------------------------------------------------- saved form

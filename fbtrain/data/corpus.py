@@ -4,8 +4,9 @@ Each split is a :class:`~fbtrain.data.streams.Stream` of inputs and per-token ta
 code that trains and scores never asks what the data is:
 
 - a text corpus (``data.dataset`` tinyshakespeare, a local ``data.path`` or a name with a
-  ``data.url``): characters, next-character targets, split into ``train`` and ``val`` by
-  ``data.val_fraction``;
+  ``data.url``): characters (or, by ``data.tokenizer``, bytes or the pieces of a BPE
+  vocabulary learned from the training part), next-token targets, split into ``train``
+  and ``val`` by ``data.val_fraction``;
 - ``data.dataset: enwik8`` or ``text8`` (:mod:`fbtrain.data.archives`): bytes (enwik8) or
   characters (text8), next-token targets, the standard ``train`` / ``val`` / ``test``
   split; the splits are uint8 views of one buffer, not copies;
@@ -210,7 +211,7 @@ def bpe_corpus(data_cfg: DataConfig, text: str, vocab: Sequence[str] | None = No
              f"{n_train:,} training characters")
         tokenizer = BpeTokenizer.learn(text[:n_train], data_cfg.vocab_size, alphabet,
                                        show_progress=isatty(sys.stderr))
-    with Progress(len(text), desc="encoding the text", unit="chars") as shown:
+    with Progress(len(text), desc="encoding the text", unit="chars", plain=True) as shown:
         train = tokenizer.encode_compact(text[:n_train], shown)
         val = tokenizer.encode_compact(text[n_train:], shown)
     check_split(len(train), len(val), data_cfg.val_fraction, "pieces")
