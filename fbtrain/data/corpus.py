@@ -141,8 +141,8 @@ def check_tokenizer(data_cfg: DataConfig, saved: object, source: object) -> None
     wanted = tokenizer_kind(data_cfg)
     if saved_kind != wanted:
         raise DataError(f"checkpoint {source} was trained with data.tokenizer {saved_kind}, "
-                        f"but the config asks for {wanted}; set --set data.tokenizer="
-                        f"{saved_kind}, or start a new run (another run.name)")
+                        f"but the config asks for {wanted}: its embedding rows are other "
+                        f"tokens; use --set data.tokenizer={saved_kind} with it")
 
 
 def benchmark_corpus(data_cfg: DataConfig, vocab: Sequence[str] | None = None) -> Corpus:
