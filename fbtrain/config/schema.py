@@ -152,8 +152,10 @@ class DataConfig(Section):
         if self.tokenizer is not None and own is not None and self.tokenizer != own:
             out.append(("tokenizer", self.tokenizer, f"does not apply to data.dataset = "
                         f"{self.dataset} (its tokens are {own}s); remove the key"))
-        if self.tokenizer != "bpe" and self.vocab_size != BPE_VOCAB:
-            out.append(("vocab_size", self.vocab_size, "applies only to data.tokenizer = bpe "
+        size = self.vocab_size  # out of its range it has its own problem already
+        if self.tokenizer != "bpe" and size != BPE_VOCAB and (
+                isinstance(size, int) and 2 <= size <= MAX_BPE_VOCAB):
+            out.append(("vocab_size", size, "applies only to data.tokenizer = bpe "
                         "(other vocabularies are what the data holds); remove the key"))
         return out
 
