@@ -338,7 +338,8 @@ def evaluate(
 ) -> None:
     """Score a checkpoint: loss, bits per character, perplexity.
 
-    Loss is the mean cross-entropy in nats per character; bpc = loss / ln 2.
+    Loss is the mean cross-entropy in nats per token; bpc is the nats over the characters
+    the tokens cover, / ln 2 (loss / ln 2 where a token is a character).
     """
     with user_errors():
         from fbtrain import evaluate as evaluator

@@ -12,6 +12,7 @@ from fbtrain.config import INT64_MAX
 from fbtrain.config.fields import int_bound
 from fbtrain.config.limits import allocation_failed, is_allocation_failure
 from fbtrain.config.schema import CONTEXTS, SPLITS
+from fbtrain.data.characters import characters_covered
 from fbtrain.data.streams import IGNORE_INDEX, Stream, as_stream, window
 from fbtrain.errors import ArgumentError, OutOfMemory
 from fbtrain.inference import inference, saved_precision
@@ -21,13 +22,15 @@ from fbtrain.scoring import Scores, window_scores
 LN2 = math.log(2.0)
 
 
-def loss_figures(loss: float) -> dict[str, float]:
-    """Cross-entropy in nats -> loss, bits per character and perplexity.
+def loss_figures(loss: float, chars_per_token: float = 1.0) -> dict[str, float]:
+    """Cross-entropy in nats per token -> loss, bits per character and perplexity (per
+    token). ``chars_per_token``: characters the scored tokens cover, per token
+    (:mod:`fbtrain.data.characters`; 1.0: a token is a character, and bpc is loss / ln 2).
 
     exp() overflows past ~709 nats; a diverged model's perplexity is reported as inf (and
     a NaN loss's as NaN, not as inf).
     """
-    return {"loss": loss, "bpc": loss / LN2,
+    return {"loss": loss, "bpc": loss / LN2 / chars_per_token,
             "perplexity": math.inf if loss > 700 else math.exp(loss)}
 
 
@@ -274,6 +277,10 @@ def run(
     if not corpus.labelled:  # every target is scored: accuracy is not this data's figure
         result.pop("accuracy")
         result.pop("scored")
+    covered = characters_covered(tokenizer, stream.targets)  # every target was scored once
+    if covered is not None and all(covered):
+        chars, scored = covered
+        result.update(loss_figures(result["loss"], chars / scored), characters=chars)
     return {**result, "split": split, "checkpoint": str(file), "step": payload.get("step")}
 
 
@@ -296,11 +303,18 @@ def format_result(result: dict[str, Any]) -> str:
         ("history", result.get("history")),
         ("precision", result.get("precision")),
         ("tokens", f"{result['tokens']:,}"),
+        ("characters", f"{result['characters']:,}" if "characters" in result else None),
         ("scored", f"{result['scored']:,}" if "scored" in result else None),
         ("accuracy", f"{100 * result['accuracy']:.2f}%" if "accuracy" in result else None),
-        ("loss", f"{result['loss']:.4f} nats/{'target' if 'scored' in result else 'char'}"),
+        ("loss", f"{result['loss']:.4f} nats/{_loss_unit(result)}"),
         ("bpc", f"{result['bpc']:.4f}"),
         ("perplexity", f"{result['perplexity']:.3f}"),
     ]
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"{name:<{width}}  {value}" for name, value in rows if value is not None)
+
+
+def _loss_unit(result: dict[str, Any]) -> str:
+    """What eval's loss is per: a scored target, a token (of a vocabulary whose tokens
+    cover several characters) or a character."""
+    return "target" if "scored" in result else "token" if "characters" in result else "char"

@@ -43,7 +43,8 @@ def test_the_summary_of_a_long_run_fits_80_columns() -> None:
     """A long run's figures (step 20,000, 1,024 windows, 123,456 tokens/s, 12 hours) still
     give lines of at most 80 columns, each broken between parts; the rate is the tokens
     over the steps' time, and the wall time's parts add up."""
-    run = SimpleNamespace(data=SimpleNamespace(val_x=[0] * 1024), amp_dtype=None,
+    data = SimpleNamespace(val_x=[0] * 1024, chars_per_token=(1.0, 1.0))
+    run = SimpleNamespace(data=data, amp_dtype=None,
                           ctx=SimpleNamespace(device=torch.device("cpu")), clock=RunClock(),
                           raw_model=SimpleNamespace(core_params=()))  # a feedback kind
     progress = SimpleNamespace(step=20000, val_loss=1.60871, best_val_loss=1.60013,

@@ -80,6 +80,21 @@ def test_corpus_load_reports_first_and_cached_runs(tmp_path: Path):
         assert f"{run}: load " in proc.stdout
 
 
+def test_bpe_speed_learns_and_encodes_the_repeated_text(tmp_path: Path):
+    unit = tmp_path / "unit.txt"
+    unit.write_text("the king and the queen of the kingdom\n" * 40 + "café\n", encoding="utf-8")
+    out = tmp_path / "bpe.json"
+    proc = run_script("bpe_speed.py", "--path", str(unit), "--mb", "0.02", "--vocab-size",
+                      "40", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(out.read_text())
+    repeats = -(-20_000 // len(unit.read_bytes()))
+    assert report["bytes"] == repeats * len(unit.read_bytes())
+    assert report["vocab_size"] == 40 and report["dtype"] == "torch.uint16"
+    assert report["pieces"] < report["characters"] / 3  # whole words became pieces
+    assert report["learn_s"] > 0 and report["encode_s"] > 0 and report["peak_rss_mib"] > 0
+
+
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="Linux's /proc")
 def test_text_memory_reports_the_peak_per_byte_of_each_script(tmp_path: Path):
     out = tmp_path / "text.json"

@@ -27,6 +27,10 @@ _HEX64 = re.compile(r"[0-9a-fA-F]{64}")
 # (and must not import the data layer), and tests/test_config.py checks that the two agree.
 DOWNLOADED = ("tinyshakespeare", "enwik8", "text8")
 ARCHIVED = ("enwik8", "text8")  # zip archives with fixed splits (SOURCES' archived ones)
+TOKENIZERS = ("char", "byte", "bpe")  # data.tokenizer (null: the dataset's own)
+# data.vocab_size's bounds: a learned vocabulary's ids fit uint16 (2 bytes a token).
+MAX_BPE_VOCAB = 65_536
+BPE_VOCAB = 512  # data.vocab_size's default
 AUTO_SHA256 = "auto"  # data.sha256's default: the dataset's pinned checksum, if it has one
 # The shortest state-tracking program that can hold a print (the only scored statement).
 # The generator (the data layer's algorithmic.py) relies on it and makes it true: every
@@ -91,6 +95,13 @@ class DataConfig(Section):
                              "validation (not for enwik8/text8: their splits are fixed, 90M "
                              "train, 5M val, 5M test bytes).",
                              gt=0, max=MAX_VAL_FRACTION)
+    tokenizer: str | None = _f(None, "What a token is: char (a character), byte (a byte of "
+                               "the UTF-8 text) or bpe (a byte-level BPE vocabulary of "
+                               "data.vocab_size pieces, learned from the training split); "
+                               "null: the dataset's own (char; enwik8 byte; algorithmic "
+                               "its words).", choices=TOKENIZERS)
+    vocab_size: int = _f(BPE_VOCAB, "bpe: pieces in the learned vocabulary, the text's "
+                         "distinct bytes included.", min=2, max=MAX_BPE_VOCAB)
     # The state-tracking task (data.dataset: algorithmic; fbtrain/data/algorithmic.py).
     variables: int = _f(3, "algorithmic: variables per program (the first N of x y z p r).",
                         min=1, max=5)
@@ -131,6 +142,21 @@ class DataConfig(Section):
             out.append(("val_fraction", self.val_fraction, f"does not apply to {self.dataset}: "
                         "its splits are fixed (the last 5,000,000 bytes test, the 5,000,000 "
                         "before them val); remove the key"))
+        out.extend(self._tokenizer_problems())
+        return out
+
+    def _tokenizer_problems(self) -> list[tuple[str, Any, str]]:
+        """data.tokenizer only where the data is text to cut, data.vocab_size only for bpe."""
+        out = []
+        own = {"algorithmic": "word", "enwik8": "byte", "text8": "char"}.get(self.dataset)
+        if self.tokenizer is not None and own is not None and self.tokenizer != own:
+            out.append(("tokenizer", self.tokenizer, f"does not apply to data.dataset = "
+                        f"{self.dataset} (its tokens are {own}s); remove the key"))
+        size = self.vocab_size  # out of its range it has its own problem already
+        if self.tokenizer != "bpe" and size != BPE_VOCAB and (
+                isinstance(size, int) and 2 <= size <= MAX_BPE_VOCAB):
+            out.append(("vocab_size", size, "applies only to data.tokenizer = bpe "
+                        "(other vocabularies are what the data holds); remove the key"))
         return out
 
 

@@ -4,8 +4,9 @@ Each split is a :class:`~fbtrain.data.streams.Stream` of inputs and per-token ta
 code that trains and scores never asks what the data is:
 
 - a text corpus (``data.dataset`` tinyshakespeare, a local ``data.path`` or a name with a
-  ``data.url``): characters, next-character targets, split into ``train`` and ``val`` by
-  ``data.val_fraction``;
+  ``data.url``): characters (or, by ``data.tokenizer``, bytes or the pieces of a BPE
+  vocabulary learned from the training part), next-token targets, split into ``train``
+  and ``val`` by ``data.val_fraction``;
 - ``data.dataset: enwik8`` or ``text8`` (:mod:`fbtrain.data.archives`): bytes (enwik8) or
   characters (text8), next-token targets, the standard ``train`` / ``val`` / ``test``
   split; the splits are uint8 views of one buffer, not copies;
@@ -18,6 +19,7 @@ code that trains and scores never asks what the data is:
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,12 +29,27 @@ import torch
 from fbtrain.config import DataConfig
 from fbtrain.config.limits import allocation_failed, is_allocation_failure
 from fbtrain.data import algorithmic, archives
+from fbtrain.data.bpe import chunks
 from fbtrain.data.errors import DataError, VocabularyError
 from fbtrain.data.sources import SOURCES
-from fbtrain.data.streams import IGNORE_INDEX, Stream, next_token_stream, split
+from fbtrain.data.streams import (
+    IGNORE_INDEX,
+    Stream,
+    check_split,
+    next_token_stream,
+    split,
+    split_point,
+)
 from fbtrain.data.text import load_text, read_local
-from fbtrain.data.tokenizers import ByteTokenizer, CharTokenizer, Tokenizer, WordTokenizer
+from fbtrain.data.tokenizers import (
+    BpeTokenizer,
+    ByteTokenizer,
+    CharTokenizer,
+    Tokenizer,
+    WordTokenizer,
+)
 from fbtrain.errors import ArgumentError
+from fbtrain.progress import Progress, isatty, note
 
 ALGORITHMIC = "algorithmic"
 
@@ -92,12 +109,40 @@ def _read_corpus(data_cfg: DataConfig, vocab: Sequence[str] | None, any_text: bo
             return benchmark_corpus(data_cfg, vocab)
         if source.tokenization == "byte":
             return byte_text_corpus(data_cfg, vocab)
+    if data_cfg.tokenizer == "byte" and data_cfg.path:
+        return byte_text_corpus(data_cfg, vocab)
     text = load_text(data_cfg)
+    if data_cfg.tokenizer == "bpe":
+        return bpe_corpus(data_cfg, text, vocab)
+    if data_cfg.tokenizer == "byte":  # a download, read as its UTF-8 bytes
+        return byte_text_corpus(data_cfg, vocab, bytearray(text.encode("utf-8")))
     tokenizer = CharTokenizer(vocab) if vocab else CharTokenizer.from_text(text)
     ids = tokenizer.encode(text)
     train, val = split(ids, data_cfg.val_fraction)
     return Corpus(tokenizer, {"train": next_token_stream(train), "val": next_token_stream(val)},
                   labelled=False)
+
+
+def tokenizer_kind(data_cfg: DataConfig) -> str:
+    """The tokenizer ``data_cfg`` trains with: data.tokenizer, else the dataset's own."""
+    if data_cfg.dataset == ALGORITHMIC:
+        return "word"
+    source = SOURCES.get(data_cfg.dataset)
+    if data_cfg.tokenizer is None and source is not None and source.archived:
+        return source.tokenization
+    return data_cfg.tokenizer or "char"
+
+
+def check_tokenizer(data_cfg: DataConfig, saved: object, source: object) -> None:
+    """DataError when checkpoint ``source`` (its ``tokenizer`` entry: ``saved``; absent in
+    the oldest: char) was trained with another tokenizer than ``data_cfg`` asks for: its
+    vocabulary, and so its embedding rows, mean other tokens."""
+    saved_kind = saved if isinstance(saved, str) else "char"
+    wanted = tokenizer_kind(data_cfg)
+    if saved_kind != wanted:
+        raise DataError(f"checkpoint {source} was trained with data.tokenizer {saved_kind}, "
+                        f"but the config asks for {wanted}: its embedding rows are other "
+                        f"tokens; use --set data.tokenizer={saved_kind} with it")
 
 
 def benchmark_corpus(data_cfg: DataConfig, vocab: Sequence[str] | None = None) -> Corpus:
@@ -127,12 +172,16 @@ def benchmark_corpus(data_cfg: DataConfig, vocab: Sequence[str] | None = None) -
 BYTE_TEXT_MEMORY_PER_BYTE = 2
 
 
-def byte_text_corpus(data_cfg: DataConfig, vocab: Sequence[str] | None = None) -> Corpus:
-    """The file ``data.path``, any size, one token per byte (as enwik8 is read), split into
-    ``train`` and ``val`` by ``data.val_fraction``; ids are uint8 ``[n]``."""
-    assert data_cfg.path is not None
-    where = f"data.path {Path(data_cfg.path).expanduser()}"
-    data = read_local(data_cfg.path, BYTE_TEXT_MEMORY_PER_BYTE)
+def byte_text_corpus(data_cfg: DataConfig, vocab: Sequence[str] | None = None,
+                     data: bytearray | None = None) -> Corpus:
+    """The file ``data.path`` (or the bytes ``data``), any size, one token per byte (as
+    enwik8 is read), split into ``train`` and ``val`` by ``data.val_fraction``; ids are
+    uint8 ``[n]``."""
+    where = (f"data.path {Path(data_cfg.path).expanduser()}" if data_cfg.path
+             else f"data.dataset {data_cfg.dataset}")
+    if data is None:
+        assert data_cfg.path is not None
+        data = read_local(data_cfg.path, BYTE_TEXT_MEMORY_PER_BYTE)
     if not data:
         raise DataError(f"{where} is empty; point it at a text file with content")
     raw = torch.frombuffer(data, dtype=torch.uint8)  # the bytes read, not a copy
@@ -142,6 +191,40 @@ def byte_text_corpus(data_cfg: DataConfig, vocab: Sequence[str] | None = None) -
     train, val = split(ids, data_cfg.val_fraction)
     return Corpus(tokenizer, {"train": next_token_stream(train), "val": next_token_stream(val)},
                   labelled=False)
+
+
+def bpe_corpus(data_cfg: DataConfig, text: str, vocab: Sequence[str] | None = None
+               ) -> Corpus:
+    """``text`` split by characters as a character corpus is (so the validation text is the
+    same), a byte-level BPE vocabulary learned from the training part alone (``vocab``: a
+    checkpoint's, used as it is), both parts encoded; ids are uint16 ``[n]``."""
+    n_train = split_point(len(text), data_cfg.val_fraction)
+    if vocab:
+        tokenizer = BpeTokenizer(vocab)
+    else:
+        alphabet = text_bytes(text)
+        if data_cfg.vocab_size < len(alphabet):
+            raise DataError(f"data.vocab_size = {data_cfg.vocab_size}: below the "
+                            f"{len(alphabet)} distinct bytes of the text, which the "
+                            f"vocabulary starts from; use at least {len(alphabet)}")
+        note(f"data: learning a BPE vocabulary of {data_cfg.vocab_size:,} pieces from "
+             f"{n_train:,} training characters")
+        tokenizer = BpeTokenizer.learn(text[:n_train], data_cfg.vocab_size, alphabet,
+                                       show_progress=isatty(sys.stderr))
+    with Progress(len(text), desc="encoding the text", unit="chars", plain=True) as shown:
+        train = tokenizer.encode_compact(text[:n_train], shown)
+        val = tokenizer.encode_compact(text[n_train:], shown)
+    check_split(len(train), len(val), data_cfg.val_fraction, "pieces")
+    return Corpus(tokenizer, {"train": next_token_stream(train), "val": next_token_stream(val)},
+                  labelled=False)
+
+
+def text_bytes(text: str) -> list[int]:
+    """The byte values of ``text`` in UTF-8, ascending (encoded a part at a time)."""
+    seen: set[int] = set()
+    for part in chunks(text):
+        seen.update(part.encode("utf-8"))
+    return sorted(seen)
 
 
 def algorithmic_corpus(data_cfg: DataConfig, vocab: Sequence[str] | None = None) -> Corpus:

@@ -67,18 +67,27 @@ def split(ids: torch.Tensor, val_fraction: float) -> tuple[torch.Tensor, torch.T
     keeps float noise (e.g. 90 * (1 - 0.3) = 62.99999...) from losing a token; it never rounds up
     a genuine fraction, which is what the documented split relies on.
     """
+    n_train = split_point(len(ids), val_fraction)
+    train, val = ids[:n_train], ids[n_train:]
+    check_split(len(train), len(val), val_fraction)
+    return train, val
+
+
+def check_split(n_train: int, n_val: int, val_fraction: float, unit: str = "tokens") -> None:
+    """DataError unless both splits hold at least 2 tokens (one prediction)."""
+    if n_train < 2 or n_val < 2:
+        raise DataError(
+            f"text too short to split: {n_train + n_val} {unit} with data.val_fraction = "
+            f"{val_fraction} gives {n_train} train / {n_val} validation; each needs at least 2"
+        )
+
+
+def split_point(n: int, val_fraction: float) -> int:
+    """How many of ``n`` tokens (or characters) :func:`split` keeps for training."""
     if not 0 < val_fraction <= MAX_VAL_FRACTION:  # also refuses NaN
         raise DataError(f"data.val_fraction = {val_fraction}: must be > 0 and <= "
                         f"{MAX_VAL_FRACTION}")
-    n = len(ids)
-    n_train = min(n, max(0, math.floor(n * (1 - val_fraction) + 1e-9)))
-    train, val = ids[:n_train], ids[n_train:]
-    if len(train) < 2 or len(val) < 2:
-        raise DataError(
-            f"text too short to split: {n} tokens with data.val_fraction = {val_fraction} "
-            f"gives {len(train)} train / {len(val)} validation; each needs at least 2"
-        )
-    return train, val
+    return min(n, max(0, math.floor(n * (1 - val_fraction) + 1e-9)))
 
 
 def _check_data(data: torch.Tensor) -> None:

@@ -1,9 +1,10 @@
 """Tokenizers: text (or bytes) to token ids and back, and the vocabulary file.
 
 One token per character (:class:`CharTokenizer`, the text corpora), per word
-(:class:`WordTokenizer`, the algorithmic programs) or per byte (:class:`ByteTokenizer`,
-enwik8). A tokenizer saves itself as ``vocab.json`` and inside checkpoints
-(:func:`make_tokenizer` rebuilds it); :meth:`Tokenizer.decoder` decodes ids that arrive
+(:class:`WordTokenizer`, the algorithmic programs), per byte (:class:`ByteTokenizer`,
+enwik8) or per piece of a learned byte-level BPE vocabulary (:class:`BpeTokenizer`). A
+tokenizer saves itself as ``vocab.json`` and inside checkpoints (:func:`make_tokenizer`
+rebuilds it); :meth:`Tokenizer.decoder` decodes ids that arrive
 one at a time, as ``fbtrain sample`` prints them.
 """
 
@@ -17,6 +18,7 @@ from typing import Any
 
 import torch
 
+from fbtrain.data import bpe
 from fbtrain.data.errors import DataError, VocabularyError, one_line
 from fbtrain.io import atomic_write_text
 from fbtrain.rundir_names import VOCAB
@@ -64,6 +66,12 @@ class Tokenizer:
         """A decoder for ids that arrive one at a time (``fbtrain sample`` prints as it goes)."""
         return Decoder(self)
 
+    def characters(self) -> torch.Tensor | None:
+        """Characters each token covers, int64 ``[vocab_size]``, for bits per character;
+        None where every token is one (characters; bytes, whose bits per character are
+        bits per byte, as published; the programs' words, scored per token)."""
+        return None
+
     @property
     def vocab_size(self) -> int:
         return len(self.tokens)
@@ -75,23 +83,22 @@ class Tokenizer:
             ids = [self._index[c] for c in pieces]
         except KeyError:
             missing = sorted(set(pieces) - self._index.keys())
-            shown = ", ".join(self._show(c) for c in missing[:_MAX_LISTED])
-            more = f" and {len(missing) - _MAX_LISTED} more" if len(missing) > _MAX_LISTED else ""
-            raise VocabularyError(
-                f"{len(missing)} {self.unit}(s) not in the vocabulary: {shown}{more}; "
-                "the vocabulary comes from the training data"
-            ) from None
+            raise not_in_vocabulary([self._show(c) for c in missing], self.unit) from None
         return torch.tensor(ids, dtype=torch.long)
 
     def decode(self, ids: torch.Tensor | Sequence[int]) -> str:
         """Ids (list or 1-D tensor) -> text (tokens joined by ``joiner``)."""
+        return self.joiner.join(self.tokens[i] for i in self._checked(ids))
+
+    def _checked(self, ids: torch.Tensor | Sequence[int]) -> list[int]:
+        """Ids as a list; DataError for one outside the vocabulary."""
         values = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
         n = len(self.tokens)
         # Checked up front: a negative id would otherwise index from the end silently.
         bad = [i for i in values if not isinstance(i, int) or not 0 <= i < n]
         if bad:
             raise DataError(f"token id {bad[0]!r} is outside the vocabulary (0..{n - 1})")
-        return self.joiner.join(self.tokens[i] for i in values)
+        return values
 
     def to_dict(self) -> dict[str, list[str]]:
         return {self.key: list(self.tokens)}
@@ -145,6 +152,14 @@ class Tokenizer:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(vocab_size={self.vocab_size})"
+
+
+def not_in_vocabulary(missing: Sequence[str], unit: str) -> VocabularyError:
+    """"3 character(s) not in the vocabulary: 'X', 'Y', 'Z'; ...": ``missing`` as shown."""
+    shown = ", ".join(missing[:_MAX_LISTED])
+    more = f" and {len(missing) - _MAX_LISTED} more" if len(missing) > _MAX_LISTED else ""
+    return VocabularyError(f"{len(missing)} {unit}(s) not in the vocabulary: {shown}{more}; "
+                           "the vocabulary comes from the training data")
 
 
 class CharTokenizer(Tokenizer):
@@ -231,6 +246,78 @@ class ByteTokenizer(Tokenizer):
     def decoder(self) -> Decoder:
         return Utf8Decoder(self)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The byte token ``token_id`` stands for."""
+        return bytes([ord(self.tokens[token_id])])
+
+
+class BpeTokenizer(Tokenizer):
+    """A byte-level BPE vocabulary learned from the training split (:mod:`fbtrain.data.bpe`).
+
+    ``tokens`` is the saved form, one entry per id: a byte's symbol, or ``"left right"``,
+    the merge of two earlier pieces that made this one; the list alone is the tokenizer
+    (its pieces, and its merges in the order they apply). Text is encoded as UTF-8 bytes;
+    a byte outside the vocabulary (one the file did not hold) is refused, naming it.
+    """
+
+    kind, key, unit, joiner, start = "bpe", "pieces", "piece", "", "\n"
+    _what_valid = "byte symbols or merges 'left right' of earlier pieces"
+
+    def __init__(self, tokens: Sequence[str]):
+        super().__init__(tokens)
+        try:
+            self.vocab_pieces, self.merges = bpe.pieces_of(self.tokens)
+        except ValueError as e:
+            raise DataError(f"not a BPE vocabulary: {e}") from None
+        self._bytes = [bpe.piece_bytes(p) for p in self.vocab_pieces]
+        self._alphabet = frozenset(bpe.symbol_bytes()[p] for p in self.vocab_pieces if len(p) == 1)
+        self._encoder: Any = None  # the library's tokenizer, made on first use
+
+    @classmethod
+    def learn(cls, text: str, vocab_size: int, alphabet: Sequence[int], *,
+              show_progress: bool = False) -> BpeTokenizer:
+        """Merges learned from ``text`` (the training split) up to ``vocab_size`` pieces,
+        over the bytes ``alphabet`` (the whole file's)."""
+        return cls(bpe.learn(bpe.chunks(text), vocab_size, alphabet,
+                             show_progress=show_progress))
+
+    def _check_bytes(self, text: str) -> None:
+        missing = sorted(set(text.encode("utf-8")) - self._alphabet)
+        if missing:
+            raise not_in_vocabulary([f"0x{b:02x}" for b in missing], "byte value")
+
+    def encode(self, text: str) -> torch.Tensor:
+        """``text`` -> LongTensor ``[pieces]``; VocabularyError for bytes it lacks."""
+        return self.encode_compact(text).long()
+
+    def encode_compact(self, text: str, progress: Any = None) -> torch.Tensor:
+        """``text`` -> ids ``[pieces]``, uint16 when the vocabulary fits (int32 else),
+        in bounded memory (:func:`fbtrain.data.bpe.encode`)."""
+        self._check_bytes(text)
+        if self._encoder is None:
+            self._encoder = bpe.encoder(self.vocab_pieces, self.merges)
+        dtype = torch.uint16 if self.vocab_size <= 1 << 16 else torch.int32
+        return bpe.encode(self._encoder, text, dtype, progress=progress)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes piece ``token_id`` stands for."""
+        return self._bytes[token_id]
+
+    def decode(self, ids: torch.Tensor | Sequence[int]) -> str:
+        """Ids -> text: the pieces' bytes read as UTF-8, U+FFFD where they are not."""
+        return b"".join(self._bytes[i] for i in self._checked(ids)).decode("utf-8",
+                                                                           errors="replace")
+
+    def decoder(self) -> Decoder:
+        return Utf8Decoder(self)
+
+    def characters(self) -> torch.Tensor:
+        # A piece covers the characters whose first byte it holds (every byte but a UTF-8
+        # continuation byte 10xxxxxx starts one): summed over consecutive pieces, that is
+        # exactly the characters of their text, however pieces cut a character.
+        return torch.tensor([sum((b & 0xC0) != 0x80 for b in piece) for piece in self._bytes],
+                            dtype=torch.long)
+
 
 class Decoder:
     """Decodes ids one at a time into the text they continue (one per generated sample)."""
@@ -256,14 +343,14 @@ class Utf8Decoder(Decoder):
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def feed(self, token_id: int) -> str:
-        return self._decoder.decode(bytes([ord(self.tokenizer.tokens[token_id])]))
+        return self._decoder.decode(self.tokenizer.token_bytes(token_id))  # type: ignore[attr-defined]
 
     def end(self) -> str:
         return self._decoder.decode(b"", final=True)
 
 
 TOKENIZERS: dict[str, type[Tokenizer]] = {"char": CharTokenizer, "word": WordTokenizer,
-                                          "byte": ByteTokenizer}
+                                          "byte": ByteTokenizer, "bpe": BpeTokenizer}
 
 
 def make_tokenizer(tokens: Sequence[str], kind: str | None = "char") -> Tokenizer:

@@ -58,7 +58,8 @@ TB_DESCRIPTIONS = {
     (TRAIN, "loss"): "Cross-entropy of the step's training batch, nats per character.",
     ("val", "loss"): "Cross-entropy on the fixed validation windows (the same every "
                      "evaluation; `fbtrain eval` scores the whole split), nats per character.",
-    "bpc": "Bits per character: the loss divided by ln 2.",
+    "bpc": "Bits per character: nats over the characters the tokens cover, / ln 2 (the "
+           "loss / ln 2 where a token is a character).",
     "accuracy": "Share of the labelled targets (a labelled dataset: the value each print "
                 "must output) whose arg-max prediction is right.",
     "perplexity": "exp(validation loss).",

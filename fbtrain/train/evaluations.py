@@ -110,7 +110,8 @@ class Evaluator:
                                                           or loss < state.best_val_loss)
         if improved:
             state.best_val_loss = loss
-        metrics = {f"val/{k}": v for k, v in loss_figures(loss).items()}
+        metrics = {f"val/{k}": v
+                   for k, v in loss_figures(loss, data.chars_per_token[1]).items()}
         if data.labelled:
             metrics["val/accuracy"] = scores.accuracy
         record.update(metrics)

@@ -156,7 +156,9 @@ def announcement(run: RunParts, progress: TrainState, resume_path: Path | None,
     lines.append(f"device: {device_text(run)}{ranks}")
     labelled = " (targets only where labelled; accuracy reported)" if data.labelled else ""
     lines.append(f"data: {data.n_tokens[0]:,} train / {data.n_tokens[1]:,} val "
-                 f"{data.tokenizer.unit}s{labelled}, vocabulary {data.tokenizer.vocab_size}")
+                 f"{data.tokenizer.unit}s{labelled}, vocabulary {data.tokenizer.vocab_size}"
+                 + (f", {data.chars_per_token[0]:.2f} characters a {data.tokenizer.unit}"
+                    if data.chars_per_token[0] != 1.0 else ""))
     # Why fbtrain eval reports another figure: it scores every window of the split.
     lines.append(f"val loss below: {len(data.val_x)} fixed windows (fbtrain eval scores the "
                  "whole split)")
@@ -181,7 +183,9 @@ def step_metrics(run: RunParts, result: StepResult, tokens: int, rate: float | N
     """A step's metrics record (the loss of this step, not an average: exact under resume);
     ``tokens`` trained so far, ``rate`` tokens/s since the last record."""
     metrics: dict[str, Any] = {
-        "loss": result.loss, "bpc": result.loss / LN2, "lr": result.lr,
+        # bpc: over the training split's characters per token (1.0: a token is one)
+        "loss": result.loss, "bpc": result.loss / LN2 / run.data.chars_per_token[0],
+        "lr": result.lr,
         "grad_norm": result.grad_norm, "tokens_per_sec": rate, "seq_len": result.seq_len,
         "batch_size": result.batch_size, "tokens": tokens,
         # Bounded when the memory recursion is stable; growing without end, it is not.
@@ -223,7 +227,8 @@ def summary(run: RunParts, progress: TrainState, time: SegmentTime) -> str:
     then this segment's figures, labelled as such."""
     parts = [f"done at step {progress.step}"]
     if progress.val_loss is not None:
-        parts.append(f"val loss {progress.val_loss:.4f} (bpc {progress.val_loss / LN2:.4f}, "
+        bpc = progress.val_loss / LN2 / run.data.chars_per_token[1]
+        parts.append(f"val loss {progress.val_loss:.4f} (bpc {bpc:.4f}, "
                      f"{len(run.data.val_x)} fixed windows)")
     if progress.best_val_loss is not None:
         parts.append(f"best {progress.best_val_loss:.4f}")
@@ -250,7 +255,10 @@ def finished_lines(run_dir: Path, path: Path, payload: dict[str, Any], max_steps
             f"--checkpoint {run_dir})")
     parts = [f"done at step {step}"]
     if is_number(progress.get("val_loss")):
-        parts.append(f"val loss {progress['val_loss']:.4f} (bpc {progress['val_loss'] / LN2:.4f})")
+        # The characters a BPE piece covers are the data's, not the checkpoint's: no bpc.
+        bpc = "" if payload.get("tokenizer") == "bpe" else \
+            f" (bpc {progress['val_loss'] / LN2:.4f})"
+        parts.append(f"val loss {progress['val_loss']:.4f}{bpc}")
     if is_number(progress.get("best_val_loss")):
         parts.append(f"best {progress['best_val_loss']:.4f}")
     clock = payload.get("clock")

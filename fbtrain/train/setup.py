@@ -34,7 +34,8 @@ from fbtrain.checkpoint.state import (
 )
 from fbtrain.config import Config
 from fbtrain.config.curriculum import Curriculum
-from fbtrain.data.corpus import Corpus, load_corpus
+from fbtrain.data.characters import chars_per_token
+from fbtrain.data.corpus import Corpus, check_tokenizer, load_corpus
 from fbtrain.data.errors import DataError, VocabularyError
 from fbtrain.data.identity import DataIdentity
 from fbtrain.data.samplers import BatchSampler, SegmentReader, fixed_windows
@@ -118,6 +119,9 @@ class TrainData:
     val_y: Tensor
     n_tokens: tuple[int, int]  # tokens (characters, bytes or words) in the train and val splits
     identity: DataIdentity  # what the splits are (a resume on other data is refused)
+    # Characters per scored token of the training split and of the validation windows
+    # (bits per character; 1.0 where a token is a character: data/characters.py).
+    chars_per_token: tuple[float, float] = (1.0, 1.0)
 
 
 @dataclass(frozen=True)
@@ -185,6 +189,9 @@ def set_up(cfg: Config, ctx: DistContext, directory: RunDirectory, resume: str |
     init_path, init = warm_start_source(cfg, payload)
     seed_everything(cfg.run.seed)
     vocab = (payload or init or {}).get("vocab")
+    if payload is not None or init is not None:
+        check_tokenizer(cfg.data, (payload or init or {}).get("tokenizer"),
+                        resume_path if payload is not None else init_path)
     data = seams.load_data(cfg, ctx, vocab, init_path if payload is None else resume_path)
     sampler, batches = make_batches(cfg, ctx, data.train_ids)
     raw_model = seams.build_model(cfg.model, data.tokenizer.vocab_size, ctx.device)
@@ -299,7 +306,9 @@ def load_data(cfg: Config, ctx: DistContext, vocab: list[str] | None,
     return TrainData(tokenizer=corpus.tokenizer, labelled=corpus.labelled, train_ids=train_ids,
                      val_x=val_x.to(ctx.device), val_y=val_y.to(ctx.device),
                      n_tokens=(len(train_ids.inputs), len(val_ids.inputs)),
-                     identity=DataIdentity(cfg.data, corpus.splits))
+                     identity=DataIdentity(cfg.data, corpus.splits),
+                     chars_per_token=(chars_per_token(corpus.tokenizer, train_ids.targets),
+                                      chars_per_token(corpus.tokenizer, val_y)))
 
 
 def _check_validation_length(cfg: Config, predictions: int, scored: int, context: int

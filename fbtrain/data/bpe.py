@@ -1,0 +1,184 @@
+"""Byte-level BPE (``data.tokenizer: bpe``): learning merges from a text, and encoding with
+them, through Hugging Face's ``tokenizers`` library.
+
+``tokenizers`` is imported only inside the functions that learn or encode, never when
+fbtrain is imported: character and byte runs, sampling from them, and the GPU check need
+none of it (a machine without it trains them all).
+
+A piece is a byte string. As in GPT-2's byte-level BPE, each byte is written as one
+printable character (:func:`byte_symbols`: the byte itself where it is printable, else a
+character from U+0100 on; never a space), so a vocabulary is a list of strings and a merge
+of two pieces can be written ``"left right"``: that is how
+:class:`~fbtrain.data.tokenizers.BpeTokenizer` saves one (:func:`pieces_of`).
+
+Deterministic: the same text and vocabulary size give the same merges (the library breaks
+ties between equally frequent pairs by the pair itself, not by thread timing; a test learns
+with one thread and with several). A long text is cut only where the pre-tokenizer splits
+anyway (:func:`chunks`), so cutting it changes no token.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator, Sequence
+from functools import lru_cache
+from typing import Any
+
+import torch
+
+CHUNK_CHARS = 1 << 20  # characters of text per piece handed to the library (memory bound)
+_BATCH = 8  # chunks encoded per call (the library spreads a batch over its threads)
+
+
+@lru_cache(maxsize=1)
+def byte_symbols() -> tuple[str, ...]:
+    """The character that stands for each byte value 0..255 (GPT-2's table: printable
+    latin-1 bytes as themselves, the others shifted to U+0100 and beyond)."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+            *range(ord("®"), ord("ÿ") + 1)]
+    symbols, shifted = {}, 0
+    for b in range(256):
+        if b in kept:
+            symbols[b] = chr(b)
+        else:
+            symbols[b] = chr(256 + shifted)
+            shifted += 1
+    return tuple(symbols[b] for b in range(256))
+
+
+@lru_cache(maxsize=1)
+def symbol_bytes() -> dict[str, int]:
+    """:func:`byte_symbols` inverted: symbol -> byte value."""
+    return {s: b for b, s in enumerate(byte_symbols())}
+
+
+def pieces_of(entries: Sequence[str]) -> tuple[list[str], list[tuple[str, str]]]:
+    """A saved vocabulary (``entries``: one byte symbol, or ``"left right"``, a merge of two
+    earlier pieces) -> its pieces in id order and its merges in the order they apply.
+    ValueError naming the first entry that is neither, or that repeats a piece."""
+    known = symbol_bytes()
+    pieces: list[str] = []
+    merges: list[tuple[str, str]] = []
+    seen: set[str] = set()
+    for i, entry in enumerate(entries):
+        parts = entry.split(" ")
+        if len(parts) == 1 and len(entry) == 1 and entry in known:
+            piece = entry
+        elif len(parts) == 2 and parts[0] in seen and parts[1] in seen:
+            piece = parts[0] + parts[1]
+            merges.append((parts[0], parts[1]))
+        else:
+            raise ValueError(f"entry {i} ({entry!r}) is neither a byte's symbol nor a merge "
+                             "'left right' of two earlier pieces")
+        if piece in seen:
+            raise ValueError(f"entry {i} ({entry!r}) repeats the piece {piece!r}")
+        seen.add(piece)
+        pieces.append(piece)
+    return pieces, merges
+
+
+def piece_bytes(piece: str) -> bytes:
+    """The bytes a piece (a string of byte symbols) stands for."""
+    table = symbol_bytes()
+    return bytes(table[c] for c in piece)
+
+
+def chunks(text: str, size: int | None = None) -> Iterator[str]:
+    """``text`` in consecutive parts of about ``size`` characters, each cut after a newline
+    that has no whitespace on either side: the pre-tokenizer's expression splits there in
+    any case (a newline before a letter is a word of its own), so the parts give the tokens
+    of the whole. A text without such a newline is one part. ``size``: :data:`CHUNK_CHARS`
+    when None."""
+    size = size or CHUNK_CHARS
+    start, n = 0, len(text)
+    while n - start > size:
+        at = start + size
+        while True:
+            nl = text.find("\n", at)
+            if nl < 0 or nl + 1 >= n:
+                yield text[start:]
+                return
+            if nl > 0 and not text[nl - 1].isspace() and not text[nl + 1].isspace():
+                break
+            at = nl + 1
+        yield text[start:nl + 1]
+        start = nl + 1
+    if start < n:
+        yield text[start:]
+
+
+def _pre_tokenizer() -> Any:
+    from tokenizers import pre_tokenizers
+
+    return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+
+
+def learn(parts: Iterable[str], vocab_size: int, alphabet: Sequence[int], *,
+          show_progress: bool = False) -> list[str]:
+    """Learn merges from ``parts`` (the training text, :func:`chunks` of it) until the
+    vocabulary holds ``vocab_size`` pieces (fewer when the text runs out of pairs), starting
+    from the bytes ``alphabet`` (byte values, so that text outside the training split but
+    in the same file still encodes). Returns the saved form: the byte symbols in byte
+    order, then one ``"left right"`` per merge that made a new piece."""
+    from tokenizers import Tokenizer, models, trainers
+
+    symbols = byte_symbols()
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = _pre_tokenizer()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=0,
+                                  show_progress=show_progress, special_tokens=[],
+                                  initial_alphabet=[symbols[b] for b in alphabet])
+    tokenizer.train_from_iterator(parts, trainer)
+    merges = json.loads(tokenizer.to_str())["model"]["merges"]
+    entries = [symbols[b] for b in sorted(alphabet)]
+    seen = set(entries)
+    for merge in merges:
+        left, right = merge if isinstance(merge, list) else merge.split(" ")
+        if left + right not in seen:  # a pair that makes a piece again adds no entry
+            seen.add(left + right)
+            entries.append(f"{left} {right}")
+    return entries
+
+
+def encoder(pieces: Sequence[str], merges: Sequence[tuple[str, str]]) -> Any:
+    """A ``tokenizers.Tokenizer`` that encodes with exactly these pieces and merges."""
+    from tokenizers import Tokenizer, models
+
+    model = models.BPE(vocab={p: i for i, p in enumerate(pieces)}, merges=list(merges))
+    tokenizer = Tokenizer(model)
+    tokenizer.pre_tokenizer = _pre_tokenizer()
+    return tokenizer
+
+
+def encode(tokenizer: Any, text: str, dtype: torch.dtype, *, progress: Any = None
+           ) -> torch.Tensor:
+    """``text`` -> ids ``[n]`` of ``dtype``, encoded :data:`_BATCH` chunks at a time into
+    one buffer of a token per byte at most (so memory stays bounded: the library's
+    per-token records exist for one batch only). ``progress``: told the characters done."""
+    out = torch.empty(_utf8_length(text), dtype=dtype)
+    n = 0
+    batch: list[str] = []
+
+    def flush() -> None:
+        nonlocal n
+        for encoding in tokenizer.encode_batch(batch, add_special_tokens=False):
+            ids = encoding.ids
+            out[n:n + len(ids)] = torch.tensor(ids, dtype=torch.int32).to(dtype)
+            n += len(ids)
+        if progress is not None:
+            progress.update(sum(len(part) for part in batch))
+        batch.clear()
+
+    for part in chunks(text):
+        batch.append(part)
+        if len(batch) == _BATCH:
+            flush()
+    if batch:
+        flush()
+    return out[:n].clone()  # the ids alone: a piece covers several bytes
+
+
+def _utf8_length(text: str) -> int:
+    """Bytes of ``text`` in UTF-8, counted a chunk at a time (no whole copy)."""
+    return sum(len(text[i:i + CHUNK_CHARS].encode("utf-8"))
+               for i in range(0, len(text), CHUNK_CHARS))

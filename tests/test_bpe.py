@@ -1,0 +1,339 @@
+"""data.tokenizer: bpe end to end at tiny sizes (a generated text, a vocabulary of a few
+dozen pieces), and bits per character on one scale for every tokenizer."""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from fbtrain import evaluate, sample
+from fbtrain.checkpoint import load_checkpoint
+from fbtrain.checkpoint.contents import export_model
+from fbtrain.config import DataConfig, config_from_dict
+from fbtrain.config.errors import ConfigError
+from fbtrain.data import bpe
+from fbtrain.data.corpus import load_corpus
+from fbtrain.data.errors import DataError
+from fbtrain.data.samplers import fixed_windows
+from fbtrain.data.streams import split_point
+from fbtrain.data.tokenizers import BpeTokenizer, ByteTokenizer, Tokenizer
+from fbtrain.train import run
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: tiny models, one thread
+
+WORDS = ["the", "then", "there", "king", "kingdom", "queen", "café", "naïve", "and", "of"]
+VOCAB = 48  # the text's distinct bytes (about 30) and a few dozen merges
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def make_text(lines: int = 260, seed: int = 0) -> str:
+    rng = random.Random(seed)
+    return "\n".join(" ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 8)))
+                     for _ in range(lines)) + "\n"
+
+
+def text_file(folder: Path, text: str | None = None) -> Path:
+    path = folder / "text.txt"
+    path.write_text(text if text is not None else make_text(), encoding="utf-8")
+    return path
+
+
+def bpe_data(path: Path, vocab_size: int = VOCAB) -> DataConfig:
+    return DataConfig(path=str(path), tokenizer="bpe", vocab_size=vocab_size)
+
+
+def raw_config(tmp_path: Path, name: str = "run", tokenizer: str | None = "bpe",
+               steps: int = 4) -> dict:
+    data = {"path": str(text_file(tmp_path) if not (tmp_path / "text.txt").exists()
+                        else tmp_path / "text.txt")}
+    if tokenizer is not None:
+        data["tokenizer"] = tokenizer
+    if tokenizer == "bpe":
+        data["vocab_size"] = VOCAB
+    return {
+        "run": {"name": name, "out_dir": str(tmp_path / "runs"), "device": "cpu", "seed": 7},
+        "data": data,
+        "model": {"kind": "feedback_kv", "d_model": 16, "n_heads": 2, "d_ff": 32,
+                  "n_layers": 2, "max_rel_pos": 16},
+        "train": {"max_steps": steps, "batch_size": 4, "lr": 3e-3, "min_lr": 3e-4,
+                  "warmup_steps": 1, "eval_every": 2, "eval_windows": 4, "log_every": 1,
+                  "sample_length": 12},
+        "curriculum": [{"seq_len": 16}],
+        "checkpoint": {"every": 2, "keep_last": 2},
+        "logging": {"tensorboard": False, "progress": False},
+    }
+
+
+def records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in
+            (run_dir / "metrics.jsonl").read_text(encoding="utf-8").splitlines()]
+
+
+# ----------------------------------------------------------------------------- learning
+
+
+def test_learned_from_the_training_split_alone(tmp_path: Path) -> None:
+    # The validation part repeats a word the training part never holds: learned from
+    # it, its pairs would be the most frequent of all.
+    train_text = make_text(200)
+    text = train_text + ("zyzzyva\n" * len(train_text))[:len(train_text)]
+    data = bpe_data(text_file(tmp_path, text), vocab_size=60)
+    data.val_fraction = 0.5
+    corpus = load_corpus(data)
+    tokenizer = corpus.tokenizer
+    assert isinstance(tokenizer, BpeTokenizer) and tokenizer.vocab_size == 60
+    n_train = split_point(len(text), 0.5)
+    assert n_train == len(train_text)
+    alphabet = sorted(set(text.encode("utf-8")))
+    alone = BpeTokenizer.learn(text[:n_train], 60, alphabet)
+    assert tokenizer.tokens == alone.tokens
+    assert not any("zy" in p or "yz" in p for p in tokenizer.vocab_pieces)
+    # Ids are compact, and the splits are the character split's text.
+    assert corpus.splits["train"].inputs.dtype == torch.uint16
+    train, val = corpus.splits["train"], corpus.splits["val"]
+    assert tokenizer.decode(torch.cat([train.inputs[:1], train.targets])) == text[:n_train]
+    assert tokenizer.decode(torch.cat([val.inputs[:1], val.targets])) == text[n_train:]
+
+
+LEARN = """
+import json, sys
+from fbtrain.data.bpe import chunks, learn
+text = open(sys.argv[1], encoding="utf-8").read()
+print(json.dumps(learn(chunks(text), 60, sorted(set(text.encode("utf-8"))))))
+"""
+
+
+def test_the_same_merges_whatever_the_threads_and_hash_seed(tmp_path: Path) -> None:
+    path = text_file(tmp_path, make_text(400, seed=3))
+    runs = []
+    for threads, seed in (("1", "1"), ("2", "2")):
+        env = {**os.environ, "RAYON_NUM_THREADS": threads, "PYTHONHASHSEED": seed}
+        out = subprocess.run([sys.executable, "-c", LEARN, str(path)], env=env, check=True,
+                             capture_output=True, text=True).stdout
+        runs.append(json.loads(out))
+    text = path.read_text(encoding="utf-8")
+    here = bpe.learn(bpe.chunks(text), 60, sorted(set(text.encode("utf-8"))))
+    assert runs[0] == runs[1] == here
+    assert 40 < len(here) <= 60  # fewer when every word is one piece already
+
+
+def test_a_text_cut_into_chunks_gives_the_tokens_of_the_whole(monkeypatch: pytest.MonkeyPatch
+                                                              ) -> None:
+    text = make_text(120, seed=1).replace("queen\n", "queen \n\n").replace("king\n", "king\n  ")
+    text += "end\n\tof\n\n\nthe café \n"
+    tokenizer = BpeTokenizer.learn(text, 70, sorted(set(text.encode("utf-8"))))
+    whole = tokenizer.encode(text)
+    monkeypatch.setattr(bpe, "CHUNK_CHARS", 7)
+    assert len(list(bpe.chunks(text, 7))) > 50
+    tokenizer._encoder = None
+    assert torch.equal(tokenizer.encode(text), whole)
+
+
+def test_too_small_a_vocabulary_is_one_line(tmp_path: Path) -> None:
+    distinct = len(set(make_text().encode("utf-8")))
+    with pytest.raises(DataError, match=rf"data.vocab_size = 5: below the {distinct} distinct "
+                                        rf"bytes of the text.*at least {distinct}"):
+        load_corpus(bpe_data(text_file(tmp_path), vocab_size=5))
+
+
+def test_config_names_the_tokenizer_keys() -> None:
+    with pytest.raises(ConfigError, match=r"data.tokenizer = 'bpe'.*does not apply to "
+                                          r"data.dataset = algorithmic"):
+        config_from_dict({"data": {"dataset": "algorithmic", "tokenizer": "bpe"}})
+    with pytest.raises(ConfigError, match=r"data.vocab_size = 100.*applies only to "
+                                          r"data.tokenizer = bpe"):
+        config_from_dict({"data": {"vocab_size": 100}})
+    with pytest.raises(ConfigError, match=r"data.tokenizer = 'words'.*one of char, byte, bpe"):
+        config_from_dict({"data": {"tokenizer": "words"}})
+
+
+def test_a_text_read_as_bytes(tmp_path: Path) -> None:
+    text = make_text()
+    corpus = load_corpus(DataConfig(path=str(text_file(tmp_path, text)), tokenizer="byte"))
+    assert isinstance(corpus.tokenizer, ByteTokenizer)
+    train, val = corpus.splits["train"], corpus.splits["val"]
+    assert train.inputs.dtype == torch.uint8
+    assert len(train.inputs) + len(val.inputs) + 2 == len(text.encode("utf-8"))
+
+
+# ----------------------------------------------------------------------------- saved form
+
+
+def test_the_saved_list_is_the_whole_tokenizer(tmp_path: Path) -> None:
+    text = make_text()
+    tokenizer = BpeTokenizer.learn(text, VOCAB, sorted(set(text.encode("utf-8"))))
+    assert any(" " in entry for entry in tokenizer.tokens)  # merges, written "left right"
+    again = Tokenizer.load(tokenizer.save(tmp_path))
+    assert isinstance(again, BpeTokenizer) and again.tokens == tokenizer.tokens
+    assert torch.equal(again.encode(text), tokenizer.encode(text))
+    assert again.decode(again.encode(text)) == text
+
+
+@pytest.mark.parametrize("entries, problem", [
+    (["a", "b", "a c"], r"entry 2 \('a c'\) is neither a byte's symbol nor a merge"),
+    (["a", "b", "a b", "ab"], r"entry 3 \('ab'\) is neither"),
+    (["a", "b", "a b", "b a", "ab", "a ba"], r"entry 4"),
+    (["a", "b", "ab", "c"], r"entry 2"),
+    (["a", "b", "a b", "a", "b"], r"vocabulary has repeated pieces"),
+])
+def test_a_damaged_vocabulary_is_refused(entries: list[str], problem: str) -> None:
+    with pytest.raises(DataError, match=problem):
+        BpeTokenizer(entries)
+
+
+def test_a_merge_that_repeats_a_piece_is_refused() -> None:
+    with pytest.raises(DataError, match=r"entry 6 \('a bc'\) repeats the piece 'abc'"):
+        BpeTokenizer(["a", "b", "c", "a b", "ab c", "b c", "a bc"])
+
+
+# ----------------------------------------------------------------------------- characters
+
+
+def test_pieces_cover_the_characters_of_their_text() -> None:
+    text = "naïve café, 日本語 and the kingdom\n" * 3
+    alphabet = sorted(set(text.encode("utf-8")))
+    for size in (len(alphabet), len(alphabet) + 30):  # bytes alone; merges across bytes
+        tokenizer = BpeTokenizer.learn(text, size, alphabet)
+        ids = tokenizer.encode(text)
+        per_piece = tokenizer.characters()
+        assert int(per_piece[ids].sum()) == len(text)
+        assert len(ids) < len(text.encode("utf-8")) or size == len(alphabet)
+
+
+def test_sampling_holds_back_a_partial_character() -> None:
+    text = "日本 and 日本\n"
+    tokenizer = BpeTokenizer.learn(text, len(set(text.encode("utf-8"))),
+                                   sorted(set(text.encode("utf-8"))))
+    ids = tokenizer.encode("日").tolist()
+    assert len(ids) == 3  # one piece a byte
+    decoder = tokenizer.decoder()
+    assert [decoder.feed(i) for i in ids] == ["", "", "日"]
+    assert decoder.end() == ""
+
+
+# ----------------------------------------------------------------------------- end to end
+
+
+def test_train_sample_eval_export_from_the_checkpoint(tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    run_dir = run(config_from_dict(raw_config(tmp_path)))
+    text = (tmp_path / "text.txt").read_text(encoding="utf-8")
+    saved = json.loads((run_dir / "vocab.json").read_text(encoding="utf-8"))["pieces"]
+    payload = load_checkpoint(run_dir / "checkpoints" / "last.pt")
+    assert payload["tokenizer"] == "bpe" and payload["vocab"] == saved and len(saved) == VOCAB
+    tokenizer = BpeTokenizer(saved)
+
+    # Bits per character: nats over the characters the scored pieces cover. The training
+    # figure divides by the training split's characters per piece.
+    n_train = split_point(len(text), 0.1)
+    train_ids = tokenizer.encode(text[:n_train])
+    first = tokenizer.decode(train_ids[:1])  # read, never predicted
+    per_piece = (n_train - len(first)) / (len(train_ids) - 1)
+    logged = [r for r in records(run_dir) if "loss" in r]
+    assert logged and all(r["bpc"] == pytest.approx(r["loss"] / math.log(2) / per_piece,
+                                                    rel=1e-9) for r in logged)
+    assert per_piece > 1.3  # pieces cover several characters: bpc is not loss / ln 2
+    # Validation: over the characters its fixed windows' targets cover.
+    val = load_corpus(bpe_data(tmp_path / "text.txt"), saved).splits["val"]
+    _, val_y = fixed_windows(val, 16, 4)
+    val_per_piece = int(tokenizer.characters()[val_y].sum()) / val_y.numel()
+    evaluated = [r for r in records(run_dir) if "val/loss" in r]
+    assert evaluated and all(
+        r["val/bpc"] == pytest.approx(r["val/loss"] / math.log(2) / val_per_piece, rel=1e-9)
+        for r in evaluated)
+
+    # eval scores every piece of the validation text and names both counts.
+    result = evaluate.run(str(run_dir), device="cpu")
+    val_ids = tokenizer.encode(text[n_train:])
+    chars = len(text) - n_train - len(tokenizer.decode(val_ids[:1]))
+    assert result["tokens"] == len(val_ids) - 1 and result["characters"] == chars
+    assert result["bpc"] == pytest.approx(
+        result["loss"] * result["tokens"] / chars / math.log(2), rel=1e-9)
+    shown = evaluate.format_result(result)
+    assert f"characters  {chars:,}" in shown and "nats/token" in shown
+
+    # sample: the prompt in pieces, the text decoded as it comes; a byte the text never
+    # held is one line naming it.
+    texts = _sample(run_dir)
+    assert texts[0].startswith("the café") or len(texts[0]) > 0
+    with pytest.raises(DataError, match=r"prompt: 1 byte value\(s\) not in the vocabulary: "
+                                        r"0x51; the vocabulary comes from the training data"):
+        sample.run(str(run_dir), prompt="Q", device="cpu", stream=io.StringIO())
+
+    # export: the folder alone samples the same text.
+    export_model(run_dir, tmp_path / "export")
+    assert _sample(tmp_path / "export") == texts
+
+
+def _sample(path: Path) -> list[str]:
+    """What ``fbtrain sample`` writes and returns for a fixed prompt and seed."""
+    out = io.StringIO()
+    texts = sample.run(str(path), prompt="the café", length=12, seed=3, device="cpu",
+                       stream=out)
+    assert out.getvalue().startswith("the café")
+    return [out.getvalue(), *texts]
+
+
+def test_a_resume_reads_the_checkpoints_vocabulary_and_continues_bitwise(tmp_path: Path
+                                                                         ) -> None:
+    straight = run(config_from_dict(raw_config(tmp_path, "straight", steps=4)))
+    raw = raw_config(tmp_path, "halves", steps=2)
+    run(config_from_dict(raw))
+    raw["train"]["max_steps"] = 4
+    raw["data"]["vocab_size"] = VOCAB + 10  # not used: the checkpoint's vocabulary is
+    halves = run(config_from_dict(raw), resume="auto")
+    losses = [[(r["step"], r["loss"]) for r in records(d) if "loss" in r]
+              for d in (straight, halves)]
+    assert losses[0] == losses[1] and len(losses[0]) == 4
+
+
+def test_a_resume_refuses_another_tokenizer_by_name(tmp_path: Path) -> None:
+    run(config_from_dict(raw_config(tmp_path, tokenizer=None, steps=2)))
+    raw = raw_config(tmp_path, steps=4)
+    with pytest.raises(DataError, match=r"checkpoint .*last\.pt was trained with "
+                                        r"data.tokenizer char, but the config asks for bpe"):
+        run(config_from_dict(raw), resume="auto")
+
+
+def test_for_characters_bits_per_character_are_the_loss_over_ln2(tmp_path: Path) -> None:
+    run_dir = run(config_from_dict(raw_config(tmp_path, tokenizer=None)))
+    rows = records(run_dir)
+    assert any("val/bpc" in r for r in rows)
+    for r in rows:
+        if "loss" in r:
+            assert r["bpc"] == r["loss"] / math.log(2)
+        if "val/loss" in r:
+            assert r["val/bpc"] == r["val/loss"] / math.log(2)
+    result = evaluate.run(str(run_dir), device="cpu")
+    assert result["bpc"] == result["loss"] / math.log(2) and "characters" not in result
+
+
+NO_TOKENIZERS = """
+import sys
+sys.modules["tokenizers"] = None  # importing it raises ImportError
+import fbtrain.cli, fbtrain.sample, fbtrain.evaluate, fbtrain.data.corpus
+from fbtrain.config import config_from_dict
+from fbtrain.train import run
+import json
+raw = json.loads(sys.argv[1])
+run_dir = run(config_from_dict(raw), quiet=True)
+print(fbtrain.evaluate.run(str(run_dir), device="cpu")["bpc"])
+"""
+
+
+def test_characters_train_without_the_tokenizers_library(tmp_path: Path) -> None:
+    raw = raw_config(tmp_path, tokenizer="char", steps=2)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-c", NO_TOKENIZERS, json.dumps(raw)], env=env,
+                          capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert math.isfinite(float(done.stdout.split()[-1]))
