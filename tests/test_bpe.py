@@ -223,6 +223,38 @@ def test_sampling_holds_back_a_partial_character() -> None:
 # ----------------------------------------------------------------------------- end to end
 
 
+def test_a_steps_bits_per_character_are_over_its_own_characters(tmp_path: Path) -> None:
+    """A step's bpc divides its loss by the characters its own scored targets cover (each
+    piece's count, summed on the device and read with the step's other figures), not by a
+    split's average."""
+    from fbtrain.distributed import DistContext
+    from fbtrain.rundir import RunDirectory
+    from fbtrain.train.report import step_metrics
+    from fbtrain.train.setup import set_up
+    from fbtrain.train.signals import StopSignals
+    from fbtrain.train.step import train_step
+
+    cfg = config_from_dict(raw_config(tmp_path))
+    parts, _, _ = set_up(cfg, DistContext(torch.device("cpu")),
+                         RunDirectory(tmp_path / "runs" / "run", 1), None)
+    drawn = []
+    draw = parts.batches.micro_batches
+
+    def recorded(*args: object) -> list:
+        batches = draw(*args)
+        drawn.extend(y for _, y, _ in batches)
+        return batches
+
+    parts.batches.micro_batches = recorded  # type: ignore[method-assign]
+    result = train_step(parts, 0, StopSignals(), tmp_path / "none.pt")
+    targets = torch.cat([y.reshape(-1) for y in drawn])
+    chars = int(parts.data.tokenizer.characters()[targets].sum())
+    assert result.chars_per_token == pytest.approx(chars / targets.numel(), rel=1e-6)
+    assert result.chars_per_token != pytest.approx(parts.data.chars_per_token[0], rel=1e-4)
+    bpc = step_metrics(parts, result, 0, None)["bpc"]
+    assert bpc == pytest.approx(result.loss / math.log(2) * targets.numel() / chars, rel=1e-6)
+
+
 def test_train_sample_eval_export_from_the_checkpoint(tmp_path: Path,
                                                       capsys: pytest.CaptureFixture[str]) -> None:
     run_dir = run(config_from_dict(raw_config(tmp_path)))
@@ -232,16 +264,15 @@ def test_train_sample_eval_export_from_the_checkpoint(tmp_path: Path,
     assert payload["tokenizer"] == "bpe" and payload["vocab"] == saved and len(saved) == VOCAB
     tokenizer = BpeTokenizer(saved)
 
-    # Bits per character: nats over the characters the scored pieces cover. The training
-    # figure divides by the training split's characters per piece.
+    # Bits per character: nats over the characters the scored pieces cover; each step's
+    # own (test_a_steps_bits_per_character_are_over_its_own_characters), between the
+    # fewest and the most characters a piece covers, and not the same for every step.
     n_train = split_point(len(text), 0.1)
-    train_ids = tokenizer.encode(text[:n_train])
-    first = tokenizer.decode(train_ids[:1])  # read, never predicted
-    per_piece = (n_train - len(first)) / (len(train_ids) - 1)
     logged = [r for r in records(run_dir) if "loss" in r]
-    assert logged and all(r["bpc"] == pytest.approx(r["loss"] / math.log(2) / per_piece,
-                                                    rel=1e-9) for r in logged)
-    assert per_piece > 1.3  # pieces cover several characters: bpc is not loss / ln 2
+    per_piece = [r["loss"] / math.log(2) / r["bpc"] for r in logged]
+    widest = int(tokenizer.characters().max())
+    assert logged and all(1.3 < p < widest for p in per_piece)  # bpc is not loss / ln 2
+    assert len({round(p, 9) for p in per_piece}) > 1
     # Validation: over the characters its fixed windows' targets cover.
     val = load_corpus(bpe_data(tmp_path / "text.txt"), saved).splits["val"]
     _, val_y = fixed_windows(val, 16, 4)

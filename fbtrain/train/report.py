@@ -183,8 +183,8 @@ def step_metrics(run: RunParts, result: StepResult, tokens: int, rate: float | N
     """A step's metrics record (the loss of this step, not an average: exact under resume);
     ``tokens`` trained so far, ``rate`` tokens/s since the last record."""
     metrics: dict[str, Any] = {
-        # bpc: over the training split's characters per token (1.0: a token is one)
-        "loss": result.loss, "bpc": result.loss / LN2 / run.data.chars_per_token[0],
+        # bpc: over the characters the step's scored targets cover (a token may be several)
+        "loss": result.loss, "bpc": result.loss / LN2 / result.chars_per_token,
         "lr": result.lr,
         "grad_norm": result.grad_norm, "tokens_per_sec": rate, "seq_len": result.seq_len,
         "batch_size": result.batch_size, "tokens": tokens,

@@ -122,6 +122,9 @@ class TrainData:
     # Characters per scored token of the training split and of the validation windows
     # (bits per character; 1.0 where a token is a character: data/characters.py).
     chars_per_token: tuple[float, float] = (1.0, 1.0)
+    # Characters each token id covers, int64 [vocab] on the device, for each step's bits
+    # per character; None where every token is one character.
+    token_chars: Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -308,7 +311,12 @@ def load_data(cfg: Config, ctx: DistContext, vocab: list[str] | None,
                      n_tokens=(len(train_ids.inputs), len(val_ids.inputs)),
                      identity=DataIdentity(cfg.data, corpus.splits),
                      chars_per_token=(chars_per_token(corpus.tokenizer, train_ids.targets),
-                                      chars_per_token(corpus.tokenizer, val_y)))
+                                      chars_per_token(corpus.tokenizer, val_y)),
+                     token_chars=_on(corpus.tokenizer.characters(), ctx.device))
+
+
+def _on(tensor: Tensor | None, device: torch.device) -> Tensor | None:
+    return None if tensor is None else tensor.to(device)
 
 
 def _check_validation_length(cfg: Config, predictions: int, scored: int, context: int

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from fbtrain.config.kinds import model_kind
+from fbtrain.data.streams import IGNORE_INDEX
 from fbtrain.distributed import DistContext
 from fbtrain.errors import EXIT_FAILED, TrainingError
 from fbtrain.models.state import MemoryState
@@ -29,6 +30,7 @@ from fbtrain.train.setup import RunParts
 from fbtrain.train.signals import STOP_PRIORITY, STOPPING, StopSignals
 
 HOST_SYNC = "fbtrain::host_sync"  # profiler mark of the step's one read on the host
+FIGURES = 6  # step_body's figures, before the memory weights (with_memory_weights)
 
 
 @dataclass
@@ -48,6 +50,7 @@ class StepResult:
     seconds: float  # the step's own time, for tokens/s
     accuracy: float | None = None  # over the scored targets, for a labelled dataset
     memory_weights: list[float] = field(default_factory=list)  # after the update, if mixed
+    chars_per_token: float = 1.0  # characters the step's scored targets cover, per target
 
 
 MicroBatch = tuple[Tensor, Tensor, MemoryState | None]  # inputs, targets [rows, T], memory
@@ -82,16 +85,19 @@ def step_body(run: RunParts, micro_batches: list[MicroBatch]) -> Tensor:
     ``[rows, T]``, the memory each starts from), then the gradients unscaled and clipped:
     everything of a step but the update, with no read on the host.
 
-    Returns the step's figures on the device, float32 ``[5]``: the loss (the mean over
+    Returns the step's figures on the device, float32 ``[6]``: the loss (the mean over
     every scored target of the step, this rank's share of it under DDP), the gradient norm
     before clipping, the accuracy (this rank's share, as the loss), the RMS of the memory
-    keys the last micro-batch left, and the scored targets of the step on all ranks.
+    keys the last micro-batch left, the scored targets of the step on all ranks, and the
+    characters this rank's scored targets cover (its scored count where every token is one
+    character).
     """
     cfg, ctx, device = run.cfg, run.ctx, run.ctx.device
     run.optimizer.zero_grad(set_to_none=True)
     loss_sum = torch.zeros((), device=device)
     correct = torch.zeros((), dtype=torch.long, device=device)
     scored = step_scored(ctx, [y for _, y, _ in micro_batches])
+    chars = sum(characters_scored(run, y) for _, y, _ in micro_batches)
     denominator = loss_denominator(ctx, scored)
     for micro, (x, y, state) in enumerate(micro_batches):
         # DDP all-reduces gradients on the last micro-batch only.
@@ -110,7 +116,17 @@ def step_body(run: RunParts, micro_batches: list[MicroBatch]) -> Tensor:
     grad_norm = torch.nn.utils.clip_grad_norm_(run.params, clip_value(cfg.train.grad_clip))
     accuracy = correct.float() / denominator
     return torch.stack([loss_sum.float(), grad_norm.float(), accuracy.float(), memory_rms,
-                        scored.float()])
+                        scored.float(), chars.float()])
+
+
+def characters_scored(run: RunParts, targets: Tensor) -> Tensor:
+    """The characters the scored ``targets`` ``[rows, T]`` cover (0-dim int64, on the
+    device, no host read): each target's count (``run.data.token_chars``), or one each."""
+    token_chars = run.data.token_chars
+    if token_chars is None:
+        return count_scored(targets)
+    scored = targets != IGNORE_INDEX
+    return torch.where(scored, token_chars[targets.clamp(min=0)], 0).sum()
 
 
 def _autocast(run: RunParts) -> contextlib.AbstractContextManager:
@@ -193,6 +209,7 @@ class Figures(NamedTuple):
     scored: bool  # whether the step scored any target, on any rank
     stop: int | None  # the signal that asks to stop after this step, if any
     memory_weights: list[float]  # after the update (empty unless the model mixes memory)
+    chars_per_token: float  # characters the step's scored targets cover, per target
 
 
 def read_figures(run: RunParts, stats: Tensor, signals: StopSignals) -> Figures:
@@ -208,7 +225,7 @@ def read_figures(run: RunParts, stats: Tensor, signals: StopSignals) -> Figures:
     where it is zero), and the memory RMS is rank 0's (every other rank adds 0, exactly).
     """
     ctx = run.ctx
-    n_weights = len(stats) - 5  # with_memory_weights
+    n_weights = len(stats) - FIGURES  # with_memory_weights
     if ctx.enabled:
         # One flag per signal; a stop any rank was asked for stops every rank.
         flags = torch.tensor([float(signals.received == sig) for sig in STOPPING],
@@ -216,20 +233,21 @@ def read_figures(run: RunParts, stats: Tensor, signals: StopSignals) -> Figures:
         stats = torch.cat([stats, flags])
         if not ctx.is_main:  # rank 0's memory RMS and weights (the others add 0, exactly)
             stats[3] = 0.0
-            stats[5:5 + n_weights] = 0.0
+            stats[FIGURES:FIGURES + n_weights] = 0.0
         ctx.all_reduce_sum(stats)
     with torch.profiler.record_function(HOST_SYNC):
         host = stats.to("cpu", copy=True)
-    loss, norm, accuracy, _, scored, *rest = host.tolist()
+    loss, norm, accuracy, _, scored, chars, *rest = host.tolist()
     weights, counts = rest[:n_weights], rest[n_weights:]
     stop = signals.received
     if ctx.enabled:
         n = ctx.world_size
-        loss, norm, accuracy = loss / n, norm / n, accuracy / n
+        loss, norm, accuracy, scored = loss / n, norm / n, accuracy / n, scored / n
         asked = {sig for sig, count in zip(STOPPING, counts, strict=True) if count}
         # This rank's own signal when it has one (its exit code must match what it says).
         stop = stop or next((s for s in STOP_PRIORITY if s in asked), None)
-    return Figures(loss, norm, accuracy, host[3], scored > 0, stop, weights)
+    return Figures(loss, norm, accuracy, host[3], scored > 0, stop, weights,
+                   chars / scored if scored > 0 else 1.0)
 
 
 def step_result(run: RunParts, figures: Figures, lr: float, seq_len: int, batch: int,
@@ -244,7 +262,7 @@ def step_result(run: RunParts, figures: Figures, lr: float, seq_len: int, batch:
         loss = norm = accuracy = math.nan
     return StepResult(loss, norm, lr, seq_len, batch, tokens, figures.stop, figures.memory_rms,
                       time.perf_counter() - start, accuracy if run.data.labelled else None,
-                      figures.memory_weights)
+                      figures.memory_weights, figures.chars_per_token)
 
 
 def check_finite(run: RunParts, step: int, loss: float, grad_norm: float, last: Path) -> None:
