@@ -47,6 +47,14 @@ def text_file(folder: Path, text: str | None = None) -> Path:
     return path
 
 
+@pytest.fixture(autouse=True)
+def own_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Each test's own download cache, where a BPE corpus keeps its encoded ids."""
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("FBTRAIN_CACHE", str(cache))
+    return cache
+
+
 def bpe_data(path: Path, vocab_size: int = VOCAB) -> DataConfig:
     return DataConfig(path=str(path), tokenizer="bpe", vocab_size=vocab_size)
 
@@ -163,6 +171,49 @@ def test_a_text_read_as_bytes(tmp_path: Path) -> None:
     train, val = corpus.splits["train"], corpus.splits["val"]
     assert train.inputs.dtype == torch.uint8
     assert len(train.inputs) + len(val.inputs) + 2 == len(text.encode("utf-8"))
+
+
+# ----------------------------------------------------------------------------- encoded once
+
+
+def test_the_encoded_ids_are_mapped_from_the_cache_on_a_later_start(
+        tmp_path: Path, own_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first start encodes and keeps the ids; the next, with the vocabulary a checkpoint
+    holds, maps them (no encoding) and gets the same splits. Another text is encoded anew."""
+    data = bpe_data(text_file(tmp_path))
+    first = load_corpus(data)
+    vocab = first.tokenizer.tokens
+    assert [p.suffix for p in sorted((own_cache / "bpe-ids").iterdir())] == [".ids", ".json"]
+
+    def refused(*args: object, **kwargs: object) -> torch.Tensor:
+        raise AssertionError("encoded again")
+
+    monkeypatch.setattr(BpeTokenizer, "encode_compact", refused)
+    again = load_corpus(data, vocab)
+    for name in ("train", "val"):
+        assert torch.equal(again.splits[name].inputs, first.splits[name].inputs)
+        assert again.splits[name].inputs.dtype == torch.uint16
+    (tmp_path / "text.txt").write_text(make_text(seed=1), encoding="utf-8")
+    with pytest.raises(AssertionError, match="encoded again"):
+        load_corpus(data, vocab)
+
+
+def test_a_damaged_or_unwritable_cache_costs_the_speed_up_not_the_run(
+        tmp_path: Path, own_cache: Path) -> None:
+    data = bpe_data(text_file(tmp_path))
+    first = load_corpus(data)
+    vocab = first.tokenizer.tokens
+    entry = next((own_cache / "bpe-ids").glob("*.ids"))
+    entry.write_bytes(entry.read_bytes()[:-2])  # one id short: the record says otherwise
+    again = load_corpus(data, vocab)
+    assert torch.equal(again.splits["train"].inputs, first.splits["train"].inputs)
+    assert entry.stat().st_size == 2 * sum(len(s.inputs) + 1 for s in first.splits.values())
+    blocked = tmp_path / "blocked"
+    blocked.write_text("a file where the cache's folder would be")
+    elsewhere = DataConfig(path=data.path, tokenizer="bpe", vocab_size=VOCAB,
+                           cache_dir=str(blocked))
+    assert torch.equal(load_corpus(elsewhere, vocab).splits["val"].inputs,
+                       first.splits["val"].inputs)
 
 
 # ----------------------------------------------------------------------------- saved form

@@ -31,6 +31,8 @@ from fbtrain.config.limits import allocation_failed, is_allocation_failure
 from fbtrain.data import algorithmic, archives
 from fbtrain.data.bpe import chunks
 from fbtrain.data.errors import DataError, VocabularyError
+from fbtrain.data.fetch import cache_dir
+from fbtrain.data.id_cache import cached_ids, ids_key
 from fbtrain.data.sources import SOURCES
 from fbtrain.data.streams import (
     IGNORE_INDEX,
@@ -197,7 +199,8 @@ def bpe_corpus(data_cfg: DataConfig, text: str, vocab: Sequence[str] | None = No
                ) -> Corpus:
     """``text`` split by characters as a character corpus is (so the validation text is the
     same), a byte-level BPE vocabulary learned from the training part alone (``vocab``: a
-    checkpoint's, used as it is), both parts encoded; ids are uint16 ``[n]``."""
+    checkpoint's, used as it is), both parts encoded, or mapped from the download cache where
+    an earlier start encoded them (:mod:`fbtrain.data.id_cache`); ids are uint16 ``[n]``."""
     n_train = split_point(len(text), data_cfg.val_fraction)
     if vocab:
         tokenizer = BpeTokenizer(vocab)
@@ -211,9 +214,16 @@ def bpe_corpus(data_cfg: DataConfig, text: str, vocab: Sequence[str] | None = No
              f"{n_train:,} training characters")
         tokenizer = BpeTokenizer.learn(text[:n_train], data_cfg.vocab_size, alphabet,
                                        show_progress=isatty(sys.stderr))
-    with Progress(len(text), desc="encoding the text", unit="chars", plain=True) as shown:
-        train = tokenizer.encode_compact(text[:n_train], shown)
-        val = tokenizer.encode_compact(text[n_train:], shown)
+
+    def encode() -> tuple[torch.Tensor, torch.Tensor]:
+        with Progress(len(text), desc="encoding the text", unit="chars", plain=True) as shown:
+            return (tokenizer.encode_compact(text[:n_train], shown),
+                    tokenizer.encode_compact(text[n_train:], shown))
+
+    # Encoded once: later starts on the same text and vocabulary map the ids (id_cache.py).
+    dtype = tokenizer.compact_dtype
+    train, val = cached_ids(cache_dir(data_cfg), ids_key(text, tokenizer.tokens, n_train, dtype),
+                            dtype, encode)
     check_split(len(train), len(val), data_cfg.val_fraction, "pieces")
     return Corpus(tokenizer, {"train": next_token_stream(train), "val": next_token_stream(val)},
                   labelled=False)

@@ -296,8 +296,12 @@ class BpeTokenizer(Tokenizer):
         self._check_bytes(text)
         if self._encoder is None:
             self._encoder = bpe.encoder(self.vocab_pieces, self.merges)
-        dtype = torch.uint16 if self.vocab_size <= 1 << 16 else torch.int32
-        return bpe.encode(self._encoder, text, dtype, progress=progress)
+        return bpe.encode(self._encoder, text, self.compact_dtype, progress=progress)
+
+    @property
+    def compact_dtype(self) -> torch.dtype:
+        """The ids' dtype: uint16 when the vocabulary fits, int32 else."""
+        return torch.uint16 if self.vocab_size <= 1 << 16 else torch.int32
 
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes piece ``token_id`` stands for."""
