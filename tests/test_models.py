@@ -139,7 +139,8 @@ def test_relu_inputs_kept_clear_of_zero(kind):
 
 
 @pytest.mark.parametrize("kind", FEEDBACK_KINDS)
-def test_float32_core_matches_float64(kind, core_name):
+@pytest.mark.parametrize("mem_len", [5, None])
+def test_float32_core_matches_float64(kind, mem_len, core_name):
     """The reference tests run in float64; training runs in float32, whose attention loops
     are vectorised with other instructions. Same weights in float32: logits and gradients
     within float32 rounding of the float64 ones, each gradient within 1e-4 of its largest
@@ -147,8 +148,9 @@ def test_float32_core_matches_float64(kind, core_name):
     one within rounding of it may take its gate one way in float32 and the other in
     float64, which moves a gradient by more than rounding (this draw, left as drawn,
     came to the bound's edge in feedback_kv's ln1 weights on both cores, and past it
-    under a bound of 1e-4)."""
-    model = randomized(small(kind, mem_len=5))
+    under a bound of 1e-4). Windows of 5 slots and of every length up to 11 (whole
+    vectors of slots on the loops' vectorised paths, and their remainders)."""
+    model = randomized(small(kind, mem_len=mem_len))
     keep_relus_clear_of_zero(model)
     model32 = copy.deepcopy(model).float()
     tokens = torch.randint(0, 11, (3, 12))

@@ -32,9 +32,11 @@
 
 #include <algorithm>
 #include <array>
+#include <cmath>
 #include <cstdlib>
 #include <limits>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -219,9 +221,13 @@ void for_each_shard(int64_t shards, int64_t B, const char* mark, const Fn& fn) {
 // forward's scores, a sum over features for every slot, read the transposed keys and run
 // along the slots, a vector of slots at a time (and the softmax along them too); its
 // weighted sum of values runs along the features of slot-major rows, a tile of rows at a
-// time. The backward reads and updates slot-major rows, one slot at a time, each touched
-// once per layer (its loops vectorised by the compiler: reading transposed values or
-// deferring a step's key/value gradients to one pass over all layers measured slower).
+// time. The backward reads and updates slot-major rows, each touched once per layer: the
+// probabilities' gradients (dot products with the values) W slots at a time, reduced
+// across lanes together, the query's gradient slot by slot with a row's vectors of
+// features side by side (reading transposed values, or deferring a step's key/value
+// gradients to one pass over all layers, measured slower: the loops wait on memory).
+// Every sum is taken in the order the previous scalar-reduction loops took it, so results
+// are bitwise those of earlier versions on an AVX2 build.
 // Blocks are `kv_stride()` (S * dk) apart; the pointers passed are (row, head) 0's block
 // at the window's first slot.
 //
@@ -243,6 +249,38 @@ struct WindowAttention {
   const T* pos_row(const T* table, int64_t h) const { return table + h * dk * P + (P - ell); }
   // The dropout factor of element i: scale or 0, the float mask's value.
   static T kept(const bool* mask, int64_t i, T scale) { return mask[i] ? scale : T(0); }
+  // a * b + c, rounded once where the core is built with FMA (as the compiler contracts
+  // it there), twice elsewhere: std::fma without the instruction is a slow library call.
+  static T mul_add(T a, T b, T c) {
+#if defined(__FMA__)
+    return std::fma(a, b, c);
+#else
+    return a * b + c;
+#endif
+  }
+  // Vectors of a row of dk features, and the features in vector k.
+  int64_t vectors() const { return (dk + W - 1) / W; }
+  int64_t width(int64_t k) const { return std::min(W, dk - k * W); }
+  // Runs fn(N, first) over [0, count) in chunks [first, first + N) of at most 8, with N a
+  // std::integral_constant: a chunk's N accumulators then live in registers and their
+  // chains of fused multiply-adds run side by side (one chain at a time waits out each
+  // instruction's latency).
+  template <typename Fn>
+  static void in_chunks(int64_t count, const Fn& fn) {
+    using std::integral_constant;
+    int64_t i = 0;
+    for (; i + 8 <= count; i += 8) fn(integral_constant<int64_t, 8>{}, i);
+    switch (count - i) {
+      case 7: return fn(integral_constant<int64_t, 7>{}, i);
+      case 6: return fn(integral_constant<int64_t, 6>{}, i);
+      case 5: return fn(integral_constant<int64_t, 5>{}, i);
+      case 4: return fn(integral_constant<int64_t, 4>{}, i);
+      case 3: return fn(integral_constant<int64_t, 3>{}, i);
+      case 2: return fn(integral_constant<int64_t, 2>{}, i);
+      case 1: return fn(integral_constant<int64_t, 1>{}, i);
+      default: return;
+    }
+  }
 
   // s[j] = c[j] + sum_d q[d] r[d][j] + sum_d q[d] kt[d][j] over the window (r's rows P
   // apart, kt's S apart): the position and content terms summed apart, as two chains.
@@ -326,64 +364,182 @@ struct WindowAttention {
     }
   }
 
-  // Given d_o [nb, H*dk]: writes d_qu [nb, H*dk], adds into the window's key/value
-  // gradients (same layout as K, V) and the position-table gradients d_rt [H, dk, P],
-  // d_c [H, P]. `scratch` holds 2 * ell values.
+  // Given d_o [nb, H*dk]: writes d_qu [nb, H*dk] and the score gradients ds [nb, H, ell]
+  // (the softmax's input gradients), and adds into the window's key/value gradients (same
+  // layout as K, V); position_grads takes the position tables' from ds. Each slot-major row
+  // of the window is touched once: values with their gradients W slots at a time (dots),
+  // keys with theirs slot by slot, each row's vectors of features side by side in
+  // registers. `scratch` holds ell values.
   void backward(const T* qu, const T* K, const T* V, const T* prob, const T* prob_used,
-                const bool* mask, T scale, const T* d_o, T* d_qu, T* dK, T* dV, T* d_rt, T* d_c,
+                const bool* mask, T scale, const T* d_o, T* d_qu, T* dK, T* dV, T* ds_out,
                 T* scratch) const {
     const int64_t D = H * dk;
-    T *dp = scratch, *ds = scratch + ell;
+    T* dp = scratch;
     for (int64_t b = 0; b < nb; ++b) {
       for (int64_t h = 0; h < H; ++h) {
         const int64_t bh = b * H + h;
         const T *q = qu + b * D + h * dk, *g = d_o + b * D + h * dk;
         const T *Kb = K + bh * kv_stride(), *Vb = V + bh * kv_stride();
-        T *dKb = dK + bh * kv_stride(), *dVb = dV + bh * kv_stride();
-        const T *p = prob + bh * ell, *pu = prob_used + bh * ell;
+        T* dKb = dK + bh * kv_stride();
+        const T* p = prob + bh * ell;
+        T* ds = ds_out + bh * ell;
+        // dp[j] = g . v_j, and dv_j += pu[j] g in the same pass.
+        dots(g, dk, Vb, dk, ell, dp, prob_used + bh * ell, dV + bh * kv_stride());
         T dot = 0;
         for (int64_t j = 0; j < ell; ++j) {
-          const T* v = Vb + j * dk;
-          T* dv = dVb + j * dk;
-          T acc = 0;
-#pragma omp simd reduction(+ : acc)
-          for (int64_t d = 0; d < dk; ++d) {
-            acc += g[d] * v[d];
-            dv[d] += pu[j] * g[d];
-          }
-          dp[j] = mask ? acc * kept(mask, bh * ell + j, scale) : acc;
-          dot += p[j] * dp[j];
+          if (mask) dp[j] *= kept(mask, bh * ell + j, scale);
+          dot = mul_add(p[j], dp[j], dot);
         }
         for (int64_t j = 0; j < ell; ++j) ds[j] = p[j] * (dp[j] - dot);  // softmax backward
+        // The query's gradient: position terms (dq[d] = ds . r_d, rows P apart), then the
+        // content terms slot by slot (dq += ds[j] k_j, and dk_j += ds[j] q).
         T* dq = d_qu + b * D + h * dk;
-        for (int64_t d = 0; d < dk; ++d) {  // position terms, both ways
-          const T* r = pos_row(rt, h) + d * P;
-          T* dr = d_rt + (h * dk + d) * P + (P - ell);
-          const T qd = q[d];
-          T acc = 0;
-#pragma omp simd reduction(+ : acc)
+        dots(ds, ell, pos_row(rt, h), P, dk, dq);
+        in_chunks(vectors(), [&](auto nv, int64_t v0) {
+          constexpr int64_t NV = decltype(nv)::value;
+          Vec a[NV], qv[NV];
+          for (int64_t k = 0; k < NV; ++k) {
+            a[k] = Vec::loadu(dq + (v0 + k) * W, width(v0 + k));
+            qv[k] = Vec::loadu(q + (v0 + k) * W, width(v0 + k));
+          }
           for (int64_t j = 0; j < ell; ++j) {
-            acc += ds[j] * r[j];
-            dr[j] += qd * ds[j];
+            const Vec c(ds[j]);
+            const T* kj = Kb + j * dk + v0 * W;
+            T* dkj = dKb + j * dk + v0 * W;
+            for (int64_t k = 0; k < NV; ++k) {
+              const int64_t n = width(v0 + k);
+              a[k] = at::vec::fmadd(c, Vec::loadu(kj + k * W, n), a[k]);
+              at::vec::fmadd(c, qv[k], Vec::loadu(dkj + k * W, n)).store(dkj + k * W, n);
+            }
           }
-          dq[d] = acc;
-        }
-        T* dc = d_c + h * P + (P - ell);
-        for (int64_t j = 0; j < ell; ++j) {  // content terms, both ways
-          dc[j] += ds[j];
-          const T* k = Kb + j * dk;
-          T* dk_j = dKb + j * dk;
-          const T dsj = ds[j];
-#pragma omp simd
-          for (int64_t d = 0; d < dk; ++d) {
-            dq[d] += dsj * k[d];
-            dk_j[d] += dsj * q[d];
+          for (int64_t k = 0; k < NV; ++k) a[k].store(dq + (v0 + k) * W, width(v0 + k));
+        });
+      }
+    }
+  }
+
+  // out[i] = sum_e x[e] y_i[e] over e < len, for i < count, with y_i's elements contiguous
+  // and y_i `row` apart: W of the y_i at a time, their lanes reduced together (lane_sums).
+  // Each sum in a fixed order: lane k of a vector accumulates the terms e = k (mod W) of
+  // the whole vectors, the last len % W terms go into lane 0 one by one, and the lanes are
+  // added in order from 0. With `upd`, in the same pass: upd_i += coef[i] x (upd_i laid
+  // out as y_i).
+  static void dots(const T* x, int64_t len, const T* y, int64_t row, int64_t count, T* out,
+                   const T* coef = nullptr, T* upd = nullptr) {
+    const int64_t body = len - len % W;
+    int64_t i = 0;
+    for (; i + W <= count; i += W) {
+      Vec acc[W];
+      for (int64_t k = 0; k < W; ++k) acc[k] = Vec(0);
+      for (int64_t e = 0; e < body; e += W) {
+        const Vec xe = Vec::loadu(x + e);
+        for (int64_t k = 0; k < W; ++k) {
+          acc[k] = at::vec::fmadd(xe, Vec::loadu(y + (i + k) * row + e), acc[k]);
+          if (upd) {
+            T* u = upd + (i + k) * row + e;
+            at::vec::fmadd(Vec(coef[i + k]), xe, Vec::loadu(u)).store(u);
           }
         }
+      }
+      if (upd) {
+        for (int64_t k = 0; k < W; ++k)
+          for (int64_t e = body; e < len; ++e) {
+            T& u = upd[(i + k) * row + e];
+            u = mul_add(coef[i + k], x[e], u);
+          }
+      }
+      lane_sums(acc, x, y + i * row, row, body, len, out + i);
+    }
+    for (; i < count; ++i) {  // the last count % W one at a time, in the same order
+      T lanes[W] = {};
+      for (int64_t e = 0; e < len; ++e) {
+        T& lane = lanes[e < body ? e % W : 0];
+        lane = mul_add(x[e], y[i * row + e], lane);
+        if (upd) upd[i * row + e] = mul_add(coef[i], x[e], upd[i * row + e]);
+      }
+      T s = 0;
+      for (int64_t k = 0; k < W; ++k) s += lanes[k];
+      out[i] = s;
+    }
+  }
+
+  // out[k] = the lanes of acc[k] (after the tail terms e in [body, len) of x . y_k are added
+  // into lane 0) summed in order from 0, for k < W; y_k rows `row` apart. With AVX2 and no
+  // tail, the W accumulators are transposed (8 x 8) so that the sums run as vector adds.
+  static void lane_sums(Vec* acc, const T* x, const T* y, int64_t row, int64_t body,
+                        int64_t len, T* out) {
+#if defined(CPU_CAPABILITY_AVX2)
+    if constexpr (std::is_same_v<T, float>) {
+      if (body == len) {
+        __m256 r[8];
+        for (int k = 0; k < 8; ++k) r[k] = acc[k];
+        const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+        const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+        const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+        const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+        const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+        const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+        const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+        const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+        // c_k holds lane k of every acc
+        const __m256 c[8] = {
+            _mm256_permute2f128_ps(u0, u4, 0x20), _mm256_permute2f128_ps(u1, u5, 0x20),
+            _mm256_permute2f128_ps(u2, u6, 0x20), _mm256_permute2f128_ps(u3, u7, 0x20),
+            _mm256_permute2f128_ps(u0, u4, 0x31), _mm256_permute2f128_ps(u1, u5, 0x31),
+            _mm256_permute2f128_ps(u2, u6, 0x31), _mm256_permute2f128_ps(u3, u7, 0x31)};
+        __m256 s = _mm256_setzero_ps();
+        for (int k = 0; k < 8; ++k) s = _mm256_add_ps(s, c[k]);
+        _mm256_storeu_ps(out, s);
+        return;
+      }
+    }
+#endif
+    for (int64_t k = 0; k < W; ++k) {
+      T lanes[W];
+      acc[k].store(lanes);
+      for (int64_t e = body; e < len; ++e) lanes[0] = mul_add(x[e], y[k * row + e], lanes[0]);
+      T s = 0;
+      for (int64_t m = 0; m < W; ++m) s += lanes[m];
+      out[k] = s;
+    }
+  }
+
+  // Adds the position-table gradients of one layer's step, d_rt [H, dk, P] and d_c [H, P],
+  // from the score gradients ds [nb, H, ell] and the queries qu [nb, H*dk]: a vector of
+  // positions at a time, summed over the rows in their order.
+  void position_grads(const T* qu, const T* ds, T* d_rt, T* d_c) const {
+    const int64_t D = H * dk;
+    for (int64_t h = 0; h < H; ++h) {
+      for (int64_t j = 0; j < ell; j += W) {
+        const int64_t n = std::min(W, ell - j);
+        T* dc = d_c + h * P + (P - ell) + j;
+        Vec acc = Vec::loadu(dc, n);
+        for (int64_t b = 0; b < nb; ++b) acc = acc + Vec::loadu(ds + (b * H + h) * ell + j, n);
+        acc.store(dc, n);
+        in_chunks(dk, [&](auto nd, int64_t d0) {  // up to 8 features' rows at a time
+          constexpr int64_t ND = decltype(nd)::value;
+          T* dr = d_rt + (h * dk + d0) * P + (P - ell) + j;
+          Vec r[ND];
+          for (int64_t m = 0; m < ND; ++m) r[m] = Vec::loadu(dr + m * P, n);
+          for (int64_t b = 0; b < nb; ++b) {
+            const Vec x = Vec::loadu(ds + (b * H + h) * ell + j, n);
+            const T* qb = qu + b * D + h * dk + d0;
+            for (int64_t m = 0; m < ND; ++m) r[m] = at::vec::fmadd(Vec(qb[m]), x, r[m]);
+          }
+          for (int64_t m = 0; m < ND; ++m) r[m].store(dr + m * P, n);
+        });
       }
     }
   }
 };
+
+// Layer w's WindowAttention over a window of ell slots, for nb rows of S-slot blocks.
+template <typename T>
+WindowAttention<T> window_attention(const std::vector<Tensor>& w, int64_t nb, int64_t ell,
+                                    int64_t P, int64_t S) {
+  const int64_t H = w[RT].size(0), dk = w[RT].size(1);
+  return {nb, H, dk, ell, P, S, w[RT].data_ptr<T>(), w[CPOS].data_ptr<T>()};
+}
 
 // Whether a tensor's sweep uses WindowAttention (CPU, float or double). The environment
 // variable FBTRAIN_CORE_ATEN forces the ATen calls on the CPU too: the tests check that
@@ -511,9 +667,7 @@ struct Forward {
             const Tensor prob = tape.prob(PROB, l, t, ell, b0, nb);
             const Tensor prob_used = drop ? tape.prob(PROB_USED, l, t, ell, b0, nb) : prob;
             AT_DISPATCH_FLOATING_TYPES(qu.scalar_type(), "attend", [&] {
-              const WindowAttention<scalar_t> att{nb, H, dk, ell, n_pos, S,
-                                                  w[RT].data_ptr<scalar_t>(),
-                                                  w[CPOS].data_ptr<scalar_t>()};
+              const auto att = window_attention<scalar_t>(w, nb, ell, n_pos, S);
               att.forward(qu.data_ptr<scalar_t>(),
                           keys_t_s.select(0, set).data_ptr<scalar_t>() + lo,
                           v_w[set].data_ptr<scalar_t>(), prob.data_ptr<scalar_t>(),
@@ -782,6 +936,9 @@ struct Backward {
     // shared_kv_grads.
     const Tensor d_o_layers =
         batch_kv_grads ? at::empty({L, nb, D}, hidden.options()) : Tensor();
+    // The loops' score gradients of a layer's step, [nb*H*ell] of [nb*H*max_ell]
+    // (WindowAttention::backward writes them, position_grads reads them).
+    const Tensor ds_scratch = loops ? hidden.new_empty({nbH * lay.max_ell}) : Tensor();
     // The ATen path's probabilities after dropout, recomputed: a step's [nb*H*ell] of one
     // layer, or of every layer ([L, nb*H*max_ell]) for shared_kv_grads.
     const Tensor p_dropped = drop && !loops
@@ -876,19 +1033,20 @@ struct Backward {
           }
           if (loops) {
             AT_DISPATCH_FLOATING_TYPES(qu.scalar_type(), "attend_backward", [&] {
-              const WindowAttention<scalar_t> att{nb, H, dk, ell, n_pos, S,
-                                                  w[RT].data_ptr<scalar_t>(),
-                                                  w[CPOS].data_ptr<scalar_t>()};
-              std::vector<scalar_t> scratch(2 * ell);
+              const auto att = window_attention<scalar_t>(w, nb, ell, n_pos, S);
+              std::vector<scalar_t> scratch(ell);
+              scalar_t* ds = ds_scratch.data_ptr<scalar_t>();
               att.backward(qu.data_ptr<scalar_t>(), k_w[set].data_ptr<scalar_t>(),
                            v_t[set].data_ptr<scalar_t>(), prob.data_ptr<scalar_t>(),
                            prob_used.data_ptr<scalar_t>(),
                            drop ? tape.prob(MASK_PROB, l, t, ell, b0, nb).data_ptr<bool>()
                                 : nullptr,
-                           static_cast<scalar_t>(scale), d_o.data_ptr<scalar_t>(), dqu.data_ptr<scalar_t>(),
-                           dk_w[set].data_ptr<scalar_t>(), dv_w[set].data_ptr<scalar_t>(),
-                           d_rt[shard_id][l].data_ptr<scalar_t>(),
-                           d_c[shard_id][l].data_ptr<scalar_t>(), scratch.data());
+                           static_cast<scalar_t>(scale), d_o.data_ptr<scalar_t>(),
+                           dqu.data_ptr<scalar_t>(), dk_w[set].data_ptr<scalar_t>(),
+                           dv_w[set].data_ptr<scalar_t>(), ds, scratch.data());
+              att.position_grads(qu.data_ptr<scalar_t>(), ds,
+                                 d_rt[shard_id][l].data_ptr<scalar_t>(),
+                                 d_c[shard_id][l].data_ptr<scalar_t>());
             });
           } else {  // any other device: the same, in ATen calls (AtenQuery's layout)
             d_o = d_o.view({nbH, 1, dk});
