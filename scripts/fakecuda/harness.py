@@ -134,6 +134,7 @@ PHASES = (  # the first of these on the stack, from the innermost frame, names t
     ("fbtrain/scoring.py", None, "eval"), ("fbtrain/checkpoint/contents.py", None, "load"),
     ("fbtrain/checkpoint/", None, "save"),
     ("fbtrain/train/trainer.py", "_save", "save"), ("fbtrain/train/setup.py", None, "setup"),
+    ("fbtrain/train/data.py", None, "setup"),
     ("fbtrain/train/step", None, "step"), ("fbtrain/train/", None, "trainer"),
 )
 
@@ -294,16 +295,18 @@ def _tensors(tree: Any, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
 
 def seams(mode: FakeCudaMode, checkpoints: Checkpoints) -> Any:
     """The trainer's Seams for fake CUDA (see the module's docstring)."""
+    from fbtrain.train import data as train_data
     from fbtrain.train import setup
 
     def load_data(cfg, ctx, vocab, source):  # noqa: ANN001, ANN202
         with real_tensors():  # the text is read and tokenized for real, on the CPU
-            data = setup.load_data(cfg, dataclasses.replace(ctx, device=torch.device("cpu")),
-                                   vocab, source)
+            data = train_data.load_data(
+                cfg, dataclasses.replace(ctx, device=torch.device("cpu")), vocab, source)
         with mode:
-            val_x = mode.from_tensor(data.val_x).to(ctx.device, non_blocking=True)
-            val_y = mode.from_tensor(data.val_y).to(ctx.device, non_blocking=True)
-        return dataclasses.replace(data, val_x=val_x, val_y=val_y)
+            val_x, val_y, token_chars = (
+                None if t is None else mode.from_tensor(t).to(ctx.device, non_blocking=True)
+                for t in (data.val_x, data.val_y, data.token_chars))
+        return dataclasses.replace(data, val_x=val_x, val_y=val_y, token_chars=token_chars)
 
     def build_model(model_cfg, vocab_size, device):  # noqa: ANN001, ANN202
         with real_tensors():  # initialised for real on the CPU, then fake copies
