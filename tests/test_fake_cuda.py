@@ -69,6 +69,7 @@ def check_dtypes(report: dict[str, Any], precision: str, feedback: bool = True) 
 
 @pytest.mark.parametrize("kind, context, data, precision", [
     ("feedback_kv", "reset", "text", "auto"),
+    ("feedback_kv", "reset", "bpe", "auto"),  # the step's characters gathered on the device
     ("feedback", "carry", "text", "fp32"),
     ("transformer", "reset", "algorithmic", "auto"),
     ("feedback_kv", "carry", "algorithmic", "fp32"),

@@ -1,7 +1,7 @@
 """Run fbtrain's real code on fake CUDA and print what a GPU would have seen, as JSON.
 
     python scripts/fakecuda/run.py train [--kind feedback_kv] [--context reset|carry]
-        [--data text|algorithmic] [--precision auto|fp32] [--steps 4] [--dropout 0.1]
+        [--data text|bpe|algorithmic] [--precision auto|fp32] [--steps 4] [--dropout 0.1]
     python scripts/fakecuda/run.py eval   (a tiny run trained for real on the CPU first)
     python scripts/fakecuda/run.py sample [--length 5]
     python scripts/fakecuda/run.py memory --config configs/gpu.yaml [--set KEY=VALUE ...]
@@ -59,6 +59,8 @@ def tiny_config(tmp: Path, args: argparse.Namespace, device: str) -> dict[str, A
         text = "\n".join(" ".join(rng.choice(words) for _ in range(8)) for _ in range(200))
         (tmp / "text.txt").write_text(text)
         raw["data"] = {"path": str(tmp / "text.txt")}
+        if args.data == "bpe":  # a learned vocabulary: each step counts its pieces' characters
+            raw["data"].update(tokenizer="bpe", vocab_size=40, cache_dir=str(tmp / "cache"))
     return raw
 
 
@@ -178,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stage", type=int, default=None, help="one curriculum stage")
     parser.add_argument("--kind", default="feedback_kv")
     parser.add_argument("--context", default="reset", choices=("reset", "carry"))
-    parser.add_argument("--data", default="text", choices=("text", "algorithmic"))
+    parser.add_argument("--data", default="text", choices=("text", "bpe", "algorithmic"))
     parser.add_argument("--precision", default="auto")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--dropout", type=float, default=0.1)
