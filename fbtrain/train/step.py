@@ -96,8 +96,10 @@ def step_body(run: RunParts, micro_batches: list[MicroBatch]) -> Tensor:
     run.optimizer.zero_grad(set_to_none=True)
     loss_sum = torch.zeros((), device=device)
     correct = torch.zeros((), dtype=torch.long, device=device)
-    scored = step_scored(ctx, [y for _, y, _ in micro_batches])
-    chars = sum(characters_scored(run, y) for _, y, _ in micro_batches)
+    targets = [y for _, y, _ in micro_batches]
+    own, scored = step_scored(ctx, targets)
+    token_chars = run.data.token_chars  # None: every token is one character
+    chars = own if token_chars is None else sum(characters_of(token_chars, y) for y in targets)
     denominator = loss_denominator(ctx, scored)
     for micro, (x, y, state) in enumerate(micro_batches):
         # DDP all-reduces gradients on the last micro-batch only.
@@ -119,14 +121,10 @@ def step_body(run: RunParts, micro_batches: list[MicroBatch]) -> Tensor:
                         scored.float(), chars.float()])
 
 
-def characters_scored(run: RunParts, targets: Tensor) -> Tensor:
+def characters_of(token_chars: Tensor, targets: Tensor) -> Tensor:
     """The characters the scored ``targets`` ``[rows, T]`` cover (0-dim int64, on the
-    device, no host read): each target's count (``run.data.token_chars``), or one each."""
-    token_chars = run.data.token_chars
-    if token_chars is None:
-        return count_scored(targets)
-    scored = targets != IGNORE_INDEX
-    return torch.where(scored, token_chars[targets.clamp(min=0)], 0).sum()
+    device, no host read), each target's count read from ``token_chars`` ``[vocab]``."""
+    return torch.where(targets != IGNORE_INDEX, token_chars[targets.clamp(min=0)], 0).sum()
 
 
 def _autocast(run: RunParts) -> contextlib.AbstractContextManager:
@@ -144,13 +142,13 @@ def clip_value(grad_clip: float) -> float:
     return grad_clip if grad_clip > 0 else math.inf
 
 
-def step_scored(ctx: DistContext, targets: list[Tensor]) -> Tensor:
-    """The scored targets of the whole step (a 0-dim integer tensor): all its micro-batches
-    (``targets``, this rank's) on every rank - all targets for a text, the labelled ones for
-    a labelled dataset, which are spread unevenly - summed over ranks by one all-reduce
-    before the backward (as torchtitan does)."""
-    scored = sum(count_scored(y) for y in targets)
-    return ctx.all_reduce_sum(scored.clone()) if ctx.enabled else scored
+def step_scored(ctx: DistContext, targets: list[Tensor]) -> tuple[Tensor, Tensor]:
+    """The scored targets of this rank's micro-batches (``targets``) and of the whole step
+    on every rank (0-dim integer tensors) - all targets for a text, the labelled ones for
+    a labelled dataset, which are spread unevenly - the second summed over ranks by one
+    all-reduce before the backward (as torchtitan does); the same tensor alone."""
+    own = sum(count_scored(y) for y in targets)
+    return own, (ctx.all_reduce_sum(own.clone()) if ctx.enabled else own)
 
 
 def loss_denominator(ctx: DistContext, scored: Tensor) -> Tensor:
