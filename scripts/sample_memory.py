@@ -1,5 +1,5 @@
 """Peak memory of sampling from a long prompt, against the estimate ``fbtrain sample``
-refuses by (``fbtrain.sample.sampling_bytes``).
+refuses by (``fbtrain.sample_budget.sampling_bytes``).
 
     python scripts/sample_memory.py --prompts 10000 50000 100000
     python scripts/sample_memory.py --config configs/tiny_shakespeare.yaml --prompts 20000
@@ -41,7 +41,8 @@ def child(config: str, kind: str, prompt_tokens: int, length: int) -> None:
     from fbtrain.config import load_config
     from fbtrain.data.tokenizers import CharTokenizer
     from fbtrain.models import build_model
-    from fbtrain.sample import generate, sampling_bytes
+    from fbtrain.sample import generate
+    from fbtrain.sample_budget import sampling_bytes
 
     fbtrain.sample.check_memory = lambda *args: None  # measured, not refused
 

@@ -25,7 +25,7 @@ LAYERS: list[set[str]] = [
     {"scoring"},
     {"checkpoint"},
     {"metrics"},
-    {"evaluate", "sample"},
+    {"evaluate", "sample", "sample_budget"},
     {"rundir"},
     {"train"},
     {"cli_errors", "cli", "__main__"},

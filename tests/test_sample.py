@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from fbtrain import sample
+from fbtrain import sample, sample_budget
 from fbtrain.checkpoint import CheckpointError, load_model, save_checkpoint
 from fbtrain.checkpoint.state import ModelState, make_checkpoint
 from fbtrain.config import ModelConfig, config_from_dict
@@ -456,9 +456,9 @@ def test_run_refuses_what_cannot_fit_in_memory(tmp_path: Path, kwargs: dict) -> 
 
 def test_memory_check_counts_each_samples_model_state(monkeypatch, tok: CharTokenizer) -> None:
     model = tiny_model("transformer")  # 2 layers x 32 slots x d=16 of keys and values
-    host, per_model = sample.sampling_bytes(model, tok, 1, 1000, 1)
+    host, per_model = sample_budget.sampling_bytes(model, tok, 1, 1000, 1)
     assert host == 1000 * (8 + 4) and per_model >= 1000 * 2 * 2 * 32 * 16 * 4
-    monkeypatch.setattr(sample, "memory_bytes", lambda device="cpu": 1 << 20)
+    monkeypatch.setattr(sample_budget, "memory_bytes", lambda device="cpu": 1 << 20)
     with pytest.raises(ValueError, match=r"num_samples = 1000 x length = 1: .* 1\.0 MiB"):
         generate(model, tok, "a", 1, num_samples=1000)
     assert len(generate(model, tok, "a", 1, num_samples=10)) == 10  # well within 1 MiB
@@ -473,7 +473,7 @@ def test_the_prompts_cost_grows_as_its_pass_does(kind: str, tok: CharTokenizer) 
     the transformer attends a block of query rows at a time over the slots they see
     (scripts/sample_memory.py holds both to the real peak)."""
     model = tiny_model(kind)
-    cost = [sample.sampling_bytes(model, tok, p, 1, 10)[1] for p in (10**4, 2 * 10**4,
+    cost = [sample_budget.sampling_bytes(model, tok, p, 1, 10)[1] for p in (10**4, 2 * 10**4,
                                                                       3 * 10**4)]
     assert cost[2] - cost[1] == cost[1] - cost[0] > 0
 
@@ -481,9 +481,9 @@ def test_the_prompts_cost_grows_as_its_pass_does(kind: str, tok: CharTokenizer) 
 def test_a_long_prompt_is_sampled_from_or_named_when_it_cannot_fit(
         monkeypatch: pytest.MonkeyPatch, tok: CharTokenizer) -> None:
     prompt = "abc " * 12_500  # 50,000 characters
-    monkeypatch.setattr(sample, "memory_bytes", lambda device="cpu": 1 << 30)
+    monkeypatch.setattr(sample_budget, "memory_bytes", lambda device="cpu": 1 << 30)
     assert len(generate(tiny_model(), tok, prompt, 3, generator=gen(0))[0]) == 3
-    monkeypatch.setattr(sample, "memory_bytes", lambda device="cpu": 1 << 20)
+    monkeypatch.setattr(sample_budget, "memory_bytes", lambda device="cpu": 1 << 20)
     with pytest.raises(ValueError, match=(
             r"^a prompt of 50,000 characters x num_samples = 1: sampling needs about [\d.]+ "
             r"MiB of memory, more than the 1\.0 MiB of this machine; shorten the prompt$")):
@@ -491,7 +491,7 @@ def test_a_long_prompt_is_sampled_from_or_named_when_it_cannot_fit(
 
 
 def test_memory_check_allows_ordinary_requests(tok: CharTokenizer) -> None:
-    sample.check_memory(tiny_model(), tok, 100, 64, 100_000, "cpu")  # ~80 MB: fine
+    sample_budget.check_memory(tiny_model(), tok, 100, 64, 100_000, "cpu")  # ~80 MB: fine
 
 
 # ----------------------------------------------------------------------------- CLI
