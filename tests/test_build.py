@@ -77,8 +77,11 @@ def _lines(stream) -> queue.Queue:
     lines: queue.Queue = queue.Queue()
 
     def pump() -> None:
-        for line in stream:
-            lines.put(line.rstrip("\n"))
+        try:
+            for line in stream:
+                lines.put(line.rstrip("\n"))
+        except ValueError:  # the test's teardown closed the stream (reap's communicate)
+            pass
         lines.put(None)
 
     threading.Thread(target=pump, daemon=True).start()
