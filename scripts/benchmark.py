@@ -12,15 +12,19 @@ training steps (forward, cross-entropy, backward, AdamW step) of:
                             absolute positions, GELU feed-forward): the yardstick a reader
                             knows; reported apart, as feedback_kv's and the transformer's
                             step times over its
+  feedback_kv_1slot         (--profile only) feedback_kv with a one-slot memory window
+                            (max_rel_pos 1): the same matmuls, LayerNorms and sweeps, almost
+                            none of the window attention, so its step over the GPT's is
+                            where feedback_kv would stand if its attention cost nothing
 
 and reports median ms per step, tokens/s, the ratios fbtrain/reference,
 fbtrain/transformer, feedback_kv/gpt and transformer/gpt, and the peak memory of a training
 step at several lengths. Before timing it checks that fbtrain's loss and gradients equal the
 reference's (float64, same weights), so a fast wrong model cannot pass. Exits 1 if a target
-is missed. With ``--profile`` it also splits one step of feedback_kv, the transformer and
-the GPT (torch.profiler, self CPU time summed over threads) into the C++ core's sweeps' own
-time (its loops outside any ATen call: the self time of the core's per-shard marks),
-matmuls, copies and everything else.
+is missed. With ``--profile`` it also times feedback_kv_1slot and splits one step of
+feedback_kv, the transformer and the GPT (torch.profiler, self CPU time summed over
+threads) into the C++ core's sweeps' own time (its loops outside any ATen call: the self
+time of the core's per-shard marks), matmuls, copies and everything else.
 
     python scripts/benchmark.py                 # the full run (a few minutes on 2 cores)
     python scripts/benchmark.py --json out.json
@@ -69,6 +73,7 @@ MATMULS = frozenset({"aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm", "at
                      "aten::addmv", "aten::dot"})
 COPIES = frozenset({"aten::copy_", "aten::cat"})
 PROFILED = ("feedback_kv", "transformer", "gpt")
+ONE_SLOT = "feedback_kv_1slot"
 
 
 def model_config(kind: str, sizes: dict | None = None) -> ModelConfig:
@@ -191,9 +196,9 @@ def profile_split(entry: Entry, x: torch.Tensor, y: torch.Tensor) -> dict[str, f
 
 def make_entries(device: torch.device, precision: torch.dtype | None,
                  with_reference: bool, sizes: dict | None = None,
-                 gpt_len: int = 0) -> list[Entry]:
+                 gpt_len: int = 0, with_one_slot: bool = False) -> list[Entry]:
     """The timed entries (see the module docstring); a GPT with ``gpt_len`` positions
-    where that is set."""
+    where that is set, and feedback_kv at a one-slot window with ``with_one_slot``."""
     entries = []
     for kind in ("feedback_kv", "feedback"):
         torch.manual_seed(0)
@@ -203,6 +208,12 @@ def make_entries(device: torch.device, precision: torch.dtype | None,
             entries.append(Entry(f"reference_{kind}", slow,
                                  lambda x, m=slow: reference_forward(m, x), device, precision))
         entries.append(Entry(kind, fast, lambda x, m=fast: m(x)[0], device, precision))
+    if with_one_slot:
+        torch.manual_seed(0)
+        one_slot = build_model(model_config("feedback_kv", {**(sizes or SIZES), "max_rel_pos": 1}),
+                               VOCAB).to(device)
+        entries.append(Entry(ONE_SLOT, one_slot, lambda x, m=one_slot: m(x)[0], device,
+                             precision))
     torch.manual_seed(0)
     transformer = build_model(model_config("transformer", sizes), VOCAB).to(device)
     entries.append(Entry("transformer", transformer, lambda x, m=transformer: m(x)[0],
@@ -219,10 +230,11 @@ def time_steps(seq_len: int, repeats: int, warmup: int, device: torch.device,
                sizes: dict | None = None, batch: int = BATCH,
                with_gpt: bool = False, profile: bool = False) -> dict[str, dict]:
     """Median ms/step and tokens/s of every entry (interleaved), at ``sizes`` and ``batch``
-    (default: the benchmark's); ``with_gpt`` adds the GPT entry, ``profile`` the split of one
-    more step of each entry in PROFILED (``profile_ms``: :func:`profile_split`)."""
+    (default: the benchmark's); ``with_gpt`` adds the GPT entry, ``profile`` the one-slot
+    entry and the split of one more step of each entry in PROFILED (``profile_ms``:
+    :func:`profile_split`)."""
     entries = make_entries(device, precision, with_reference, sizes,
-                           seq_len if with_gpt else 0)
+                           seq_len if with_gpt else 0, with_one_slot=profile)
     gen = torch.Generator().manual_seed(seq_len)
     x = torch.randint(0, VOCAB, (batch, seq_len), generator=gen).to(device)
     y = torch.randint(0, VOCAB, (batch, seq_len), generator=gen).to(device)
@@ -359,8 +371,9 @@ def main() -> int:
         result = time_steps(seq_len, args.repeats, args.warmup, device, precision,
                             not args.no_reference, with_gpt=True, profile=args.profile)
         gpt = result.pop("gpt")
-        for kind in ("feedback_kv", "transformer"):
-            gpt[f"{kind}_over_gpt"] = result[kind]["ms_per_step"] / gpt["ms_per_step"]
+        for kind in ("feedback_kv", "transformer", ONE_SLOT):
+            if kind in result:
+                gpt[f"{kind}_over_gpt"] = result[kind]["ms_per_step"] / gpt["ms_per_step"]
         report["timings"][seq_len] = result
         report["gpt"][seq_len] = gpt
         print(f"\nseq_len {seq_len}, batch {BATCH}: median of {args.repeats} steps")
@@ -371,6 +384,10 @@ def main() -> int:
             print(f"  {kind:12s} {gpt[f'{kind}_over_gpt']:5.2f}x the GPT's step time "
                   "(same sizes, causal scaled_dot_product_attention, learned positions)")
         if args.profile:
+            attention = 1 - result[ONE_SLOT]["ms_per_step"] / result["feedback_kv"]["ms_per_step"]
+            print(f"  {ONE_SLOT} {gpt[f'{ONE_SLOT}_over_gpt']:5.2f}x the GPT's step time: "
+                  f"feedback_kv without its window attention (which is {attention:.0%} of "
+                  "its step)")
             print_profile({name: r["profile_ms"] for name, r in [*result.items(), ("gpt", gpt)]
                            if "profile_ms" in r})
         for kind in ("feedback_kv", "feedback"):

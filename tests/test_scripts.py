@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import subprocess
@@ -9,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -29,17 +31,20 @@ def test_training_benchmark_reports_exactness_ratios_memory_and_exit_code(tmp_pa
         in proc.stdout
     assert all(diff < 1e-9 for diff in report["exactness_max_abs_diff"].values())
     timings = report["timings"]["8"]
+    # --profile adds feedback_kv at a one-slot window (its step without the window attention)
     assert set(timings) == {"reference_feedback_kv", "feedback_kv", "reference_feedback",
-                            "feedback", "transformer"}
+                            "feedback", "transformer", "feedback_kv_1slot"}
     for kind in ("feedback_kv", "feedback"):
         ratio = timings[f"reference_{kind}"]["ms_per_step"] / timings[kind]["ms_per_step"]
         assert timings[kind]["speedup_vs_reference"] == pytest.approx(ratio)
         assert f"{ratio:5.2f}x faster than its reference" in proc.stdout
     gpt = report["gpt"]["8"]
-    for kind in ("feedback_kv", "transformer"):
+    for kind in ("feedback_kv", "transformer", "feedback_kv_1slot"):
         ratio = timings[kind]["ms_per_step"] / gpt["ms_per_step"]
         assert gpt[f"{kind}_over_gpt"] == pytest.approx(ratio)
         assert f"{kind:12s} {ratio:5.2f}x the GPT's step time" in proc.stdout
+    share = 1 - timings["feedback_kv_1slot"]["ms_per_step"] / timings["feedback_kv"]["ms_per_step"]
+    assert f"(which is {share:.0%} of its step)" in proc.stdout
     # --profile: one step of each split by op; only the C++ core has sweeps of its own
     splits = {name: r["profile_ms"] for name, r in [*timings.items(), ("gpt", gpt)]
               if "profile_ms" in r}
@@ -152,3 +157,14 @@ def test_eta_accuracy_sets_each_eta_against_the_time_that_remained(tmp_path: Pat
                                 "70.0s", "ratio", "0.86"]
     assert lines[-1] == ("from 20% of the run's time on: 1 of 2 ETAs within 25% of the time "
                          "that remained")
+
+
+def test_one_slot_entry_is_feedback_kv_with_a_one_slot_window():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import benchmark
+
+    entries = {e.name: e for e in benchmark.make_entries(torch.device("cpu"), None, False,
+                                                         with_one_slot=True)}
+    full, one = entries["feedback_kv"].model.cfg, entries[benchmark.ONE_SLOT].model.cfg
+    assert one.memory_window == 1 < full.memory_window
+    assert dataclasses.replace(one, max_rel_pos=full.max_rel_pos) == full
