@@ -208,6 +208,11 @@ def test_a_damaged_or_unwritable_cache_costs_the_speed_up_not_the_run(
     again = load_corpus(data, vocab)
     assert torch.equal(again.splits["train"].inputs, first.splits["train"].inputs)
     assert entry.stat().st_size == 2 * sum(len(s.inputs) + 1 for s in first.splits.values())
+    whole = entry.read_bytes()  # the size as recorded, an id changed in place: past the vocab
+    entry.write_bytes(whole[:10] + b"\xff\xff" + whole[12:])
+    again = load_corpus(data, vocab)
+    assert torch.equal(again.splits["train"].inputs, first.splits["train"].inputs)
+    assert entry.read_bytes() == whole
     blocked = tmp_path / "blocked"
     blocked.write_text("a file where the cache's folder would be")
     elsewhere = DataConfig(path=data.path, tokenizer="bpe", vocab_size=VOCAB,

@@ -7,9 +7,11 @@ the first writes its ids (uint16 where the vocabulary allows, else int32; the tr
 split's, then the validation split's) to ``<cache>/bpe-ids/<digest>.ids`` beside a record of
 the two lengths, named by a digest of everything the ids depend on: the text, the
 vocabulary and the split point. The next maps that file (``torch.from_file``, private: the
-pages are the file's until written, and nothing writes them) instead of encoding. An entry
-that does not match its record is encoded again; a cache that cannot be written costs the
-speed-up, not the run.
+pages are the file's until written, and nothing writes them) instead of encoding. The
+record also holds a SHA-256 of the ids, checked on every mapping (a small fraction of the
+encoding's time): an entry damaged in place, whose size still matches, would otherwise feed
+the run other tokens, or ids past the vocabulary. An entry that does not match its record
+is encoded again; a cache that cannot be written costs the speed-up, not the run.
 """
 
 from __future__ import annotations
@@ -55,8 +57,9 @@ def cached_ids(folder: Path, key: str, dtype: torch.dtype,
     try:
         entry.parent.mkdir(parents=True, exist_ok=True)
         atomic_write(entry, lambda f: _write(f, (train, val)))
-        atomic_write_text(_record(entry), json.dumps({"train": len(train), "val": len(val),
-                                                      "dtype": str(dtype)}))
+        atomic_write_text(_record(entry), json.dumps({
+            "train": len(train), "val": len(val), "dtype": str(dtype),
+            "sha256": _digest(train, val)}))
     except OSError as e:  # a read-only or full cache: this run encodes, the next does too
         log.warning("could not keep the encoded ids in %s (%s); the next start on this text "
                     "encodes it again", entry, e)
@@ -70,9 +73,17 @@ def _write(f: IO[bytes], splits: tuple[Tensor, Tensor]) -> None:
         f.write(ids.contiguous().numpy())
 
 
+def _digest(*splits: Tensor) -> str:
+    """SHA-256 of the splits' ids as the entry holds them (read in place, no copy)."""
+    digest = hashlib.sha256()
+    for ids in splits:
+        digest.update(ids.contiguous().numpy())
+    return digest.hexdigest()
+
+
 def _mapped(entry: Path, dtype: torch.dtype) -> tuple[Tensor, Tensor] | None:
     """The entry's two splits as views of one private mapping; None when it is missing or
-    does not hold what its record says."""
+    does not hold what its record says (lengths, dtype, digest)."""
     try:
         record = json.loads(_record(entry).read_text(encoding="utf-8"))
         n_train, n_val = int(record["train"]), int(record["val"])
@@ -83,6 +94,8 @@ def _mapped(entry: Path, dtype: torch.dtype) -> tuple[Tensor, Tensor] | None:
     if record.get("dtype") != str(dtype) or size != (n_train + n_val) * itemsize:
         return None
     ids = torch.from_file(str(entry), shared=False, size=n_train + n_val, dtype=dtype)
+    if record.get("sha256") != _digest(ids):
+        return None
     return ids[:n_train], ids[n_train:]
 
 
