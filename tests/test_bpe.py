@@ -337,6 +337,11 @@ def test_train_sample_eval_export_from_the_checkpoint(tmp_path: Path,
     assert evaluated and all(
         r["val/bpc"] == pytest.approx(r["val/loss"] / math.log(2) / val_per_piece, rel=1e-9)
         for r in evaluated)
+    # A run already trained (which loads no data) closes with the bpc its checkpoint keeps.
+    assert payload["progress"]["val_bpc"] == evaluated[-1]["val/bpc"]
+    capsys.readouterr()
+    run(config_from_dict(raw_config(tmp_path)), resume="auto")
+    assert f"(bpc {evaluated[-1]['val/bpc']:.4f})" in capsys.readouterr().out
 
     # eval scores every piece of the validation text and names both counts.
     result = evaluate.run(str(run_dir), device="cpu")

@@ -33,7 +33,7 @@ from fbtrain.data.corpus import load_corpus
 from fbtrain.data.samplers import fixed_windows
 from fbtrain.evaluate import mean_loss
 from fbtrain.models import build_model
-from fbtrain.train import TrainingError, run
+from fbtrain.train import TrainingError, report, run
 from fbtrain.train.optim import LRSchedule, param_groups
 
 REPO = Path(__file__).resolve().parents[1]
@@ -57,7 +57,7 @@ DRIVER = textwrap.dedent("""
     import torch
     torch.set_num_threads(1)
     from fbtrain.config import config_from_dict
-    from fbtrain.train import TrainingError, run
+    from fbtrain.train import TrainingError, report, run
     cfg = config_from_dict(json.loads(open(sys.argv[1]).read()))
     try:
         run(cfg, resume=sys.argv[2] if len(sys.argv) > 2 else None, quiet=True)
@@ -464,6 +464,17 @@ def test_a_resume_with_nothing_to_train_trains_and_rewrites_nothing(
     assert len(out) == 4
     for path, before in files.items():
         assert path.read_bytes() == before, path
+
+
+@pytest.mark.parametrize("tokenizer, shown", [("char", " (bpc 2.0000)"), ("bpe", "")])
+def test_a_checkpoint_saved_before_val_bpc_was_kept_closes_with_what_it_can(
+        tokenizer: str, shown: str) -> None:
+    """Without a kept val_bpc, a character run's is its loss over ln 2; a BPE run's (whose
+    pieces cover several characters each) is not known without the data, and not shown."""
+    payload = {"step": 3, "tokenizer": tokenizer,
+               "progress": {"step": 3, "tokens": 48, "val_loss": 2 * math.log(2)}}
+    _, closing = report.finished_lines(Path("runs/r"), Path("runs/r/last.pt"), payload, 3)
+    assert closing == f"done at step 3 | val loss {2 * math.log(2):.4f}{shown}"
 
 
 def test_a_resume_of_another_model_names_the_runs_config_before_loading_data(

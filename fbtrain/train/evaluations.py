@@ -112,6 +112,7 @@ class Evaluator:
             state.best_val_loss = loss
         metrics = {f"val/{k}": v
                    for k, v in loss_figures(loss, data.chars_per_token[1]).items()}
+        state.val_bpc = metrics["val/bpc"]
         if data.labelled:
             metrics["val/accuracy"] = scores.accuracy
         record.update(metrics)

@@ -255,10 +255,11 @@ def finished_lines(run_dir: Path, path: Path, payload: dict[str, Any], max_steps
             f"--checkpoint {run_dir})")
     parts = [f"done at step {step}"]
     if is_number(progress.get("val_loss")):
-        # The characters a BPE piece covers are the data's, not the checkpoint's: no bpc.
-        bpc = "" if payload.get("tokenizer") == "bpe" else \
-            f" (bpc {progress['val_loss'] / LN2:.4f})"
-        parts.append(f"val loss {progress['val_loss']:.4f}{bpc}")
+        bpc = progress.get("val_bpc")
+        if not is_number(bpc) and payload.get("tokenizer") != "bpe":  # saved before val_bpc
+            bpc = progress["val_loss"] / LN2  # a character or byte is one token
+        bpc_text = f" (bpc {bpc:.4f})" if is_number(bpc) else ""
+        parts.append(f"val loss {progress['val_loss']:.4f}{bpc_text}")
     if is_number(progress.get("best_val_loss")):
         parts.append(f"best {progress['best_val_loss']:.4f}")
     clock = payload.get("clock")

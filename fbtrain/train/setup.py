@@ -73,6 +73,9 @@ class TrainState:
     step: int = 0  # optimizer steps done; the next one trained has this 0-based index
     tokens: int = 0  # over all ranks
     val_loss: float | None = None
+    # val_loss in bits per character: a BPE run's needs the characters its validation
+    # pieces cover, which a run that is already trained (and loads no data) cannot count.
+    val_bpc: float | None = None
     best_val_loss: float | None = None
     # The step of the newest evaluation that finished (None before any): a stop that cut
     # the evaluation of the step it saved short leaves it behind ``step``, and the resume
@@ -89,7 +92,7 @@ class TrainState:
         for key in ("step", "tokens"):
             if not (is_int(state.get(key)) and state[key] >= 0):
                 return f"{key} is {state.get(key)!r}, not an integer >= 0"
-        for key in ("val_loss", "best_val_loss"):
+        for key in ("val_loss", "val_bpc", "best_val_loss"):
             if state.get(key) is not None and not is_number(state[key]):
                 return f"{key} is {state[key]!r}, not a number (or null)"
         val_step = state.get("val_step")
@@ -100,6 +103,7 @@ class TrainState:
     def load_state_dict(self, state: Any) -> None:
         self.step, self.tokens = int(state["step"]), int(state["tokens"])
         self.val_loss, self.best_val_loss = state.get("val_loss"), state.get("best_val_loss")
+        self.val_bpc = state.get("val_bpc")  # None in checkpoints saved before it was kept
         # Saved before the marker was: taken as evaluated (nothing to catch up).
         self.val_step = state.get("val_step", self.step)
 
