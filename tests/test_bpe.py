@@ -146,6 +146,38 @@ def test_a_text_cut_into_chunks_gives_the_tokens_of_the_whole(monkeypatch: pytes
     assert torch.equal(tokenizer.encode(text), whole)
 
 
+@pytest.mark.parametrize("ends", ["\r\n", " "], ids=["crlf", "one line"])
+def test_a_text_with_crlf_or_no_line_ends_is_cut_too(ends: str) -> None:
+    # Cut only after a newline between two non-blanks, a CRLF text (or one line) was one
+    # part, and the library's per-token records for all of it outgrew memory.
+    text = make_text(120, seed=2).replace("\n", ends)
+    parts = list(bpe.chunks(text, 40))
+    assert "".join(parts) == text and len(parts) > 20
+    assert max(map(len, parts)) < 40 + max(map(len, WORDS)) + 2
+    tokenizer = BpeTokenizer.learn(text, 70, sorted(set(text.encode("utf-8"))))
+    whole = tokenizer.encode(text)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(bpe, "CHUNK_CHARS", 40)
+        tokenizer._encoder = None
+        assert torch.equal(tokenizer.encode(text), whole)
+
+
+def test_every_cut_falls_where_the_pre_tokenizer_splits() -> None:
+    # Blanks the library reads as punctuation (U+001C), as words of their own, CRLF,
+    # contractions, runs of blanks: the pre-tokens of the parts are those of the whole.
+    pre = bpe._pre_tokenizer()
+    rng = random.Random(5)
+    alphabet = [*"ab'1.!é ", "\n", "\r", "\t", "\x0b", "\x1c", "\x85", "\xa0", "\u3000",
+                "\u0301", "'s", "  ", "\r\n"]
+    for _ in range(400):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 40)))
+        for size in (1, 3):
+            parts = list(bpe.chunks(text, size))
+            assert "".join(parts) == text
+            cut = [t for part in parts for t, _ in pre.pre_tokenize_str(part)]
+            assert cut == [t for t, _ in pre.pre_tokenize_str(text)], (text, parts)
+
+
 def test_too_small_a_vocabulary_is_one_line(tmp_path: Path) -> None:
     distinct = len(set(make_text().encode("utf-8")))
     with pytest.raises(DataError, match=rf"data.vocab_size = 5: below the {distinct} distinct "

@@ -20,6 +20,7 @@ anyway (:func:`chunks`), so cutting it changes no token.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Iterator, Sequence
 from functools import lru_cache
 from typing import Any
@@ -84,27 +85,30 @@ def piece_bytes(piece: str) -> bytes:
 
 
 def chunks(text: str, size: int | None = None) -> Iterator[str]:
-    """``text`` in consecutive parts of about ``size`` characters, each cut after a newline
-    that has no whitespace on either side: the pre-tokenizer's expression splits there in
-    any case (a newline before a letter is a word of its own), so the parts give the tokens
-    of the whole. A text without such a newline is one part. ``size``: :data:`CHUNK_CHARS`
-    when None."""
+    """``text`` in consecutive parts of about ``size`` characters, each cut just before a
+    space, tab, CR or newline that ends a run of whitespace (a character that is no
+    whitespace follows): the pre-tokenizer's expression splits there in any case (that
+    character starts a word of its own, or one with the word after it, and the whitespace
+    before it is a word of its own), so the parts give the tokens of the whole. Any line
+    break or space between words will do, so a text with CRLF line ends, or none, is cut
+    too; a text without such whitespace is one part. ``size``: :data:`CHUNK_CHARS` when
+    None."""
     size = size or CHUNK_CHARS
     start, n = 0, len(text)
     while n - start > size:
-        at = start + size
-        while True:
-            nl = text.find("\n", at)
-            if nl < 0 or nl + 1 >= n:
-                yield text[start:]
-                return
-            if nl > 0 and not text[nl - 1].isspace() and not text[nl + 1].isspace():
-                break
-            at = nl + 1
-        yield text[start:nl + 1]
-        start = nl + 1
+        cut = _CUT.search(text, start + size)
+        if cut is None:
+            break
+        yield text[start:cut.start()]
+        start = cut.start()
     if start < n:
         yield text[start:]
+
+
+# Where chunks cuts: before one of these, which the pre-tokenizer reads as whitespace (the
+# set is kept to these four: Python's \s also holds U+001C-U+001F, which the library reads
+# as punctuation), followed by what both read as no whitespace.
+_CUT = re.compile(r"[\t\n\r ](?=\S)")
 
 
 def _pre_tokenizer() -> Any:
