@@ -461,3 +461,14 @@ def test_characters_train_without_the_tokenizers_library(tmp_path: Path) -> None
                           capture_output=True, text=True, cwd=ROOT)
     assert done.returncode == 0, done.stderr
     assert math.isfinite(float(done.stdout.split()[-1]))
+
+
+def test_a_bpe_run_without_the_tokenizers_library_is_one_line(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tokenizer = BpeTokenizer.learn(make_text(), VOCAB, sorted(set(make_text().encode("utf-8"))))
+    monkeypatch.setitem(sys.modules, "tokenizers", None)  # importing it raises ImportError
+    needs = r"data.tokenizer = bpe needs Hugging Face's tokenizers library.*pip install 'tokenizers"
+    with pytest.raises(DataError, match=needs):  # learning a vocabulary
+        load_corpus(bpe_data(text_file(tmp_path)))
+    with pytest.raises(DataError, match=needs):  # encoding a prompt with a saved one
+        tokenizer.encode("the king")

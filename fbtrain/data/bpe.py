@@ -19,6 +19,7 @@ anyway (:func:`chunks`), so cutting it changes no token.
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import re
 from collections.abc import Iterable, Iterator, Sequence
@@ -26,6 +27,8 @@ from functools import lru_cache
 from typing import Any
 
 import torch
+
+from fbtrain.data.errors import DataError
 
 CHUNK_CHARS = 1 << 20  # characters of text per piece handed to the library (memory bound)
 _BATCH = 8  # chunks encoded per call (the library spreads a batch over its threads)
@@ -111,10 +114,29 @@ def chunks(text: str, size: int | None = None) -> Iterator[str]:
 _CUT = re.compile(r"[\t\n\r ](?=\S)")
 
 
-def _pre_tokenizer() -> Any:
-    from tokenizers import pre_tokenizers
+def _library() -> Any:
+    """The ``tokenizers`` module; a one-line DataError where it cannot be imported (it is a
+    dependency, but only a BPE run needs it, so a machine without it trains the rest)."""
+    try:
+        import tokenizers
+    except ImportError as e:
+        raise DataError(f"data.tokenizer = bpe needs Hugging Face's tokenizers library, "
+                        f"which cannot be imported ({e}); install it: "
+                        f"pip install '{_requirement()}'") from None
+    return tokenizers
 
-    return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+
+def _requirement() -> str:
+    """fbtrain's own requirement on ``tokenizers`` (the versions it supports)."""
+    try:
+        requires = importlib.metadata.requires("fbtrain") or []
+    except importlib.metadata.PackageNotFoundError:
+        requires = []
+    return next((r for r in requires if r.startswith("tokenizers")), "tokenizers")
+
+
+def _pre_tokenizer() -> Any:
+    return _library().pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
 
 
 def learn(parts: Iterable[str], vocab_size: int, alphabet: Sequence[int], *,
@@ -124,12 +146,11 @@ def learn(parts: Iterable[str], vocab_size: int, alphabet: Sequence[int], *,
     from the bytes ``alphabet`` (byte values, so that text outside the training split but
     in the same file still encodes). Returns the saved form: the byte symbols in byte
     order, then one ``"left right"`` per merge that made a new piece."""
-    from tokenizers import Tokenizer, models, trainers
-
+    library = _library()
     symbols = byte_symbols()
-    tokenizer = Tokenizer(models.BPE())
+    tokenizer = library.Tokenizer(library.models.BPE())
     tokenizer.pre_tokenizer = _pre_tokenizer()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=0,
+    trainer = library.trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=0,
                                   show_progress=show_progress, special_tokens=[],
                                   initial_alphabet=[symbols[b] for b in alphabet])
     tokenizer.train_from_iterator(parts, trainer)
@@ -146,10 +167,9 @@ def learn(parts: Iterable[str], vocab_size: int, alphabet: Sequence[int], *,
 
 def encoder(pieces: Sequence[str], merges: Sequence[tuple[str, str]]) -> Any:
     """A ``tokenizers.Tokenizer`` that encodes with exactly these pieces and merges."""
-    from tokenizers import Tokenizer, models
-
-    model = models.BPE(vocab={p: i for i, p in enumerate(pieces)}, merges=list(merges))
-    tokenizer = Tokenizer(model)
+    library = _library()
+    model = library.models.BPE(vocab={p: i for i, p in enumerate(pieces)}, merges=list(merges))
+    tokenizer = library.Tokenizer(model)
     tokenizer.pre_tokenizer = _pre_tokenizer()
     return tokenizer
 
