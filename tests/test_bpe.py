@@ -308,6 +308,21 @@ def test_sampling_holds_back_a_partial_character() -> None:
     assert decoder.end() == ""
 
 
+def test_a_prompt_with_a_byte_that_is_not_utf8_is_one_line() -> None:
+    # A shell passes --prompt $'\xc3' to Python as the lone surrogate U+DCC3: encoding it
+    # as UTF-8 was a bare UnicodeEncodeError, for BPE and for bytes alike, even where the
+    # vocabulary holds the byte (é's first byte, here).
+    text = "café and the king\n" * 20
+    raw = text.encode("utf-8")
+    for tokenizer in (BpeTokenizer.learn(text, 30, sorted(set(raw))),
+                      ByteTokenizer.from_bytes(raw)):
+        for prompt, shown in ((b"caf\xc3".decode("utf-8", "surrogateescape"), "3 is byte 0xc3"),
+                              ("the\ud800", "3 is U\\+D800")):
+            with pytest.raises(DataError, match=rf"^prompt: character {shown}, which is not "
+                                                r"UTF-8 text; give UTF-8 text$"):
+                sample.encode_prompt(tokenizer, prompt)
+
+
 # ----------------------------------------------------------------------------- end to end
 
 
