@@ -443,6 +443,17 @@ def test_a_resume_refuses_another_tokenizer_by_name(tmp_path: Path) -> None:
         run(config_from_dict(raw), resume="auto")
 
 
+def test_a_resume_names_the_checkpoint_whose_vocabulary_is_damaged(tmp_path: Path) -> None:
+    run_dir = run(config_from_dict(raw_config(tmp_path, steps=2)))
+    last = run_dir / "checkpoints" / "last.pt"
+    payload = torch.load(last, weights_only=False)
+    payload["vocab"][-1] = "zz"  # neither a byte's symbol nor a merge
+    torch.save(payload, last)
+    with pytest.raises(DataError, match=rf"^vocabulary of checkpoint {last}: not a BPE "
+                                        r"vocabulary: entry \d+ \('zz'\) is neither"):
+        run(config_from_dict(raw_config(tmp_path, steps=4)), resume="auto")
+
+
 def test_for_characters_bits_per_character_are_the_loss_over_ln2(tmp_path: Path) -> None:
     run_dir = run(config_from_dict(raw_config(tmp_path, tokenizer=None)))
     rows = records(run_dir)

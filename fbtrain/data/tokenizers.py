@@ -41,9 +41,11 @@ class Tokenizer:
         tokens = list(tokens)
         bad = [t for t in tokens if not self._valid(t)]
         if bad:
-            raise DataError(f"vocabulary entries must be {self._what_valid}, got {bad[:3]!r}")
+            raise VocabularyError(f"vocabulary entries must be {self._what_valid}, got "
+                                  f"{bad[:3]!r}")
         if len(set(tokens)) != len(tokens):
-            raise DataError(f"vocabulary has repeated {self.unit}s; it must list each one once")
+            raise VocabularyError(f"vocabulary has repeated {self.unit}s; it must list each "
+                                  "one once")
         self.tokens: list[str] = tokens
         self._index = {t: i for i, t in enumerate(tokens)}
 
@@ -280,7 +282,7 @@ class BpeTokenizer(Tokenizer):
         try:
             self.vocab_pieces, self.merges = bpe.pieces_of(self.tokens)
         except ValueError as e:
-            raise DataError(f"not a BPE vocabulary: {e}") from None
+            raise VocabularyError(f"not a BPE vocabulary: {e}") from None
         self._bytes = [bpe.piece_bytes(p) for p in self.vocab_pieces]
         self._alphabet = frozenset(bpe.symbol_bytes()[p] for p in self.vocab_pieces if len(p) == 1)
         self._encoder: Any = None  # the library's tokenizer, made on first use
