@@ -178,6 +178,20 @@ def test_every_cut_falls_where_the_pre_tokenizer_splits() -> None:
             assert cut == [t for t, _ in pre.pre_tokenize_str(text)], (text, parts)
 
 
+def test_a_long_run_without_a_break_is_cut_into_words_of_bounded_length() -> None:
+    # One word of a text (a run of NULs padding a file, of blank lines, of digits) was
+    # learned whole, in time quadratic in its length: hours for a few MB of it.
+    pre = bpe._pre_tokenizer()
+    words = [w for w, _ in pre.pre_tokenize_str("the " + "7" * 600 + "\n" * 300 + "end")]
+    limit = bpe.MAX_WORD_BYTES
+    assert words == ["the", "Ġ" + "7" * (limit - 1), "7" * limit, "7" * (601 - 2 * limit),
+                     "Ċ" * limit, "Ċ" * (299 - limit), "Ċ", "end"]
+    text = make_text(40) + "\x00" * 5000 + make_text(20, seed=1)
+    tokenizer = BpeTokenizer.learn(text, 60, sorted(set(text.encode("utf-8"))))
+    assert max(len(piece) for piece in tokenizer.vocab_pieces) <= limit
+    assert tokenizer.decode(tokenizer.encode(text)) == text
+
+
 def test_too_small_a_vocabulary_is_one_line(tmp_path: Path) -> None:
     distinct = len(set(make_text().encode("utf-8")))
     with pytest.raises(DataError, match=rf"data.vocab_size = 5: below the {distinct} distinct "

@@ -14,7 +14,8 @@ of two pieces can be written ``"left right"``: that is how
 Deterministic: the same text and vocabulary size give the same merges (the library breaks
 ties between equally frequent pairs by the pair itself, not by thread timing; a test learns
 with one thread and with several). A long text is cut only where the pre-tokenizer splits
-anyway (:func:`chunks`), so cutting it changes no token.
+anyway (:func:`chunks`), so cutting it changes no token. A word longer than
+:data:`MAX_WORD_BYTES` is cut every that many bytes.
 """
 
 from __future__ import annotations
@@ -30,6 +31,12 @@ import torch
 
 from fbtrain.data.errors import DataError
 
+# The longest word (a run of letters, of digits, of punctuation or of whitespace, as the
+# pre-tokenizer splits a text) learned and encoded whole; a longer one is cut every this
+# many bytes. The library learns merges in time quadratic in a word's length: a run of NULs
+# (a padded file), blank lines or digits took seconds at 100,000 bytes and hours at a few
+# MB. A text of words has none this long, so its pieces are the same either way.
+MAX_WORD_BYTES = 256
 CHUNK_CHARS = 1 << 20  # characters of text per piece handed to the library (memory bound)
 _BATCH = 8  # chunks encoded per call (the library spreads a batch over its threads)
 
@@ -136,7 +143,13 @@ def _requirement() -> str:
 
 
 def _pre_tokenizer() -> Any:
-    return _library().pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    """GPT-2's byte-level split into words, then each word cut every :data:`MAX_WORD_BYTES`
+    bytes."""
+    library = _library()
+    return library.pre_tokenizers.Sequence([
+        library.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        library.pre_tokenizers.Split(library.Regex(f".{{1,{MAX_WORD_BYTES}}}"),
+                                     behavior="isolated")])
 
 
 def learn(parts: Iterable[str], vocab_size: int, alphabet: Sequence[int], *,
