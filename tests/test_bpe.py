@@ -180,7 +180,7 @@ def test_every_cut_falls_where_the_pre_tokenizer_splits() -> None:
 
 def test_a_long_run_without_a_break_is_cut_into_words_of_bounded_length() -> None:
     # One word of a text (a run of NULs padding a file, of blank lines, of digits) was
-    # learned whole, in time quadratic in its length: hours for a few MB of it.
+    # learned whole, in time quadratic in its length.
     pre = bpe._pre_tokenizer()
     words = [w for w, _ in pre.pre_tokenize_str("the " + "7" * 600 + "\n" * 300 + "end")]
     limit = bpe.MAX_WORD_BYTES

@@ -33,9 +33,9 @@ from fbtrain.data.errors import DataError
 
 # The longest word (a run of letters, of digits, of punctuation or of whitespace, as the
 # pre-tokenizer splits a text) learned and encoded whole; a longer one is cut every this
-# many bytes. The library learns merges in time quadratic in a word's length: a run of NULs
-# (a padded file), blank lines or digits took seconds at 100,000 bytes and hours at a few
-# MB. A text of words has none this long, so its pieces are the same either way.
+# many bytes. The library learns merges in time quadratic in a word's length, so one long
+# run (a file's NUL padding, blank lines, a long number) would all but stop learning. A
+# text of words has none this long, so its pieces are the same either way.
 MAX_WORD_BYTES = 256
 CHUNK_CHARS = 1 << 20  # characters of text per piece handed to the library (memory bound)
 _BATCH = 8  # chunks encoded per call (the library spreads a batch over its threads)
@@ -164,8 +164,8 @@ def learn(parts: Iterable[str], vocab_size: int, alphabet: Sequence[int], *,
     tokenizer = library.Tokenizer(library.models.BPE())
     tokenizer.pre_tokenizer = _pre_tokenizer()
     trainer = library.trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=0,
-                                  show_progress=show_progress, special_tokens=[],
-                                  initial_alphabet=[symbols[b] for b in alphabet])
+                                          show_progress=show_progress, special_tokens=[],
+                                          initial_alphabet=[symbols[b] for b in alphabet])
     tokenizer.train_from_iterator(parts, trainer)
     merges = json.loads(tokenizer.to_str())["model"]["merges"]
     entries = [symbols[b] for b in sorted(alphabet)]
