@@ -146,6 +146,52 @@ def test_a_text_cut_into_chunks_gives_the_tokens_of_the_whole(monkeypatch: pytes
     assert torch.equal(tokenizer.encode(text), whole)
 
 
+@pytest.mark.parametrize("ends", ["\r\n", " "], ids=["crlf", "one line"])
+def test_a_text_with_crlf_or_no_line_ends_is_cut_too(ends: str) -> None:
+    # Cut only after a newline between two non-blanks, a CRLF text (or one line) was one
+    # part, and the library's per-token records for all of it outgrew memory.
+    text = make_text(120, seed=2).replace("\n", ends)
+    parts = list(bpe.chunks(text, 40))
+    assert "".join(parts) == text and len(parts) > 20
+    assert max(map(len, parts)) < 40 + max(map(len, WORDS)) + 2
+    tokenizer = BpeTokenizer.learn(text, 70, sorted(set(text.encode("utf-8"))))
+    whole = tokenizer.encode(text)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(bpe, "CHUNK_CHARS", 40)
+        tokenizer._encoder = None
+        assert torch.equal(tokenizer.encode(text), whole)
+
+
+def test_every_cut_falls_where_the_pre_tokenizer_splits() -> None:
+    # Blanks the library reads as punctuation (U+001C), as words of their own, CRLF,
+    # contractions, runs of blanks: the pre-tokens of the parts are those of the whole.
+    pre = bpe._pre_tokenizer()
+    rng = random.Random(5)
+    alphabet = [*"ab'1.!é ", "\n", "\r", "\t", "\x0b", "\x1c", "\x85", "\xa0", "\u3000",
+                "\u0301", "'s", "  ", "\r\n"]
+    for _ in range(400):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 40)))
+        for size in (1, 3):
+            parts = list(bpe.chunks(text, size))
+            assert "".join(parts) == text
+            cut = [t for part in parts for t, _ in pre.pre_tokenize_str(part)]
+            assert cut == [t for t, _ in pre.pre_tokenize_str(text)], (text, parts)
+
+
+def test_a_long_run_without_a_break_is_cut_into_words_of_bounded_length() -> None:
+    # One word of a text (a run of NULs padding a file, of blank lines, of digits) was
+    # learned whole, in time quadratic in its length.
+    pre = bpe._pre_tokenizer()
+    words = [w for w, _ in pre.pre_tokenize_str("the " + "7" * 600 + "\n" * 300 + "end")]
+    limit = bpe.MAX_WORD_BYTES
+    assert words == ["the", "Ġ" + "7" * (limit - 1), "7" * limit, "7" * (601 - 2 * limit),
+                     "Ċ" * limit, "Ċ" * (299 - limit), "Ċ", "end"]
+    text = make_text(40) + "\x00" * 5000 + make_text(20, seed=1)
+    tokenizer = BpeTokenizer.learn(text, 60, sorted(set(text.encode("utf-8"))))
+    assert max(len(piece) for piece in tokenizer.vocab_pieces) <= limit
+    assert tokenizer.decode(tokenizer.encode(text)) == text
+
+
 def test_too_small_a_vocabulary_is_one_line(tmp_path: Path) -> None:
     distinct = len(set(make_text().encode("utf-8")))
     with pytest.raises(DataError, match=rf"data.vocab_size = 5: below the {distinct} distinct "
@@ -276,6 +322,21 @@ def test_sampling_holds_back_a_partial_character() -> None:
     assert decoder.end() == ""
 
 
+def test_a_prompt_with_a_byte_that_is_not_utf8_is_one_line() -> None:
+    # A shell passes --prompt $'\xc3' to Python as the lone surrogate U+DCC3: encoding it
+    # as UTF-8 was a bare UnicodeEncodeError, for BPE and for bytes alike, even where the
+    # vocabulary holds the byte (é's first byte, here).
+    text = "café and the king\n" * 20
+    raw = text.encode("utf-8")
+    for tokenizer in (BpeTokenizer.learn(text, 30, sorted(set(raw))),
+                      ByteTokenizer.from_bytes(raw)):
+        for prompt, shown in ((b"caf\xc3".decode("utf-8", "surrogateescape"), "3 is byte 0xc3"),
+                              ("the\ud800", "3 is U\\+D800")):
+            with pytest.raises(DataError, match=rf"^prompt: character {shown}, which is not "
+                                                r"UTF-8 text; give UTF-8 text$"):
+                sample.encode_prompt(tokenizer, prompt)
+
+
 # ----------------------------------------------------------------------------- end to end
 
 
@@ -396,6 +457,17 @@ def test_a_resume_refuses_another_tokenizer_by_name(tmp_path: Path) -> None:
         run(config_from_dict(raw), resume="auto")
 
 
+def test_a_resume_names_the_checkpoint_whose_vocabulary_is_damaged(tmp_path: Path) -> None:
+    run_dir = run(config_from_dict(raw_config(tmp_path, steps=2)))
+    last = run_dir / "checkpoints" / "last.pt"
+    payload = torch.load(last, weights_only=False)
+    payload["vocab"][-1] = "zz"  # neither a byte's symbol nor a merge
+    torch.save(payload, last)
+    with pytest.raises(DataError, match=rf"^vocabulary of checkpoint {last}: not a BPE "
+                                        r"vocabulary: entry \d+ \('zz'\) is neither"):
+        run(config_from_dict(raw_config(tmp_path, steps=4)), resume="auto")
+
+
 def test_for_characters_bits_per_character_are_the_loss_over_ln2(tmp_path: Path) -> None:
     run_dir = run(config_from_dict(raw_config(tmp_path, tokenizer=None)))
     rows = records(run_dir)
@@ -429,3 +501,14 @@ def test_characters_train_without_the_tokenizers_library(tmp_path: Path) -> None
                           capture_output=True, text=True, cwd=ROOT)
     assert done.returncode == 0, done.stderr
     assert math.isfinite(float(done.stdout.split()[-1]))
+
+
+def test_a_bpe_run_without_the_tokenizers_library_is_one_line(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tokenizer = BpeTokenizer.learn(make_text(), VOCAB, sorted(set(make_text().encode("utf-8"))))
+    monkeypatch.setitem(sys.modules, "tokenizers", None)  # importing it raises ImportError
+    needs = r"data.tokenizer = bpe needs Hugging Face's tokenizers library.*pip install 'tokenizers"
+    with pytest.raises(DataError, match=needs):  # learning a vocabulary
+        load_corpus(bpe_data(text_file(tmp_path)))
+    with pytest.raises(DataError, match=needs):  # encoding a prompt with a saved one
+        tokenizer.encode("the king")

@@ -14,18 +14,29 @@ of two pieces can be written ``"left right"``: that is how
 Deterministic: the same text and vocabulary size give the same merges (the library breaks
 ties between equally frequent pairs by the pair itself, not by thread timing; a test learns
 with one thread and with several). A long text is cut only where the pre-tokenizer splits
-anyway (:func:`chunks`), so cutting it changes no token.
+anyway (:func:`chunks`), so cutting it changes no token. A word longer than
+:data:`MAX_WORD_BYTES` is cut every that many bytes.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
+import re
 from collections.abc import Iterable, Iterator, Sequence
 from functools import lru_cache
 from typing import Any
 
 import torch
 
+from fbtrain.data.errors import DataError
+
+# The longest word (a run of letters, of digits, of punctuation or of whitespace, as the
+# pre-tokenizer splits a text) learned and encoded whole; a longer one is cut every this
+# many bytes. The library learns merges in time quadratic in a word's length, so one long
+# run (a file's NUL padding, blank lines, a long number) would all but stop learning. A
+# text of words has none this long, so its pieces are the same either way.
+MAX_WORD_BYTES = 256
 CHUNK_CHARS = 1 << 20  # characters of text per piece handed to the library (memory bound)
 _BATCH = 8  # chunks encoded per call (the library spreads a batch over its threads)
 
@@ -84,33 +95,61 @@ def piece_bytes(piece: str) -> bytes:
 
 
 def chunks(text: str, size: int | None = None) -> Iterator[str]:
-    """``text`` in consecutive parts of about ``size`` characters, each cut after a newline
-    that has no whitespace on either side: the pre-tokenizer's expression splits there in
-    any case (a newline before a letter is a word of its own), so the parts give the tokens
-    of the whole. A text without such a newline is one part. ``size``: :data:`CHUNK_CHARS`
-    when None."""
+    """``text`` in consecutive parts of about ``size`` characters, each cut just before a
+    space, tab, CR or newline that ends a run of whitespace (a character that is no
+    whitespace follows): the pre-tokenizer's expression splits there in any case (that
+    character starts a word of its own, or one with the word after it, and the whitespace
+    before it is a word of its own), so the parts give the tokens of the whole. Any line
+    break or space between words will do, so a text with CRLF line ends, or none, is cut
+    too; a text without such whitespace is one part. ``size``: :data:`CHUNK_CHARS` when
+    None."""
     size = size or CHUNK_CHARS
     start, n = 0, len(text)
     while n - start > size:
-        at = start + size
-        while True:
-            nl = text.find("\n", at)
-            if nl < 0 or nl + 1 >= n:
-                yield text[start:]
-                return
-            if nl > 0 and not text[nl - 1].isspace() and not text[nl + 1].isspace():
-                break
-            at = nl + 1
-        yield text[start:nl + 1]
-        start = nl + 1
+        cut = _CUT.search(text, start + size)
+        if cut is None:
+            break
+        yield text[start:cut.start()]
+        start = cut.start()
     if start < n:
         yield text[start:]
 
 
-def _pre_tokenizer() -> Any:
-    from tokenizers import pre_tokenizers
+# Where chunks cuts: before one of these, which the pre-tokenizer reads as whitespace (the
+# set is kept to these four: Python's \s also holds U+001C-U+001F, which the library reads
+# as punctuation), followed by what both read as no whitespace.
+_CUT = re.compile(r"[\t\n\r ](?=\S)")
 
-    return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+
+def _library() -> Any:
+    """The ``tokenizers`` module; a one-line DataError where it cannot be imported (it is a
+    dependency, but only a BPE run needs it, so a machine without it trains the rest)."""
+    try:
+        import tokenizers
+    except ImportError as e:
+        raise DataError(f"data.tokenizer = bpe needs Hugging Face's tokenizers library, "
+                        f"which cannot be imported ({e}); install it: "
+                        f"pip install '{_requirement()}'") from None
+    return tokenizers
+
+
+def _requirement() -> str:
+    """fbtrain's own requirement on ``tokenizers`` (the versions it supports)."""
+    try:
+        requires = importlib.metadata.requires("fbtrain") or []
+    except importlib.metadata.PackageNotFoundError:
+        requires = []
+    return next((r for r in requires if r.startswith("tokenizers")), "tokenizers")
+
+
+def _pre_tokenizer() -> Any:
+    """GPT-2's byte-level split into words, then each word cut every :data:`MAX_WORD_BYTES`
+    bytes."""
+    library = _library()
+    return library.pre_tokenizers.Sequence([
+        library.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        library.pre_tokenizers.Split(library.Regex(f".{{1,{MAX_WORD_BYTES}}}"),
+                                     behavior="isolated")])
 
 
 def learn(parts: Iterable[str], vocab_size: int, alphabet: Sequence[int], *,
@@ -120,14 +159,13 @@ def learn(parts: Iterable[str], vocab_size: int, alphabet: Sequence[int], *,
     from the bytes ``alphabet`` (byte values, so that text outside the training split but
     in the same file still encodes). Returns the saved form: the byte symbols in byte
     order, then one ``"left right"`` per merge that made a new piece."""
-    from tokenizers import Tokenizer, models, trainers
-
+    library = _library()
     symbols = byte_symbols()
-    tokenizer = Tokenizer(models.BPE())
+    tokenizer = library.Tokenizer(library.models.BPE())
     tokenizer.pre_tokenizer = _pre_tokenizer()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=0,
-                                  show_progress=show_progress, special_tokens=[],
-                                  initial_alphabet=[symbols[b] for b in alphabet])
+    trainer = library.trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=0,
+                                          show_progress=show_progress, special_tokens=[],
+                                          initial_alphabet=[symbols[b] for b in alphabet])
     tokenizer.train_from_iterator(parts, trainer)
     merges = json.loads(tokenizer.to_str())["model"]["merges"]
     entries = [symbols[b] for b in sorted(alphabet)]
@@ -142,10 +180,9 @@ def learn(parts: Iterable[str], vocab_size: int, alphabet: Sequence[int], *,
 
 def encoder(pieces: Sequence[str], merges: Sequence[tuple[str, str]]) -> Any:
     """A ``tokenizers.Tokenizer`` that encodes with exactly these pieces and merges."""
-    from tokenizers import Tokenizer, models
-
-    model = models.BPE(vocab={p: i for i, p in enumerate(pieces)}, merges=list(merges))
-    tokenizer = Tokenizer(model)
+    library = _library()
+    model = library.models.BPE(vocab={p: i for i, p in enumerate(pieces)}, merges=list(merges))
+    tokenizer = library.Tokenizer(model)
     tokenizer.pre_tokenizer = _pre_tokenizer()
     return tokenizer
 

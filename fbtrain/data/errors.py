@@ -15,8 +15,9 @@ class DataError(UserError):
 
 
 class VocabularyError(DataError):
-    """The data does not fit a given vocabulary (tokens it lacks, or too many for byte ids):
-    the one data problem that is about the checkpoint whose vocabulary it is."""
+    """The data does not fit a given vocabulary (tokens it lacks, or too many for byte ids),
+    or the vocabulary given is none (entries its tokenizer cannot read): the one data problem
+    that is about the checkpoint whose vocabulary it is."""
 
 
 def one_line(text: str, limit: int = 200) -> str:

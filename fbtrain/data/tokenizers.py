@@ -41,9 +41,11 @@ class Tokenizer:
         tokens = list(tokens)
         bad = [t for t in tokens if not self._valid(t)]
         if bad:
-            raise DataError(f"vocabulary entries must be {self._what_valid}, got {bad[:3]!r}")
+            raise VocabularyError(f"vocabulary entries must be {self._what_valid}, got "
+                                  f"{bad[:3]!r}")
         if len(set(tokens)) != len(tokens):
-            raise DataError(f"vocabulary has repeated {self.unit}s; it must list each one once")
+            raise VocabularyError(f"vocabulary has repeated {self.unit}s; it must list each "
+                                  "one once")
         self.tokens: list[str] = tokens
         self._index = {t: i for i, t in enumerate(tokens)}
 
@@ -162,6 +164,18 @@ def not_in_vocabulary(missing: Sequence[str], unit: str) -> VocabularyError:
                            "the vocabulary comes from the training data")
 
 
+def utf8(text: str) -> bytes:
+    """``text`` in UTF-8; DataError for a lone surrogate, which UTF-8 cannot hold (a command
+    line passes a byte that is not UTF-8 as one of U+DC80..U+DCFF: ``--prompt $'\\xff'``)."""
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        code = ord(text[e.start])
+        shown = f"byte 0x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF else f"U+{code:04X}"
+        raise DataError(f"character {e.start} is {shown}, which is not UTF-8 text; give "
+                        "UTF-8 text") from None
+
+
 class CharTokenizer(Tokenizer):
     """One token per character (the text corpora)."""
 
@@ -232,7 +246,7 @@ class ByteTokenizer(Tokenizer):
         return cls([chr(b) for b in sorted(set(data))])
 
     def pieces(self, text: str | bytes) -> list[str]:  # type: ignore[override]
-        raw = text.encode("utf-8") if isinstance(text, str) else bytes(text)
+        raw = utf8(text) if isinstance(text, str) else bytes(text)
         return [chr(b) for b in raw]
 
     def decode_bytes(self, ids: torch.Tensor | Sequence[int]) -> bytes:
@@ -268,7 +282,7 @@ class BpeTokenizer(Tokenizer):
         try:
             self.vocab_pieces, self.merges = bpe.pieces_of(self.tokens)
         except ValueError as e:
-            raise DataError(f"not a BPE vocabulary: {e}") from None
+            raise VocabularyError(f"not a BPE vocabulary: {e}") from None
         self._bytes = [bpe.piece_bytes(p) for p in self.vocab_pieces]
         self._alphabet = frozenset(bpe.symbol_bytes()[p] for p in self.vocab_pieces if len(p) == 1)
         self._encoder: Any = None  # the library's tokenizer, made on first use
@@ -282,7 +296,7 @@ class BpeTokenizer(Tokenizer):
                              show_progress=show_progress))
 
     def _check_bytes(self, text: str) -> None:
-        missing = sorted(set(text.encode("utf-8")) - self._alphabet)
+        missing = sorted(set(utf8(text)) - self._alphabet)
         if missing:
             raise not_in_vocabulary([f"0x{b:02x}" for b in missing], "byte value")
 
