@@ -364,3 +364,23 @@ def test_without_history_checkpoints_of_two_runs_are_refused(tmp_path: Path) -> 
     run(config_from_dict(raw), resume="auto", quiet=True)
     assert load_checkpoint(ckpts / "last.pt")["run_id"] == read_history(ckpts.parent)[0][
         "run_id"] == load_checkpoint(ckpts / "best.pt")["run_id"]
+
+
+def test_a_checkpoints_folder_linked_elsewhere_is_still_the_runs_own(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """checkpoints/ as a link to a folder on a bigger disk: ``--resume <run>`` and a rewind
+    to its own step file were refused as another run's checkpoints (the path resolved
+    outside the run directory)."""
+    raw, ckpts = _trained(tmp_path)
+    elsewhere = tmp_path / "big-disk" / "ckpts"
+    elsewhere.parent.mkdir()
+    shutil.move(ckpts, elsewhere)
+    ckpts.symlink_to(elsewhere)
+    raw["train"]["max_steps"] = 7
+    run(config_from_dict(raw), resume=str(ckpts.parent))
+    assert load_checkpoint(ckpts / "last.pt")["step"] == 7
+    run(config_from_dict(raw), resume=str(ckpts / "step-00000006.pt"))
+    assert "rewound to step 6" in capsys.readouterr().out
+    assert load_checkpoint(elsewhere / "last.pt")["step"] == 7
+    moved = {p.name for p in elsewhere.glob("abandoned-from-step-00000006/*.pt")}
+    assert {"last.pt", "step-00000007.pt"} <= moved

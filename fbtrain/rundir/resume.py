@@ -134,7 +134,9 @@ def choose_resume(resume: str | None, manager: CheckpointManager) -> ResumeChoic
             "state, step or random streams), which a resume needs; to train on from its "
             f"weights, start a run with --set train.init_from={resume}")
     path = resolve_checkpoint(resume, prefer="last")
-    inside = path.resolve().is_relative_to(run_dir.resolve())
+    # checkpoints/ may be a link to a folder elsewhere (a bigger disk): inside that is ours.
+    inside = any(path.resolve().is_relative_to(folder.resolve())
+                 for folder in (run_dir, manager.dir))
     if held.checkpoints and not inside:
         # Resuming writes last.pt, best.pt and metrics.jsonl here: another run's would
         # be overwritten. (A checkpoint of this run itself, say step-N.pt, is fine.)
