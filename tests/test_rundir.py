@@ -465,3 +465,16 @@ def test_metrics_of_a_start_that_saved_nothing(tmp_path: Path,
             "metrics and TensorBoard events of an earlier start that saved none)"
             in capsys.readouterr().out.splitlines())
     assert load_checkpoint(run_dir / "checkpoints" / "last.pt")["step"] == 2
+
+
+def test_a_run_out_dir_under_home_is_written_there(tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """``run.out_dir: ~/runs`` wrote the run into a folder named '~' in the working folder
+    (data.path and data.cache_dir expand '~'; out_dir did not)."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    raw = make_raw(tmp_path, train={"max_steps": 1})
+    raw["run"]["out_dir"] = "~/runs"
+    assert run(config_from_dict(raw), quiet=True) == tmp_path / "home" / "runs" / "run"
+    assert load_checkpoint(tmp_path / "home/runs/run/checkpoints/last.pt")["step"] == 1
+    assert not (tmp_path / "~").exists()

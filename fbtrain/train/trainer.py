@@ -119,7 +119,8 @@ class Trainer:
                  seams: Seams | None = None):
         self.cfg, self.ctx, self.quiet, self.on_step = cfg, ctx, quiet, on_step
         self.seams = seams or Seams()
-        self.directory = RunDirectory(Path(cfg.run.out_dir) / cfg.run.name,
+        # ~ is the home folder, as in data.path (not a folder named '~' in the working one)
+        self.directory = RunDirectory(Path(cfg.run.out_dir).expanduser() / cfg.run.name,
                                       cfg.checkpoint.keep_last, self.seams.write_checkpoint,
                                       owner=ctx.is_main)
         self.manager = self.directory.checkpoints
