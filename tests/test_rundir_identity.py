@@ -384,3 +384,27 @@ def test_a_checkpoints_folder_linked_elsewhere_is_still_the_runs_own(
     assert load_checkpoint(elsewhere / "last.pt")["step"] == 7
     moved = {p.name for p in elsewhere.glob("abandoned-from-step-00000006/*.pt")}
     assert {"last.pt", "step-00000007.pt"} <= moved
+
+
+def test_a_branch_set_aside_by_a_rewind_is_resumed_only_into_another_run(
+        tmp_path: Path) -> None:
+    """Resuming a checkpoint from checkpoints/abandoned-from-step-N/ in place mixed two
+    branches: metrics.jsonl kept the new branch's steps up to the resumed one (and lost the
+    old branch's), its step files stayed beside the old branch's. Refused before anything is
+    written; into another run.name it trains on."""
+    raw, ckpts = _trained(tmp_path)
+    raw["train"]["max_steps"] = 5
+    run(config_from_dict(raw), resume=str(ckpts / "step-00000003.pt"), quiet=True)
+    set_aside = ckpts / "abandoned-from-step-00000003" / "last.pt"
+    raw["train"]["max_steps"] = 8
+    before = _files(ckpts.parent)
+    line = _one_error(_train_cli(tmp_path, raw, "--resume", str(set_aside)))
+    assert line == (
+        f"error: --resume {set_aside} is in abandoned-from-step-00000003/, a branch set aside "
+        f"by an earlier rewind; {ckpts} and {ckpts.parent / 'metrics.jsonl'} now hold the "
+        "branch that replaced it, which a resume here would mix with its steps; resume it "
+        f"into another run.name (--set run.name=NEW --resume {set_aside})")
+    assert _files(ckpts.parent) == before
+    raw["run"]["name"] = "back"
+    run(config_from_dict(raw), resume=str(set_aside), quiet=True)
+    assert load_checkpoint(tmp_path / "runs/back/checkpoints/last.pt")["step"] == 8

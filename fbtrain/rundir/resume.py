@@ -146,6 +146,7 @@ def choose_resume(resume: str | None, manager: CheckpointManager) -> ResumeChoic
             f"into another run.name (--set run.name=NEW), or use --resume auto to continue "
             f"{run_dir.name}"
         ])
+    _refuse_a_set_aside_branch(manager, path)
     payload = read_checkpoint(path)
     if not held.checkpoints:  # a new run that goes on from another's weights
         return ResumeChoice(path, payload, run_id=new_run_id())
@@ -153,6 +154,20 @@ def choose_resume(resume: str | None, manager: CheckpointManager) -> ResumeChoic
     _refuse_if_alien(manager, path, payload, ours)
     _check_entries(manager, held.checkpoints, ours, {path.name: payload})
     return ResumeChoice(path, payload, run_id=ours, new_run=False)
+
+
+def _refuse_a_set_aside_branch(manager: CheckpointManager, path: Path) -> None:
+    """Refuse a checkpoint in a folder below ``checkpoints/`` (where a rewind set a branch
+    aside): the files in ``checkpoints/`` and ``metrics.jsonl`` are then the branch that
+    replaced it, whose steps a resume here would mix with its own."""
+    folder = path.resolve().parent
+    ckpts = manager.dir.resolve()
+    if folder != ckpts and folder.is_relative_to(ckpts):
+        raise ConfigError([
+            f"--resume {path} is in {folder.name}/, a branch set aside by an earlier rewind; "
+            f"{manager.dir} and {manager.run_dir / METRICS} now hold the branch that "
+            "replaced it, which a resume here would mix with its steps; resume it into "
+            f"another run.name (--set run.name=NEW --resume {path})"])
 
 
 def identity_problem(path: Path, payload: dict[str, Any], run_id: str | None) -> str:
