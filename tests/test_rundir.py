@@ -478,3 +478,19 @@ def test_a_run_out_dir_under_home_is_written_there(tmp_path: Path,
     assert run(config_from_dict(raw), quiet=True) == tmp_path / "home" / "runs" / "run"
     assert load_checkpoint(tmp_path / "home/runs/run/checkpoints/last.pt")["step"] == 1
     assert not (tmp_path / "~").exists()
+
+
+def test_a_lock_file_linked_to_nowhere_is_one_line(tmp_path: Path) -> None:
+    """A .lock that is a symbolic link into a folder that does not exist ended in a
+    FileWriteError traceback (no such file or directory)."""
+    raw = make_raw(tmp_path, train={"max_steps": 1})
+    run_dir = tmp_path / "runs" / "run"
+    run_dir.mkdir(parents=True)
+    (run_dir / ".lock").symlink_to(tmp_path / "gone" / "x")
+    (tmp_path / "cfg.yaml").write_text(__import__("yaml").safe_dump(raw))
+    result = CliRunner().invoke(app, ["train", "--config", str(tmp_path / "cfg.yaml")])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.splitlines() == [
+        f"error: {run_dir / '.lock'} is a symbolic link to {tmp_path / 'gone' / 'x'}, where no "
+        "lock file can be created; move it away (fbtrain makes its own)"]
+    assert (run_dir / ".lock").is_symlink()
