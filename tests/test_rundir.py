@@ -494,3 +494,22 @@ def test_a_lock_file_linked_to_nowhere_is_one_line(tmp_path: Path) -> None:
         f"error: {run_dir / '.lock'} is a symbolic link to {tmp_path / 'gone' / 'x'}, where no "
         "lock file can be created; move it away (fbtrain makes its own)"]
     assert (run_dir / ".lock").is_symlink()
+
+
+def test_another_runs_checkpoint_into_a_start_that_saved_nothing(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--resume <another run>`` into a run directory a killed start left metrics (and
+    TensorBoard events) in, but no checkpoint: that start's lines up to the resumed step
+    were kept, and read as the new run's first steps."""
+    raw, ckpts = _trained(tmp_path)
+    new_dir = tmp_path / "runs" / "new"
+    new_dir.mkdir()
+    (new_dir / "metrics.jsonl").write_text('{"step": 1, "loss": 9.5}\n')
+    (new_dir / "events.out.tfevents.1.host.1.0").write_bytes(b"\0")
+    raw["run"]["name"], raw["train"]["max_steps"] = "new", 7
+    run(config_from_dict(raw), resume=str(ckpts.parent))
+    assert (f"{new_dir} holds no checkpoint: a new run from {ckpts / 'last.pt'} (replacing "
+            "the metrics and TensorBoard events of an earlier start that saved none)"
+            in capsys.readouterr().out.splitlines())
+    assert [r["step"] for r in records(new_dir) if "loss" in r] == [7]
+    assert not (new_dir / "events.out.tfevents.1.host.1.0").exists()

@@ -37,6 +37,7 @@ from fbtrain.rundir_names import (
 )
 
 _LISTED = 3  # checkpoints named in a refusal; more are counted
+_REPLACING = "replacing the metrics and TensorBoard events of an earlier start that saved none"
 
 
 # ----------------------------------------------------------------------------- what it holds
@@ -125,8 +126,7 @@ def choose_resume(resume: str | None, manager: CheckpointManager) -> ResumeChoic
             if held.metrics is None:
                 return ResumeChoice(run_id=new_run_id())
             return ResumeChoice(note=f"no checkpoint in {run_dir} to resume from: starting "
-                                "afresh (replacing the metrics and TensorBoard events of an "
-                                "earlier start that saved none)", run_id=new_run_id())
+                                f"afresh ({_REPLACING})", run_id=new_run_id())
         return _newest_loadable(manager, held.checkpoints, recorded)
     if export_folder(resume) is not None:
         raise CheckpointError(
@@ -149,7 +149,9 @@ def choose_resume(resume: str | None, manager: CheckpointManager) -> ResumeChoic
     _refuse_a_set_aside_branch(manager, path)
     payload = read_checkpoint(path)
     if not held.checkpoints:  # a new run that goes on from another's weights
-        return ResumeChoice(path, payload, run_id=new_run_id())
+        note = None if held.metrics is None else \
+            f"{run_dir} holds no checkpoint: a new run from {path} ({_REPLACING})"
+        return ResumeChoice(path, payload, note=note, run_id=new_run_id())
     ours = recorded or _run_id_of(payload) or new_run_id()
     _refuse_if_alien(manager, path, payload, ours)
     _check_entries(manager, held.checkpoints, ours, {path.name: payload})
