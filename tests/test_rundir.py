@@ -513,3 +513,18 @@ def test_another_runs_checkpoint_into_a_start_that_saved_nothing(
             in capsys.readouterr().out.splitlines())
     assert [r["step"] for r in records(new_dir) if "loss" in r] == [7]
     assert not (new_dir / "events.out.tfevents.1.host.1.0").exists()
+
+
+def test_a_runs_own_checkpoint_resumed_from_outside_keeps_its_metrics(
+        tmp_path: Path) -> None:
+    """checkpoints/ moved away and its last.pt resumed: the directory's history names the
+    checkpoint's run, so it goes on as that run (its metrics and history kept)."""
+    raw, ckpts = _trained(tmp_path)
+    shutil.move(ckpts, tmp_path / "backup")
+    raw["train"]["max_steps"] = 7
+    run(config_from_dict(raw), resume=str(tmp_path / "backup" / "last.pt"), quiet=True)
+    assert [r["step"] for r in records(ckpts.parent) if "loss" in r] == list(range(1, 8))
+    history = [__import__("json").loads(line)
+               for line in (ckpts.parent / "history.jsonl").read_text().splitlines()]
+    assert [h["start_step"] for h in history] == [0, 6]
+    assert history[0]["run_id"] == history[1]["run_id"]

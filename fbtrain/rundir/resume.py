@@ -148,7 +148,10 @@ def choose_resume(resume: str | None, manager: CheckpointManager) -> ResumeChoic
         ])
     _refuse_a_set_aside_branch(manager, path)
     payload = read_checkpoint(path)
-    if not held.checkpoints:  # a new run that goes on from another's weights
+    if not held.checkpoints:
+        if recorded is not None and _run_id_of(payload) == recorded:  # its own, moved out
+            return ResumeChoice(path, payload, run_id=recorded, new_run=False)
+        # a new run that goes on from another's weights
         note = None if held.metrics is None else \
             f"{run_dir} holds no checkpoint: a new run from {path} ({_REPLACING})"
         return ResumeChoice(path, payload, note=note, run_id=new_run_id())
