@@ -516,15 +516,31 @@ def test_another_runs_checkpoint_into_a_start_that_saved_nothing(
 
 
 def test_a_runs_own_checkpoint_resumed_from_outside_keeps_its_metrics(
-        tmp_path: Path) -> None:
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """checkpoints/ moved away and its last.pt resumed: the directory's history names the
     checkpoint's run, so it goes on as that run (its metrics and history kept)."""
     raw, ckpts = _trained(tmp_path)
     shutil.move(ckpts, tmp_path / "backup")
+    backup_last = tmp_path / "backup" / "last.pt"
+    result = CliRunner().invoke(app, ["train", "--config", _config_file(tmp_path, raw),
+                                      "--resume", str(backup_last)])
+    assert result.exit_code == 0, result.output
+    assert (f"{ckpts.parent} is already trained: last.pt is at step 6 and train.max_steps "
+            "is 6, so there is nothing to train (to train on: --set train.max_steps=N, more "
+            f"than 6; to try it: fbtrain sample --checkpoint {backup_last})"
+            ) in result.stdout.splitlines()
     raw["train"]["max_steps"] = 7
-    run(config_from_dict(raw), resume=str(tmp_path / "backup" / "last.pt"), quiet=True)
+    run(config_from_dict(raw), resume=str(tmp_path / "backup" / "last.pt"))
+    # No best.pt to put right: the folder was emptied by hand, no save failed.
+    assert "best.pt" not in result.stdout + capsys.readouterr().out
     assert [r["step"] for r in records(ckpts.parent) if "loss" in r] == list(range(1, 8))
     history = [__import__("json").loads(line)
                for line in (ckpts.parent / "history.jsonl").read_text().splitlines()]
     assert [h["start_step"] for h in history] == [0, 6]
     assert history[0]["run_id"] == history[1]["run_id"]
+
+
+def _config_file(tmp_path: Path, raw: dict[str, Any]) -> str:
+    path = tmp_path / "cfg.yaml"
+    path.write_text(__import__("yaml").safe_dump(raw))
+    return str(path)
