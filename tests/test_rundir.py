@@ -544,3 +544,24 @@ def _config_file(tmp_path: Path, raw: dict[str, Any]) -> str:
     path = tmp_path / "cfg.yaml"
     path.write_text(__import__("yaml").safe_dump(raw))
     return str(path)
+
+
+def test_a_last_pt_that_cannot_be_read_is_set_aside_not_overwritten(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A last.pt newer than every numbered checkpoint (a run stopped by Ctrl-C) that cannot
+    be read (no read permission: the file itself may be whole): --resume auto goes on from
+    the newest one that loads, and its first save used to replace last.pt, the steps since
+    lost for good. It is moved aside with the abandoned branch instead."""
+    raw, ckpts = _trained(tmp_path)
+    last = ckpts / "last.pt"
+    unreadable = last.read_bytes()[:2000]  # what open() refused stands in for the file
+    last.write_bytes(unreadable)
+    (ckpts / "best.pt").unlink()
+    raw["train"]["max_steps"] = 7
+    run(config_from_dict(raw), resume="auto")
+    aside = ckpts / "abandoned-from-step-00000006"
+    assert (f"rewound to step 6: the abandoned branch's last.pt (which cannot be read), a "
+            f"copy of metrics.jsonl moved to {aside}; last.pt is now the checkpoint resumed"
+            in capsys.readouterr().out.splitlines())
+    assert (aside / "last.pt").read_bytes() == unreadable
+    assert load_checkpoint(last)["step"] == 7

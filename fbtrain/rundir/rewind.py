@@ -33,6 +33,8 @@ def set_aside_abandoned(manager: CheckpointManager, resumed: Path, step: int) ->
             saved_at = _step_of(special)
             if saved_at > step:
                 newer[special.name] = f"{special.name} (step {saved_at})"
+            elif saved_at < 0:  # perhaps newer (no read permission): a save would replace it
+                newer[special.name] = f"{special.name} (which cannot be read)"
     if not newer:
         return None
     folder = _free_folder(manager.dir / f"abandoned-from-step-{step:08d}")
@@ -52,7 +54,7 @@ def set_aside_abandoned(manager: CheckpointManager, resumed: Path, step: int) ->
 
 
 def _step_of(path: Path) -> int:
-    """The step a checkpoint was written at (-1 when it cannot be read: left in place)."""
+    """The step a checkpoint was written at (-1 when it cannot be read)."""
     try:
         step = load_checkpoint(path).get("step")
     except CheckpointError:
