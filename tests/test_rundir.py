@@ -565,3 +565,36 @@ def test_a_last_pt_that_cannot_be_read_is_set_aside_not_overwritten(
             in capsys.readouterr().out.splitlines())
     assert (aside / "last.pt").read_bytes() == unreadable
     assert load_checkpoint(last)["step"] == 7
+
+
+class _Killed(BaseException):
+    """Stands in for a SIGKILL: nothing of fbtrain's catches it."""
+
+
+def test_a_rewind_killed_after_its_moves_keeps_the_abandoned_metrics(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rewind killed after moving the abandoned branch's checkpoints but before copying
+    metrics.jsonl: the rewind run again found nothing left to move, so made no copy, and
+    the new branch then cut the abandoned branch's lines from metrics.jsonl: lost. The copy
+    is made before anything moves."""
+    import fbtrain.rundir.rewind as rewind
+
+    raw, ckpts = _trained(tmp_path)
+    to_move = {"last.pt", "step-00000006.pt"} | (
+        {"best.pt"} if load_checkpoint(ckpts / "best.pt")["step"] > 3 else set())
+    moved: list[str] = []
+
+    def replace(src: Path, dst: Path) -> None:
+        os.replace(src, dst)
+        moved.append(Path(src).name)
+        if set(moved) == to_move:
+            raise _Killed
+
+    monkeypatch.setattr(rewind, "os", type("Os", (), {"replace": staticmethod(replace)}))
+    raw["train"]["max_steps"] = 5
+    with pytest.raises(_Killed):
+        run(config_from_dict(raw), resume=str(ckpts / "step-00000003.pt"), quiet=True)
+    monkeypatch.undo()
+    run(config_from_dict(raw), resume=str(ckpts / "step-00000003.pt"), quiet=True)
+    kept = [r["step"] for r in records(ckpts / "abandoned-from-step-00000003") if "loss" in r]
+    assert kept == list(range(1, 7))

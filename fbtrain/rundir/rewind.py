@@ -17,7 +17,12 @@ import os
 import shutil
 from pathlib import Path
 
-from fbtrain.checkpoint.files import CheckpointError, CheckpointManager, load_checkpoint
+from fbtrain.checkpoint.files import (
+    CheckpointError,
+    CheckpointManager,
+    atomic_copy,
+    load_checkpoint,
+)
 from fbtrain.io import atomic_write
 from fbtrain.rundir_names import METRICS, numbered_step
 
@@ -39,13 +44,13 @@ def set_aside_abandoned(manager: CheckpointManager, resumed: Path, step: int) ->
         return None
     folder = _free_folder(manager.dir / f"abandoned-from-step-{step:08d}")
     folder.mkdir()
-    for name in newer:
-        os.replace(manager.dir / name, folder / name)
     moved = list(newer.values())
     metrics = manager.run_dir / METRICS
-    if metrics.is_file():
-        shutil.copy2(metrics, folder / metrics.name)
+    if metrics.is_file():  # first: a run killed during the moves must not lose the lines
+        atomic_copy(metrics, folder / metrics.name)  # the next rewind then moves nothing
         moved.append(f"a copy of {metrics.name}")
+    for name in newer:
+        os.replace(manager.dir / name, folder / name)
     # last.pt is the branch's newest state: until its first save, the checkpoint resumed.
     with open(resumed, "rb") as source:
         atomic_write(manager.last_path, lambda f: shutil.copyfileobj(source, f, 1 << 20))
