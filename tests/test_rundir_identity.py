@@ -408,3 +408,9 @@ def test_a_branch_set_aside_by_a_rewind_is_resumed_only_into_another_run(
     raw["run"]["name"] = "back"
     run(config_from_dict(raw), resume=str(set_aside), quiet=True)
     assert load_checkpoint(tmp_path / "runs/back/checkpoints/last.pt")["step"] == 8
+    # A copy of the run's own checkpoint kept in a folder of the user's is a plain rewind.
+    raw["run"]["name"] = "run"
+    (ckpts / "keep").mkdir()
+    shutil.copy(ckpts / "step-00000003.pt", ckpts / "keep" / "three.pt")
+    run(config_from_dict(raw), resume=str(ckpts / "keep" / "three.pt"), quiet=True)
+    assert load_checkpoint(ckpts / "last.pt")["step"] == 8

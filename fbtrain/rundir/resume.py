@@ -28,6 +28,7 @@ from fbtrain.messages import is_int
 from fbtrain.metrics.tensorboard import event_files
 from fbtrain.rundir.history import new_run_id, recorded_run_id
 from fbtrain.rundir_names import (
+    ABANDONED,
     BEST,
     CHECKPOINT_DIR,
     HISTORY,
@@ -162,12 +163,12 @@ def choose_resume(resume: str | None, manager: CheckpointManager) -> ResumeChoic
 
 
 def _refuse_a_set_aside_branch(manager: CheckpointManager, path: Path) -> None:
-    """Refuse a checkpoint in a folder below ``checkpoints/`` (where a rewind set a branch
-    aside): the files in ``checkpoints/`` and ``metrics.jsonl`` are then the branch that
-    replaced it, whose steps a resume here would mix with its own."""
+    """Refuse a checkpoint in a folder where a rewind set a branch aside
+    (``checkpoints/abandoned-from-step-N/``): the files in ``checkpoints/`` and
+    ``metrics.jsonl`` are then the branch that replaced it, whose steps a resume here would
+    mix with its own."""
     folder = path.resolve().parent
-    ckpts = manager.dir.resolve()
-    if folder != ckpts and folder.is_relative_to(ckpts):
+    if folder.parent == manager.dir.resolve() and folder.name.startswith(ABANDONED):
         raise ConfigError([
             f"--resume {path} is in {folder.name}/, a branch set aside by an earlier rewind; "
             f"{manager.dir} and {manager.run_dir / METRICS} now hold the branch that "

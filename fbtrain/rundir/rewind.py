@@ -24,7 +24,7 @@ from fbtrain.checkpoint.files import (
     load_checkpoint,
 )
 from fbtrain.io import atomic_write
-from fbtrain.rundir_names import METRICS, numbered_step
+from fbtrain.rundir_names import ABANDONED, METRICS, numbered_step
 
 
 def set_aside_abandoned(manager: CheckpointManager, resumed: Path, step: int) -> str | None:
@@ -42,7 +42,7 @@ def set_aside_abandoned(manager: CheckpointManager, resumed: Path, step: int) ->
                 newer[special.name] = f"{special.name} (which cannot be read)"
     if not newer:
         return None
-    folder = _free_folder(manager.dir / f"abandoned-from-step-{step:08d}")
+    folder = _free_folder(manager.dir / f"{ABANDONED}{step:08d}")
     folder.mkdir()
     moved = list(newer.values())
     metrics = manager.run_dir / METRICS
