@@ -157,7 +157,7 @@ def test_a_file_where_tensorboards_val_folder_goes_is_refused_before_training(
     assert _train_cli(tmp_path, raw).exit_code == 0
 
 
-@pytest.mark.parametrize("kind", ["dangling link", "file", "file above"])
+@pytest.mark.parametrize("kind", ["dangling link", "looping link", "file", "file above"])
 def test_a_run_directory_that_is_no_folder_is_named(tmp_path: Path, kind: str) -> None:
     """A symbolic link to nowhere as the run directory said "cannot write: file exists"."""
     raw = make_raw(tmp_path, "r", train={"max_steps": 2})
@@ -167,6 +167,10 @@ def test_a_run_directory_that_is_no_folder_is_named(tmp_path: Path, kind: str) -
         (runs / "r").symlink_to(tmp_path / "nowhere")
         what = (f"run directory {runs / 'r'} is a symbolic link to {tmp_path / 'nowhere'}, "
                 f"which does not exist; create {tmp_path / 'nowhere'}")
+    elif kind == "looping link":  # it said "create r", which cannot be done
+        (runs / "r").symlink_to("r")
+        what = (f"run directory {runs / 'r'} is a symbolic link to r, which leads back to "
+                "itself; remove it")
     elif kind == "file":
         (runs / "r").write_text("x\n")
         what = f"run directory {runs / 'r'} is a file, not a folder; move it away"
