@@ -598,3 +598,17 @@ def test_a_rewind_killed_after_its_moves_keeps_the_abandoned_metrics(
     run(config_from_dict(raw), resume=str(ckpts / "step-00000003.pt"), quiet=True)
     kept = [r["step"] for r in records(ckpts / "abandoned-from-step-00000003") if "loss" in r]
     assert kept == list(range(1, 7))
+
+
+def test_a_run_directory_where_no_folder_can_be_made_is_one_line(tmp_path: Path) -> None:
+    """run.out_dir on a file system that makes no folders (/proc; an automount) ended in a
+    FileWriteError traceback: mkdir's "no such file or directory" is not a user's error
+    unless the command named that path itself."""
+    raw = make_raw(tmp_path, train={"max_steps": 1})
+    raw["run"]["out_dir"] = "/proc/fbtrain-runs"
+    (tmp_path / "cfg.yaml").write_text(__import__("yaml").safe_dump(raw))
+    result = CliRunner().invoke(app, ["train", "--config", str(tmp_path / "cfg.yaml")])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.splitlines() == [
+        "error: /proc/fbtrain-runs/run: cannot write: no such file or directory; use another "
+        "run.out_dir"]

@@ -57,6 +57,9 @@ class RunDirLock:
         try:
             self.run_dir.mkdir(parents=True, exist_ok=True)
         except OSError as e:
+            if e.errno == errno.ENOENT:  # a file system that makes no folders (/proc, autofs)
+                raise ConfigError([f"{_file_error(self.run_dir, e)}; use another "
+                                   "run.out_dir"]) from None
             raise _file_error(self.run_dir, e) from None
         self.created = missing
         try:
