@@ -46,8 +46,10 @@ def set_aside_abandoned(manager: CheckpointManager, resumed: Path, step: int) ->
     folder.mkdir()
     moved = list(newer.values())
     metrics = manager.run_dir / METRICS
-    if metrics.is_file():  # first: a run killed during the moves must not lose the lines
-        atomic_copy(metrics, folder / metrics.name)  # the next rewind then moves nothing
+    # First: killed during the moves, the rewind run again finds nothing left to move and
+    # copies nothing, and the new branch then drops these lines from metrics.jsonl.
+    if metrics.is_file():
+        atomic_copy(metrics, folder / metrics.name)
         moved.append(f"a copy of {metrics.name}")
     for name in newer:
         os.replace(manager.dir / name, folder / name)
