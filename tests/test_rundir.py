@@ -600,6 +600,7 @@ def test_a_rewind_killed_after_its_moves_keeps_the_abandoned_metrics(
     assert kept == list(range(1, 7))
 
 
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
 def test_a_run_directory_where_no_folder_can_be_made_is_one_line(tmp_path: Path) -> None:
     """run.out_dir on a file system that makes no folders (/proc; an automount) ended in a
     FileWriteError traceback: mkdir's "no such file or directory" is not a user's error
