@@ -6,7 +6,7 @@ the rewind of a resume) without an import cycle::
 
     runs/<name>/
       config.yaml  vocab.json  metrics.jsonl  history.jsonl  .lock
-      checkpoints/  last.pt  best.pt  step-00000250.pt ...
+      checkpoints/  last.pt  best.pt  step-00000250.pt ...  abandoned-from-step-N/
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ LOCK = ".lock"  # held by the training process (its pid inside)
 CHECKPOINT_DIR = "checkpoints"
 LAST = "last.pt"  # the newest state
 BEST = "best.pt"  # the best validation loss so far
+ABANDONED = "abandoned-from-step-"  # + the step: where a rewind sets a branch aside
 _NUMBERED = re.compile(r"^step-(\d+)\.pt$")
 
 

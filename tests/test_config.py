@@ -852,14 +852,18 @@ def test_text_fields_still_take_null_and_quotes(tmp_path: Path):
 
 
 @pytest.mark.parametrize("name", ["''", ".", "..", "../x", "a/b", "/tmp/run", "a\\b",
-                                  '"a\\0b"', "x/"])
+                                  '"a\\0b"', "x/", '"a\\nb"', '"a\\x1b[31mb"',
+                                  '"a\\u2028b"'])
 def test_run_name_is_one_folder_name(name: str):
     found = problems(f"run.name={name}")
     assert len(found) == 1 and re.match(
         r"<defaults> \(with --set\): run\.name = .*: must be a plain folder name \(one path "
-        r"component: not empty, '\.' or '\.\.', no / or \\ or NUL\); the run directory is "
-        r"<run\.out_dir>/<run\.name>, so put the path in run\.out_dir$", found[0]), found
+        r"component: not empty, '\.' or '\.\.', no / or \\ or control character\); the run "
+        r"directory is <run\.out_dir>/<run\.name>, so put the path in run\.out_dir$",
+        found[0]), found
+    assert len(found[0].splitlines()) == 1  # a newline in the name does not split it
     assert load_config(None, ["run.name=a.b-c_d e"]).run.name == "a.b-c_d e"
+    assert load_config(None, ["run.name=é 日本"]).run.name == "é 日本"
 
 
 def test_stages_training_never_reaches_are_not_counted(machine: int):

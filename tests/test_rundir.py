@@ -465,3 +465,151 @@ def test_metrics_of_a_start_that_saved_nothing(tmp_path: Path,
             "metrics and TensorBoard events of an earlier start that saved none)"
             in capsys.readouterr().out.splitlines())
     assert load_checkpoint(run_dir / "checkpoints" / "last.pt")["step"] == 2
+
+
+def test_a_run_out_dir_under_home_is_written_there(tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """``run.out_dir: ~/runs`` wrote the run into a folder named '~' in the working folder
+    (data.path and data.cache_dir expand '~'; out_dir did not)."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    raw = make_raw(tmp_path, train={"max_steps": 1})
+    raw["run"]["out_dir"] = "~/runs"
+    assert run(config_from_dict(raw), quiet=True) == tmp_path / "home" / "runs" / "run"
+    assert load_checkpoint(tmp_path / "home/runs/run/checkpoints/last.pt")["step"] == 1
+    assert not (tmp_path / "~").exists()
+
+
+def test_a_lock_file_linked_to_nowhere_is_one_line(tmp_path: Path) -> None:
+    """A .lock that is a symbolic link into a folder that does not exist ended in a
+    FileWriteError traceback (no such file or directory)."""
+    raw = make_raw(tmp_path, train={"max_steps": 1})
+    run_dir = tmp_path / "runs" / "run"
+    run_dir.mkdir(parents=True)
+    (run_dir / ".lock").symlink_to(tmp_path / "gone" / "x")
+    (tmp_path / "cfg.yaml").write_text(__import__("yaml").safe_dump(raw))
+    result = CliRunner().invoke(app, ["train", "--config", str(tmp_path / "cfg.yaml")])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.splitlines() == [
+        f"error: {run_dir / '.lock'} is a symbolic link to {tmp_path / 'gone' / 'x'}, where no "
+        "lock file can be created; move it away (fbtrain makes its own)"]
+    assert (run_dir / ".lock").is_symlink()
+
+
+def test_another_runs_checkpoint_into_a_start_that_saved_nothing(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--resume <another run>`` into a run directory a killed start left metrics (and
+    TensorBoard events) in, but no checkpoint: that start's lines up to the resumed step
+    were kept, and read as the new run's first steps."""
+    raw, ckpts = _trained(tmp_path)
+    new_dir = tmp_path / "runs" / "new"
+    new_dir.mkdir()
+    (new_dir / "metrics.jsonl").write_text('{"step": 1, "loss": 9.5}\n')
+    (new_dir / "events.out.tfevents.1.host.1.0").write_bytes(b"\0")
+    raw["run"]["name"], raw["train"]["max_steps"] = "new", 7
+    run(config_from_dict(raw), resume=str(ckpts.parent))
+    assert (f"{new_dir} holds no checkpoint: a new run from {ckpts / 'last.pt'} (replacing "
+            "the metrics and TensorBoard events of an earlier start that saved none)"
+            in capsys.readouterr().out.splitlines())
+    assert [r["step"] for r in records(new_dir) if "loss" in r] == [7]
+    assert not (new_dir / "events.out.tfevents.1.host.1.0").exists()
+
+
+def test_a_runs_own_checkpoint_resumed_from_outside_keeps_its_metrics(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """checkpoints/ moved away and its last.pt resumed: the directory's history names the
+    checkpoint's run, so it goes on as that run (its metrics and history kept)."""
+    raw, ckpts = _trained(tmp_path)
+    shutil.move(ckpts, tmp_path / "backup")
+    backup_last = tmp_path / "backup" / "last.pt"
+    result = CliRunner().invoke(app, ["train", "--config", _config_file(tmp_path, raw),
+                                      "--resume", str(backup_last)])
+    assert result.exit_code == 0, result.output
+    assert (f"{ckpts.parent} is already trained: last.pt is at step 6 and train.max_steps "
+            "is 6, so there is nothing to train (to train on: --set train.max_steps=N, more "
+            f"than 6; to try it: fbtrain sample --checkpoint {backup_last})"
+            ) in result.stdout.splitlines()
+    raw["train"]["max_steps"] = 7
+    run(config_from_dict(raw), resume=str(tmp_path / "backup" / "last.pt"))
+    # No best.pt to put right: the folder was emptied by hand, no save failed.
+    assert "best.pt" not in result.stdout + capsys.readouterr().out
+    assert [r["step"] for r in records(ckpts.parent) if "loss" in r] == list(range(1, 8))
+    history = [__import__("json").loads(line)
+               for line in (ckpts.parent / "history.jsonl").read_text().splitlines()]
+    assert [h["start_step"] for h in history] == [0, 6]
+    assert history[0]["run_id"] == history[1]["run_id"]
+
+
+def _config_file(tmp_path: Path, raw: dict[str, Any]) -> str:
+    path = tmp_path / "cfg.yaml"
+    path.write_text(__import__("yaml").safe_dump(raw))
+    return str(path)
+
+
+def test_a_last_pt_that_cannot_be_read_is_set_aside_not_overwritten(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A last.pt newer than every numbered checkpoint (a run stopped by Ctrl-C) that cannot
+    be read (no read permission: the file itself may be whole): --resume auto goes on from
+    the newest one that loads, and its first save used to replace last.pt, the steps since
+    lost for good. It is moved aside with the abandoned branch instead."""
+    raw, ckpts = _trained(tmp_path)
+    last = ckpts / "last.pt"
+    unreadable = last.read_bytes()[:2000]  # what open() refused stands in for the file
+    last.write_bytes(unreadable)
+    (ckpts / "best.pt").unlink()
+    raw["train"]["max_steps"] = 7
+    run(config_from_dict(raw), resume="auto")
+    aside = ckpts / "abandoned-from-step-00000006"
+    assert (f"rewound to step 6: the abandoned branch's last.pt (which cannot be read), a "
+            f"copy of metrics.jsonl moved to {aside}; last.pt is now the checkpoint resumed"
+            in capsys.readouterr().out.splitlines())
+    assert (aside / "last.pt").read_bytes() == unreadable
+    assert load_checkpoint(last)["step"] == 7
+
+
+class _Killed(BaseException):
+    """Stands in for a SIGKILL: nothing of fbtrain's catches it."""
+
+
+def test_a_rewind_killed_after_its_moves_keeps_the_abandoned_metrics(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rewind killed after moving the abandoned branch's checkpoints but before copying
+    metrics.jsonl: the rewind run again found nothing left to move, so made no copy, and
+    the new branch then cut the abandoned branch's lines from metrics.jsonl: lost. The copy
+    is made before anything moves."""
+    import fbtrain.rundir.rewind as rewind
+
+    raw, ckpts = _trained(tmp_path)
+    to_move = {"last.pt", "step-00000006.pt"} | (
+        {"best.pt"} if load_checkpoint(ckpts / "best.pt")["step"] > 3 else set())
+    moved: list[str] = []
+
+    def replace(src: Path, dst: Path) -> None:
+        os.replace(src, dst)
+        moved.append(Path(src).name)
+        if set(moved) == to_move:
+            raise _Killed
+
+    monkeypatch.setattr(rewind, "os", type("Os", (), {"replace": staticmethod(replace)}))
+    raw["train"]["max_steps"] = 5
+    with pytest.raises(_Killed):
+        run(config_from_dict(raw), resume=str(ckpts / "step-00000003.pt"), quiet=True)
+    monkeypatch.undo()
+    run(config_from_dict(raw), resume=str(ckpts / "step-00000003.pt"), quiet=True)
+    kept = [r["step"] for r in records(ckpts / "abandoned-from-step-00000003") if "loss" in r]
+    assert kept == list(range(1, 7))
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
+def test_a_run_directory_where_no_folder_can_be_made_is_one_line(tmp_path: Path) -> None:
+    """run.out_dir on a file system that makes no folders (/proc; an automount) ended in a
+    FileWriteError traceback: mkdir's "no such file or directory" is not a user's error
+    unless the command named that path itself."""
+    raw = make_raw(tmp_path, train={"max_steps": 1})
+    raw["run"]["out_dir"] = "/proc/fbtrain-runs"
+    (tmp_path / "cfg.yaml").write_text(__import__("yaml").safe_dump(raw))
+    result = CliRunner().invoke(app, ["train", "--config", str(tmp_path / "cfg.yaml")])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.splitlines() == [
+        "error: /proc/fbtrain-runs/run: cannot write: no such file or directory; use another "
+        "run.out_dir"]

@@ -157,7 +157,7 @@ def test_a_file_where_tensorboards_val_folder_goes_is_refused_before_training(
     assert _train_cli(tmp_path, raw).exit_code == 0
 
 
-@pytest.mark.parametrize("kind", ["dangling link", "file", "file above"])
+@pytest.mark.parametrize("kind", ["dangling link", "looping link", "file", "file above"])
 def test_a_run_directory_that_is_no_folder_is_named(tmp_path: Path, kind: str) -> None:
     """A symbolic link to nowhere as the run directory said "cannot write: file exists"."""
     raw = make_raw(tmp_path, "r", train={"max_steps": 2})
@@ -167,6 +167,10 @@ def test_a_run_directory_that_is_no_folder_is_named(tmp_path: Path, kind: str) -
         (runs / "r").symlink_to(tmp_path / "nowhere")
         what = (f"run directory {runs / 'r'} is a symbolic link to {tmp_path / 'nowhere'}, "
                 f"which does not exist; create {tmp_path / 'nowhere'}")
+    elif kind == "looping link":  # it said "create r", which cannot be done
+        (runs / "r").symlink_to("r")
+        what = (f"run directory {runs / 'r'} is a symbolic link to r, which leads back to "
+                "itself; remove it")
     elif kind == "file":
         (runs / "r").write_text("x\n")
         what = f"run directory {runs / 'r'} is a file, not a folder; move it away"
@@ -364,3 +368,53 @@ def test_without_history_checkpoints_of_two_runs_are_refused(tmp_path: Path) -> 
     run(config_from_dict(raw), resume="auto", quiet=True)
     assert load_checkpoint(ckpts / "last.pt")["run_id"] == read_history(ckpts.parent)[0][
         "run_id"] == load_checkpoint(ckpts / "best.pt")["run_id"]
+
+
+def test_a_checkpoints_folder_linked_elsewhere_is_still_the_runs_own(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """checkpoints/ as a link to a folder on a bigger disk: ``--resume <run>`` and a rewind
+    to its own step file were refused as another run's checkpoints (the path resolved
+    outside the run directory)."""
+    raw, ckpts = _trained(tmp_path)
+    elsewhere = tmp_path / "big-disk" / "ckpts"
+    elsewhere.parent.mkdir()
+    shutil.move(ckpts, elsewhere)
+    ckpts.symlink_to(elsewhere)
+    raw["train"]["max_steps"] = 7
+    run(config_from_dict(raw), resume=str(ckpts.parent))
+    assert load_checkpoint(ckpts / "last.pt")["step"] == 7
+    run(config_from_dict(raw), resume=str(ckpts / "step-00000006.pt"))
+    assert "rewound to step 6" in capsys.readouterr().out
+    assert load_checkpoint(elsewhere / "last.pt")["step"] == 7
+    moved = {p.name for p in elsewhere.glob("abandoned-from-step-00000006/*.pt")}
+    assert {"last.pt", "step-00000007.pt"} <= moved
+
+
+def test_a_branch_set_aside_by_a_rewind_is_resumed_only_into_another_run(
+        tmp_path: Path) -> None:
+    """Resuming a checkpoint from checkpoints/abandoned-from-step-N/ in place mixed two
+    branches: metrics.jsonl kept the new branch's steps up to the resumed one (and lost the
+    old branch's), its step files stayed beside the old branch's. Refused before anything is
+    written; into another run.name it trains on."""
+    raw, ckpts = _trained(tmp_path)
+    raw["train"]["max_steps"] = 5
+    run(config_from_dict(raw), resume=str(ckpts / "step-00000003.pt"), quiet=True)
+    set_aside = ckpts / "abandoned-from-step-00000003" / "last.pt"
+    raw["train"]["max_steps"] = 8
+    before = _files(ckpts.parent)
+    line = _one_error(_train_cli(tmp_path, raw, "--resume", str(set_aside)))
+    assert line == (
+        f"error: --resume {set_aside} is in abandoned-from-step-00000003/, a branch set aside "
+        f"by an earlier rewind; {ckpts} and {ckpts.parent / 'metrics.jsonl'} now hold the "
+        "branch that replaced it, which a resume here would mix with its steps; resume it "
+        f"into another run.name (--set run.name=NEW --resume {set_aside})")
+    assert _files(ckpts.parent) == before
+    raw["run"]["name"] = "back"
+    run(config_from_dict(raw), resume=str(set_aside), quiet=True)
+    assert load_checkpoint(tmp_path / "runs/back/checkpoints/last.pt")["step"] == 8
+    # A copy of the run's own checkpoint kept in a folder of the user's is a plain rewind.
+    raw["run"]["name"] = "run"
+    (ckpts / "keep").mkdir()
+    shutil.copy(ckpts / "step-00000003.pt", ckpts / "keep" / "three.pt")
+    run(config_from_dict(raw), resume=str(ckpts / "keep" / "three.pt"), quiet=True)
+    assert load_checkpoint(ckpts / "last.pt")["step"] == 8

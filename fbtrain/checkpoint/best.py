@@ -40,7 +40,7 @@ def heal_best(manager: CheckpointManager, best_loss: float | None) -> str | None
     numbered checkpoints that did is copied over it. Returns the line saying what was done,
     or that the checkpoint was not kept; None when ``best.pt`` is right or no best was
     recorded. Call on rank 0 with the run directory's lock held."""
-    if best_loss is None:
+    if best_loss is None or not manager.entries():  # a folder emptied (moved) by hand
         return None
     held = scored_best(manager.best_path)
     if held is not None and held[1] == best_loss:

@@ -7,6 +7,7 @@ the checks that need only that section. Checks across sections are in validate.p
 from __future__ import annotations
 
 import re
+import unicodedata
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,15 +66,22 @@ class RunConfig(Section):
 
     def problems(self) -> list[tuple[str, Any, str]]:
         """Field checks, and run.name: a folder name, never a path (it is joined to
-        run.out_dir, and '..' or 'a/b' would put the run elsewhere)."""
+        run.out_dir, and '..' or 'a/b' would put the run elsewhere; a newline or an escape
+        would split or garble every line that names the run directory)."""
         out = super().problems()
         name = self.name
         if isinstance(name, str) and (name in ("", ".", "..") or
-                                      any(c in name for c in ("/", "\\", "\0"))):
+                                      any(c in "/\\" or _control(c) for c in name)):
             out.append(("name", name, "must be a plain folder name (one path component: not "
-                        "empty, '.' or '..', no / or \\ or NUL); the run directory is "
-                        "<run.out_dir>/<run.name>, so put the path in run.out_dir"))
+                        "empty, '.' or '..', no / or \\ or control character); the run "
+                        "directory is <run.out_dir>/<run.name>, so put the path in "
+                        "run.out_dir"))
         return out
+
+
+def _control(char: str) -> bool:
+    """A control character (NUL, a newline, an escape) or a line or paragraph separator."""
+    return unicodedata.category(char) in ("Cc", "Zl", "Zp")
 
 
 @dataclass

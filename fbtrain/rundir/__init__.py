@@ -91,14 +91,14 @@ class RunDirectory:
     def start_segment(self, cfg: Config, tokenizer: Any, segment: Segment, *,
                       start_step: int, resumed_from: Path | None) -> None:
         """What a training segment writes before its first step: ``config.yaml`` (resolved),
-        ``vocab.json`` and its line in ``history.jsonl``. A fresh start also drops the
-        TensorBoard events a run killed before its first checkpoint left: its curves are not
-        this run's."""
+        ``vocab.json`` and its line in ``history.jsonl``. A new run (fresh, or from another
+        run's checkpoint) also drops the TensorBoard events a start killed before its first
+        checkpoint left: its curves are not this run's."""
         if not self.owner:
             return
         save_config(cfg, self.path / CONFIG)
         tokenizer.save(self.path)
-        if resumed_from is None:
+        if segment.new_run:
             for events in event_files(self.path):
                 events.unlink(missing_ok=True)
         record_segment(self.path, segment, start_step=start_step,

@@ -10,6 +10,7 @@ naming the file and what to do (a :class:`~fbtrain.config.ConfigError`, exit cod
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
 import stat
@@ -70,12 +71,24 @@ def check_folders(run_dir: Path) -> None:
             continue
         if folder.is_symlink() and not folder.exists():
             target = os.readlink(folder)
-            what = f"is a symbolic link to {target}, which does not exist; create {target}"
+            if _loops(folder):  # creating the target would not help: it is the link
+                what = f"is a symbolic link to {target}, which leads back to itself; remove it"
+            else:
+                what = f"is a symbolic link to {target}, which does not exist; create {target}"
         else:
             what = "is a file, not a folder; move it away"
         where = "run directory" if folder == run_dir else f"run directory {run_dir}: the folder"
         raise ConfigError([f"{where} {folder} {what} (or train under another run.out_dir or "
                            "run.name)"])
+
+
+def _loops(path: Path) -> bool:
+    """Whether resolving the symbolic link ``path`` goes round in a loop (ELOOP)."""
+    try:
+        path.stat()
+    except OSError as e:
+        return e.errno == errno.ELOOP
+    return False
 
 
 def check_writable(run_dir: Path, folders: tuple[str, ...] = ()) -> None:

@@ -10,6 +10,8 @@ found then are leftovers of a killed save and are removed.
 
 from __future__ import annotations
 
+import errno
+import os
 from pathlib import Path
 
 from fbtrain.config import ConfigError
@@ -55,6 +57,9 @@ class RunDirLock:
         try:
             self.run_dir.mkdir(parents=True, exist_ok=True)
         except OSError as e:
+            if e.errno == errno.ENOENT:  # a file system that makes no folders (/proc, autofs)
+                raise ConfigError([f"{_file_error(self.run_dir, e)}; use another "
+                                   "run.out_dir"]) from None
             raise _file_error(self.run_dir, e) from None
         self.created = missing
         try:
@@ -77,6 +82,10 @@ class RunDirLock:
                 "under another run.name (--set run.name=NEW)"
             ]) from None
         except OSError as e:  # a full disk: no pid to record, and no lock to leave behind
+            if e.errno == errno.ENOENT and self.path.is_symlink():  # the folder it names
+                raise ConfigError([
+                    f"{self.path} is a symbolic link to {os.readlink(self.path)}, where no "
+                    "lock file can be created; move it away (fbtrain makes its own)"]) from None
             if not existed:
                 self.path.unlink(missing_ok=True)
             raise _file_error(self.path, e) from None

@@ -28,6 +28,7 @@ from fbtrain.messages import is_int
 from fbtrain.metrics.tensorboard import event_files
 from fbtrain.rundir.history import new_run_id, recorded_run_id
 from fbtrain.rundir_names import (
+    ABANDONED,
     BEST,
     CHECKPOINT_DIR,
     HISTORY,
@@ -37,6 +38,7 @@ from fbtrain.rundir_names import (
 )
 
 _LISTED = 3  # checkpoints named in a refusal; more are counted
+_REPLACING = "replacing the metrics and TensorBoard events of an earlier start that saved none"
 
 
 # ----------------------------------------------------------------------------- what it holds
@@ -125,8 +127,7 @@ def choose_resume(resume: str | None, manager: CheckpointManager) -> ResumeChoic
             if held.metrics is None:
                 return ResumeChoice(run_id=new_run_id())
             return ResumeChoice(note=f"no checkpoint in {run_dir} to resume from: starting "
-                                "afresh (replacing the metrics and TensorBoard events of an "
-                                "earlier start that saved none)", run_id=new_run_id())
+                                f"afresh ({_REPLACING})", run_id=new_run_id())
         return _newest_loadable(manager, held.checkpoints, recorded)
     if export_folder(resume) is not None:
         raise CheckpointError(
@@ -134,7 +135,9 @@ def choose_resume(resume: str | None, manager: CheckpointManager) -> ResumeChoic
             "state, step or random streams), which a resume needs; to train on from its "
             f"weights, start a run with --set train.init_from={resume}")
     path = resolve_checkpoint(resume, prefer="last")
-    inside = path.resolve().is_relative_to(run_dir.resolve())
+    # checkpoints/ may be a link to a folder elsewhere (a bigger disk): inside that is ours.
+    inside = any(path.resolve().is_relative_to(folder.resolve())
+                 for folder in (run_dir, manager.dir))
     if held.checkpoints and not inside:
         # Resuming writes last.pt, best.pt and metrics.jsonl here: another run's would
         # be overwritten. (A checkpoint of this run itself, say step-N.pt, is fine.)
@@ -144,13 +147,33 @@ def choose_resume(resume: str | None, manager: CheckpointManager) -> ResumeChoic
             f"into another run.name (--set run.name=NEW), or use --resume auto to continue "
             f"{run_dir.name}"
         ])
+    _refuse_a_set_aside_branch(manager, path)
     payload = read_checkpoint(path)
-    if not held.checkpoints:  # a new run that goes on from another's weights
-        return ResumeChoice(path, payload, run_id=new_run_id())
+    if not held.checkpoints:
+        if recorded is not None and _run_id_of(payload) == recorded:  # its own, moved out
+            return ResumeChoice(path, payload, run_id=recorded, new_run=False)
+        # a new run that goes on from another's weights
+        note = None if held.metrics is None else \
+            f"{run_dir} holds no checkpoint: a new run from {path} ({_REPLACING})"
+        return ResumeChoice(path, payload, note=note, run_id=new_run_id())
     ours = recorded or _run_id_of(payload) or new_run_id()
     _refuse_if_alien(manager, path, payload, ours)
     _check_entries(manager, held.checkpoints, ours, {path.name: payload})
     return ResumeChoice(path, payload, run_id=ours, new_run=False)
+
+
+def _refuse_a_set_aside_branch(manager: CheckpointManager, path: Path) -> None:
+    """Refuse a checkpoint in a folder where a rewind set a branch aside
+    (``checkpoints/abandoned-from-step-N/``): the files in ``checkpoints/`` and
+    ``metrics.jsonl`` are then the branch that replaced it, whose steps a resume here would
+    mix with its own."""
+    folder = path.resolve().parent
+    if folder.parent == manager.dir.resolve() and folder.name.startswith(ABANDONED):
+        raise ConfigError([
+            f"--resume {path} is in {folder.name}/, a branch set aside by an earlier rewind; "
+            f"{manager.dir} and {manager.run_dir / METRICS} now hold the branch that "
+            "replaced it, which a resume here would mix with its steps; resume it into "
+            f"another run.name (--set run.name=NEW --resume {path})"])
 
 
 def identity_problem(path: Path, payload: dict[str, Any], run_id: str | None) -> str:

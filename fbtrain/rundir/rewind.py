@@ -17,9 +17,14 @@ import os
 import shutil
 from pathlib import Path
 
-from fbtrain.checkpoint.files import CheckpointError, CheckpointManager, load_checkpoint
+from fbtrain.checkpoint.files import (
+    CheckpointError,
+    CheckpointManager,
+    atomic_copy,
+    load_checkpoint,
+)
 from fbtrain.io import atomic_write
-from fbtrain.rundir_names import METRICS, numbered_step
+from fbtrain.rundir_names import ABANDONED, METRICS, numbered_step
 
 
 def set_aside_abandoned(manager: CheckpointManager, resumed: Path, step: int) -> str | None:
@@ -33,17 +38,21 @@ def set_aside_abandoned(manager: CheckpointManager, resumed: Path, step: int) ->
             saved_at = _step_of(special)
             if saved_at > step:
                 newer[special.name] = f"{special.name} (step {saved_at})"
+            elif saved_at < 0:  # perhaps newer (no read permission): a save would replace it
+                newer[special.name] = f"{special.name} (which cannot be read)"
     if not newer:
         return None
-    folder = _free_folder(manager.dir / f"abandoned-from-step-{step:08d}")
+    folder = _free_folder(manager.dir / f"{ABANDONED}{step:08d}")
     folder.mkdir()
-    for name in newer:
-        os.replace(manager.dir / name, folder / name)
     moved = list(newer.values())
     metrics = manager.run_dir / METRICS
+    # First: killed during the moves, the rewind run again finds nothing left to move and
+    # copies nothing, and the new branch then drops these lines from metrics.jsonl.
     if metrics.is_file():
-        shutil.copy2(metrics, folder / metrics.name)
+        atomic_copy(metrics, folder / metrics.name)
         moved.append(f"a copy of {metrics.name}")
+    for name in newer:
+        os.replace(manager.dir / name, folder / name)
     # last.pt is the branch's newest state: until its first save, the checkpoint resumed.
     with open(resumed, "rb") as source:
         atomic_write(manager.last_path, lambda f: shutil.copyfileobj(source, f, 1 << 20))
@@ -52,7 +61,7 @@ def set_aside_abandoned(manager: CheckpointManager, resumed: Path, step: int) ->
 
 
 def _step_of(path: Path) -> int:
-    """The step a checkpoint was written at (-1 when it cannot be read: left in place)."""
+    """The step a checkpoint was written at (-1 when it cannot be read)."""
     try:
         step = load_checkpoint(path).get("step")
     except CheckpointError:

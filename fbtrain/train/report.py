@@ -249,10 +249,13 @@ def finished_lines(run_dir: Path, path: Path, payload: dict[str, Any], max_steps
     and what to do next, then its closing line from the checkpoint ``payload`` (read from
     ``path``): step, losses, and the run's tokens and training time (its ``clock``)."""
     step, progress = payload["step"], payload["progress"]
+    # A run's own checkpoint resumed from outside it (its checkpoints/ moved away) is
+    # sampled where it is.
+    sample = run_dir if path.is_relative_to(run_dir) else path
     done = (f"{run_dir} is already trained: {path.name} is at step {step} and "
             f"train.max_steps is {max_steps}, so there is nothing to train (to train on: "
             f"--set train.max_steps=N, more than {step}; to try it: fbtrain sample "
-            f"--checkpoint {run_dir})")
+            f"--checkpoint {sample})")
     parts = [f"done at step {step}"]
     if is_number(progress.get("val_loss")):
         bpc = progress.get("val_bpc")

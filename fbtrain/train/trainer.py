@@ -119,7 +119,8 @@ class Trainer:
                  seams: Seams | None = None):
         self.cfg, self.ctx, self.quiet, self.on_step = cfg, ctx, quiet, on_step
         self.seams = seams or Seams()
-        self.directory = RunDirectory(Path(cfg.run.out_dir) / cfg.run.name,
+        # ~ is the home folder, as in data.path (not a folder named '~' in the working one)
+        self.directory = RunDirectory(Path(cfg.run.out_dir).expanduser() / cfg.run.name,
                                       cfg.checkpoint.keep_last, self.seams.write_checkpoint,
                                       owner=ctx.is_main)
         self.manager = self.directory.checkpoints
@@ -182,8 +183,10 @@ class Trainer:
 
     def _train(self, resume_path: Path | None, started: float) -> None:
         """Log the start, run the loop under the stop signals, log the end."""
-        # Resumed: drop lines the abandoned run logged after the checkpoint. Fresh: all.
-        self.logger.truncate_after(self.state.step if resume_path is not None else -1)
+        # Resumed: drop lines the abandoned run logged after the checkpoint. A new run (fresh,
+        # or from another run's checkpoint): all, an earlier start's that saved nothing.
+        new_run = self.parts.segment.new_run
+        self.logger.truncate_after(-1 if new_run else self.state.step)
         if resume_path is None:
             self.logger.start_run(hparams_of(self.cfg, self.ctx.world_size),
                                   memory_weights=model_kind(self.cfg.model.kind).memory_mix,
