@@ -225,7 +225,8 @@ def test_a_text_read_as_bytes(tmp_path: Path) -> None:
 def test_the_encoded_ids_are_mapped_from_the_cache_on_a_later_start(
         tmp_path: Path, own_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The first start encodes and keeps the ids; the next, with the vocabulary a checkpoint
-    holds, maps them (no encoding) and gets the same splits. Another text is encoded anew."""
+    holds, maps them (no encoding) and gets the same splits. Other encoding rules, or another
+    text, are encoded anew."""
     data = bpe_data(text_file(tmp_path))
     first = load_corpus(data)
     vocab = first.tokenizer.tokens
@@ -239,6 +240,10 @@ def test_the_encoded_ids_are_mapped_from_the_cache_on_a_later_start(
     for name in ("train", "val"):
         assert torch.equal(again.splits[name].inputs, first.splits[name].inputs)
         assert again.splits[name].inputs.dtype == torch.uint16
+    with monkeypatch.context() as changed:  # rules of encoding other than the entry's
+        changed.setattr(bpe, "ENCODING", bpe.ENCODING + ", changed")
+        with pytest.raises(AssertionError, match="encoded again"):
+            load_corpus(data, vocab)
     (tmp_path / "text.txt").write_text(make_text(seed=1), encoding="utf-8")
     with pytest.raises(AssertionError, match="encoded again"):
         load_corpus(data, vocab)

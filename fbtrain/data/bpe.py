@@ -37,6 +37,10 @@ from fbtrain.data.errors import DataError
 # run (a file's NUL padding, blank lines, a long number) would all but stop learning. A
 # text of words has none this long, so its pieces are the same either way.
 MAX_WORD_BYTES = 256
+# How a text becomes ids besides its vocabulary: part of the name of every cached encoding
+# (id_cache.py), so that a change to these rules encodes a text anew instead of mapping ids
+# the rules would no longer give.
+ENCODING = f"byte-level GPT-2 words, cut every {MAX_WORD_BYTES} bytes"
 CHUNK_CHARS = 1 << 20  # characters of text per piece handed to the library (memory bound)
 _BATCH = 8  # chunks encoded per call (the library spreads a batch over its threads)
 

@@ -6,12 +6,13 @@ start on it would pay again: a resume, ``fbtrain eval``, another run on the same
 the first writes its ids (uint16 where the vocabulary allows, else int32; the training
 split's, then the validation split's) to ``<cache>/bpe-ids/<digest>.ids`` beside a record of
 the two lengths, named by a digest of everything the ids depend on: the text, the
-vocabulary and the split point. The next maps that file (``torch.from_file``, private: the
-pages are the file's until written, and nothing writes them) instead of encoding. The
-record also holds a SHA-256 of the ids, checked on every mapping (a small fraction of the
-encoding's time): an entry damaged in place, whose size still matches, would otherwise feed
-the run other tokens, or ids past the vocabulary. An entry that does not match its record
-is encoded again; a cache that cannot be written costs the speed-up, not the run.
+vocabulary, the split point and the encoder's own rules (``bpe.ENCODING``). The next maps
+that file (``torch.from_file``, private: the pages are the file's until written, and
+nothing writes them) instead of encoding. The record also holds a SHA-256 of the ids,
+checked on every mapping (a small fraction of the encoding's time): an entry damaged in
+place, whose size still matches, would otherwise feed the run other tokens, or ids past the
+vocabulary. An entry that does not match its record is encoded again; a cache that cannot
+be written costs the speed-up, not the run.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import IO
 import torch
 from torch import Tensor
 
+from fbtrain.data import bpe
 from fbtrain.io import atomic_write, atomic_write_text
 
 log = logging.getLogger(__name__)
@@ -36,11 +38,11 @@ _HASHED_CHARS = 1 << 20  # text hashed a part at a time (no whole UTF-8 copy)
 
 def ids_key(text: str, vocab: Sequence[str], n_train: int, dtype: torch.dtype) -> str:
     """The digest an entry is named by: the text, the vocabulary (its pieces in id order),
-    the split point and the ids' dtype."""
+    the split point, the ids' dtype and the encoder's rules."""
     digest = hashlib.sha256()
     for start in range(0, len(text), _HASHED_CHARS):
         digest.update(text[start:start + _HASHED_CHARS].encode("utf-8", "surrogatepass"))
-    digest.update(json.dumps([list(vocab), n_train, str(dtype)]).encode("utf-8"))
+    digest.update(json.dumps([list(vocab), n_train, str(dtype), bpe.ENCODING]).encode("utf-8"))
     return digest.hexdigest()[:32]
 
 
