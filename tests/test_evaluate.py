@@ -418,3 +418,39 @@ def test_cli_eval_user_mistakes_one_line_a_bug_its_traceback(
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 1 and isinstance(result.exception, ValueError)
     assert "error:" not in result.stderr
+
+
+def test_eval_refuses_a_data_path_that_now_reads_other_text(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run's relative data.path read from another folder (or its file edited since) is
+    other text: eval refuses to score it as the run's own split (the checkpoint records the
+    sha256 of the splits it trained on), naming the path and --data-path, which scores it
+    on purpose."""
+    from fbtrain.config import config_from_dict
+    from fbtrain.train import run
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    (tmp_path / "a" / "text.txt").write_text(make_text(700, seed=1), encoding="utf-8")
+    (tmp_path / "b" / "text.txt").write_text(make_text(700, seed=2), encoding="utf-8")
+    raw = {"run": {"name": "rel", "out_dir": str(tmp_path), "device": "cpu"},
+           "data": {"path": "text.txt"},
+           "model": {"kind": "feedback_kv", "d_model": 16, "n_heads": 2, "d_ff": 32,
+                     "n_layers": 1, "max_rel_pos": 16},
+           "train": {"max_steps": 2, "batch_size": 2, "eval_every": 2, "eval_windows": 2,
+                     "sample_every": 0},
+           "curriculum": [{"seq_len": 8}],
+           "logging": {"tensorboard": False, "progress": False}}
+    monkeypatch.chdir(tmp_path / "a")
+    run_dir = run(config_from_dict(raw), quiet=True)
+    own = evaluate.run(str(run_dir), device="cpu")
+    assert evaluate.run(str(run_dir), split="train", device="cpu")["tokens"] > own["tokens"]
+
+    monkeypatch.chdir(tmp_path / "b")
+    for split_name in ("val", "train"):
+        with pytest.raises(DataError, match=rf"^data\.path text\.txt holds other text than "
+                           rf"checkpoint .*best\.pt was trained on \(the sha256 of its "
+                           rf"{split_name} split differs.*pass it as --data-path$"):
+            evaluate.run(str(run_dir), split=split_name, device="cpu")
+    other = evaluate.run(str(run_dir), data_path="text.txt", device="cpu")
+    assert other["loss"] != own["loss"]
