@@ -226,6 +226,9 @@ def run(
     except TypeError as e:
         raise CheckpointError(f"{file}: bad data config: {e}") from None
     if data_path is not None:
+        if not str(data_path).strip():  # data.path '' would mean the dataset's download
+            raise ArgumentError(f"--data-path {str(data_path)!r}: empty; give a text file, or "
+                                "leave the flag out to score the run's own data")
         if data_cfg.dataset == "algorithmic":  # its programs are generated, never read
             raise ArgumentError(f"--data-path {data_path}: {file} was trained on generated "
                              "programs (data.dataset: algorithmic), which are not read from "

@@ -16,6 +16,7 @@ from fbtrain.checkpoint import CheckpointError
 from fbtrain.data.errors import DataError
 from fbtrain.data.streams import split
 from fbtrain.data.tokenizers import CharTokenizer
+from fbtrain.errors import ArgumentError
 from fbtrain.evaluate import evaluate_split, format_result, mean_loss
 from fbtrain.io import json_safe
 
@@ -454,3 +455,19 @@ def test_eval_refuses_a_data_path_that_now_reads_other_text(
             evaluate.run(str(run_dir), split=split_name, device="cpu")
     other = evaluate.run(str(run_dir), data_path="text.txt", device="cpu")
     assert other["loss"] != own["loss"]
+
+
+@pytest.mark.parametrize("empty", ["", "  "])
+def test_an_empty_data_path_is_refused_not_read_as_the_dataset(
+        run_dir: Path, empty: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--data-path ""`` (an unset shell variable) is refused: as data.path an empty
+    string means no file, so eval would score the dataset's download under its name."""
+    import fbtrain.data.corpus as corpus
+
+    def no_reading(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the data was read")
+
+    monkeypatch.setattr(corpus, "_read_corpus", no_reading)
+    with pytest.raises(ArgumentError, match=rf"^--data-path '{empty}': empty; give a text "
+                                            "file, or leave the flag out"):
+        evaluate.run(str(run_dir), data_path=empty, device="cpu")
