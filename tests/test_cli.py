@@ -149,6 +149,16 @@ def test_bad_set_exits_2():
     assert "error: --set 'train.max_steps': must look like section.key=value" in result.stderr
 
 
+@pytest.mark.parametrize("empty", ["''", "' '"])
+def test_an_empty_data_path_is_refused_not_read_as_no_file(empty: str):
+    """data.path '' is refused: an empty path read as none, and training went on with the
+    dataset's download (tinyshakespeare) instead of the file meant."""
+    result = invoke("train", "--config", TINY, "--set", f"data.path={empty}", "--print-config")
+    assert result.exit_code == 2 and result.stdout == ""
+    assert result.stderr == (f"error: {TINY} (with --set): data.path = {empty}: must name a "
+                             "file (null: the dataset's own data)\n")
+
+
 def test_bad_device_exits_2():
     result = invoke("train", "--config", TINY, "--device", "tpu")
     assert result.exit_code == 2
