@@ -313,3 +313,16 @@ def test_init_from_weights_that_hold_nan_is_refused_by_name(trained: Path,
         run(cfg, quiet=True)
     assert str(info.value) == (f"{damaged}: train.init_from's weights hold NaN or inf (in "
                                "head.bias); the checkpoint is damaged or its training diverged")
+
+
+def test_an_empty_out_is_refused_not_the_current_folder(
+        trained: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--out ""`` (an unset shell variable) is refused: Path("") is the current folder,
+    whose own config.json the export would replace."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "config.json").write_text('{"a project": "file"}')
+    result = CliRunner().invoke(app, ["export", "-c", str(trained), "--out", ""])
+    assert result.exit_code == 2 and result.stdout == ""
+    assert result.stderr == "error: --out '': empty; give the folder to export into\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json"]
+    assert (tmp_path / "config.json").read_text() == '{"a project": "file"}'
