@@ -549,3 +549,24 @@ def test_end_to_end(tmp_path: Path, text_file: Path):
         "(`make train`: runs/tiny_shakespeare)"]
     result = invoke("sample", "--checkpoint", str(tmp_path / "nowhere"))
     assert result.exit_code == 2 and result.stderr.startswith("error: ")
+
+
+@pytest.mark.parametrize("target", ["train", "quick"])
+@pytest.mark.parametrize("data", ["my text.txt", "it's here.txt"])
+def test_make_passes_data_as_one_word(tmp_path: Path, target: str, data: str):
+    """``make train DATA='my text.txt'`` hands fbtrain the path as one --set value; split at
+    the space it was refused as an extra argument ('did you mean --config text.txt?')."""
+    import shlex
+    import shutil
+
+    if shutil.which("make") is None:
+        pytest.skip("no make here")
+    venv = tmp_path / "venv"
+    venv.mkdir()
+    (venv / ".installed").touch()  # newer than pyproject.toml: install has nothing to do
+    proc = subprocess.run(["make", "--no-print-directory", "-n", target, f"VENV={venv}",
+                           f"DATA={data}"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    words = shlex.split(proc.stdout.replace("\\\n", " "))
+    assert words[-2:] == ["--set", f"data.path={data}"]
