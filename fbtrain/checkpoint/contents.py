@@ -218,5 +218,5 @@ def export_model(source: str | Path, out: str | Path) -> tuple[Path, list[Path]]
     model, tokenizer, payload = load_model(file)
     config = payload.get("config") if isinstance(payload.get("config"), dict) else {}
     written = write_export(Path(out), model.state_dict(), payload["model_config"], tokenizer,
-                           step=payload.get("step"), config=config)
+                           step=payload.get("step"), config=config, data=payload.get("data"))
     return file, written
