@@ -159,6 +159,20 @@ def test_an_empty_data_path_is_refused_not_read_as_no_file(empty: str):
                              "file (null: the dataset's own data)\n")
 
 
+@pytest.mark.parametrize("value", ["#1 notes.txt", "my #1.txt", "'my #1.txt'"])
+def test_a_hash_in_a_set_path_is_part_of_the_path(value: str):
+    """--set data.path='#1 notes.txt' is that file: YAML reads an unquoted # after a space
+    (or at the start) as a comment, so the path was cut to 'my', or to null: the download,
+    trained on in silence. Text fields keep the text written, as they keep run.name=007."""
+    result = invoke("train", "--config", TINY, "--set", f"data.path={value}",
+                    "--set", "train.max_steps=5 # a number's comment is still one",
+                    "--print-config")
+    assert result.exit_code == 0, result.output
+    printed = yaml.safe_load(result.stdout)
+    assert printed["data"]["path"] == value.strip("'")
+    assert printed["train"]["max_steps"] == 5
+
+
 def test_bad_device_exits_2():
     result = invoke("train", "--config", TINY, "--device", "tpu")
     assert result.exit_code == 2
