@@ -427,23 +427,16 @@ def test_eval_refuses_a_data_path_that_now_reads_other_text(
     other text: eval refuses to score it as the run's own split (the checkpoint records the
     sha256 of the splits it trained on), naming the path and --data-path, which scores it
     on purpose."""
-    from fbtrain.config import config_from_dict
+    from test_train import make_cfg
+
     from fbtrain.train import run
 
-    (tmp_path / "a").mkdir()
+    monkeypatch.chdir(tmp_path)  # make_cfg writes tmp_path/text.txt, read as text.txt
+    run_dir = run(make_cfg(tmp_path, data={"path": "text.txt"},
+                           train={"max_steps": 2, "eval_every": 2}), quiet=True)
     (tmp_path / "b").mkdir()
-    (tmp_path / "a" / "text.txt").write_text(make_text(700, seed=1), encoding="utf-8")
-    (tmp_path / "b" / "text.txt").write_text(make_text(700, seed=2), encoding="utf-8")
-    raw = {"run": {"name": "rel", "out_dir": str(tmp_path), "device": "cpu"},
-           "data": {"path": "text.txt"},
-           "model": {"kind": "feedback_kv", "d_model": 16, "n_heads": 2, "d_ff": 32,
-                     "n_layers": 1, "max_rel_pos": 16},
-           "train": {"max_steps": 2, "batch_size": 2, "eval_every": 2, "eval_windows": 2,
-                     "sample_every": 0},
-           "curriculum": [{"seq_len": 8}],
-           "logging": {"tensorboard": False, "progress": False}}
-    monkeypatch.chdir(tmp_path / "a")
-    run_dir = run(config_from_dict(raw), quiet=True)
+    reversed_text = (tmp_path / "text.txt").read_text(encoding="utf-8")[::-1]  # same vocab
+    (tmp_path / "b" / "text.txt").write_text(reversed_text, encoding="utf-8")
     own = evaluate.run(str(run_dir), device="cpu")
     assert evaluate.run(str(run_dir), split="train", device="cpu")["tokens"] > own["tokens"]
 
