@@ -19,6 +19,9 @@ TORCH ?= torch==2.13.0
 TORCH_INDEX ?=
 
 BIN := $(VENV)/bin
+# A value as one shell word, whatever it holds (DATA="my text.txt"): in '...', each ' as '\''.
+shell_word = '$(subst ','\'',$(1))'
+
 # Quiet: errors still print, the ~100 lines of progress and "already satisfied" do not.
 PIP := $(BIN)/python -m pip install -q --disable-pip-version-check
 STAMP := $(VENV)/.installed
@@ -53,7 +56,7 @@ $(DEV_STAMP): $(STAMP)
 
 # FBTRAIN_MAKE_TARGET: an interrupted run then says to run `make train` again to resume.
 train: install
-	FBTRAIN_MAKE_TARGET=train $(BIN)/fbtrain train --config $(CONFIG) --resume auto $(if $(DATA),--set data.path=$(DATA))
+	FBTRAIN_MAKE_TARGET=train $(BIN)/fbtrain train --config $(CONFIG) --resume auto $(if $(DATA),--set $(call shell_word,data.path=$(DATA)))
 
 # The tests whose numbers can move under torch's CPU dispatch (model, cores, training,
 # evaluation, sampling, a legacy checkpoint's resume): `make test` runs them
@@ -80,7 +83,7 @@ PYTEST := OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n $(JOBS) --dist worksteal
 # into runs/quick; it ends with a sample.
 quick: install
 	FBTRAIN_MAKE_TARGET=quick $(BIN)/fbtrain train --config configs/tiny_shakespeare.yaml --set train.max_steps=600 \
-	    --set run.name=quick --resume auto $(if $(DATA),--set data.path=$(DATA))
+	    --set run.name=quick --resume auto $(if $(DATA),--set $(call shell_word,data.path=$(DATA)))
 
 # Each pass ends with its 25 slowest tests (--durations) and, failing, says which it was.
 test: dev
@@ -111,7 +114,7 @@ gpu-check:
 	@py=$(BIN)/python; $$py -c 'import torch' 2>/dev/null || py=$(PY); \
 	$$py -c 'import torch' 2>/dev/null || { $(MAKE) dev && py=$(BIN)/python; }; \
 	echo "$$py scripts/gpu_check.py --require-cuda --out $(GPU_CHECK_DIR)"; \
-	$$py scripts/gpu_check.py --require-cuda --out $(GPU_CHECK_DIR) $(if $(DATA),--data $(DATA))
+	$$py scripts/gpu_check.py --require-cuda --out $(GPU_CHECK_DIR) $(if $(DATA),--data $(call shell_word,$(DATA)))
 
 # The peak device memory of one training step at each curriculum stage of $(CONFIG), on fake
 # CUDA (scripts/fakecuda: no GPU needed, a C++ compiler is; minutes a stage at gpu.yaml's

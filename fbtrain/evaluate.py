@@ -226,6 +226,9 @@ def run(
     except TypeError as e:
         raise CheckpointError(f"{file}: bad data config: {e}") from None
     if data_path is not None:
+        if not str(data_path).strip():  # data.path '' would mean the dataset's download
+            raise ArgumentError(f"--data-path {str(data_path)!r}: empty; give a text file, or "
+                                "leave the flag out to score the run's own data")
         if data_cfg.dataset == "algorithmic":  # its programs are generated, never read
             raise ArgumentError(f"--data-path {data_path}: {file} was trained on generated "
                              "programs (data.dataset: algorithmic), which are not read from "
@@ -254,6 +257,8 @@ def run(
         stream = corpus.stream(split)
     except ArgumentError as e:
         raise ArgumentError(f"{e} ({where})") from None
+    if data_path is None:
+        _check_trained_split(file, payload.get("data"), split, stream, where)
     if precision is None:
         precision = saved_precision(payload)
     try:
@@ -282,6 +287,25 @@ def run(
         chars, scored = covered
         result.update(loss_figures(result["loss"], chars / scored), characters=chars)
     return {**result, "split": split, "checkpoint": str(file), "step": payload.get("step")}
+
+
+def _check_trained_split(file: Any, identity: Any, split: str, stream: Stream,
+                         where: str) -> None:
+    """DataError when the split read now is not the one checkpoint ``file`` recorded (its
+    ``data`` entry holds the sha256 of the train and val splits it trained on): a relative
+    data.path read from another folder, or a file edited since, would be scored as the
+    run's own split. A checkpoint without the digest (format v1, an export) is not checked."""
+    from fbtrain.data.errors import DataError
+    from fbtrain.data.identity import split_sha256
+
+    digests = identity.get("sha256") if isinstance(identity, dict) else None
+    if not isinstance(digests, dict) or split not in digests:
+        return
+    if digests[split] != split_sha256(stream):
+        raise DataError(f"{where} holds other text than checkpoint {file} was trained on "
+                        f"(the sha256 of its {split} split differs: a relative path read "
+                        "from another folder, or a file changed since); to score this text "
+                        "anyway, pass it as --data-path")
 
 
 def _last_seq_len(curriculum: Any) -> int | None:

@@ -22,13 +22,17 @@ from torch import nn
 from fbtrain.config import RunConfig
 from fbtrain.config.schema import PRECISIONS
 from fbtrain.device import autocast, matmul_precision
+from fbtrain.errors import ArgumentError
 from fbtrain.rng import preserve_rng
 
 
 @contextlib.contextmanager
 def inference(model: nn.Module, precision: str, device: torch.device | str) -> Iterator[None]:
     """Run the block as inference of ``model`` on ``device`` at ``precision`` (``auto``,
-    ``fp32``, ``bf16`` or ``fp16``, as ``run.precision``); restores the model's mode."""
+    ``fp32``, ``bf16`` or ``fp16``, as ``run.precision``); restores the model's mode.
+    Any other ``precision`` is an ArgumentError (autocast would read it as fp16)."""
+    if precision not in PRECISIONS:
+        raise ArgumentError(f"precision = {precision!r}: must be one of {', '.join(PRECISIONS)}")
     device = torch.device(device)
     was_training = model.training
     model.eval()

@@ -149,6 +149,30 @@ def test_bad_set_exits_2():
     assert "error: --set 'train.max_steps': must look like section.key=value" in result.stderr
 
 
+@pytest.mark.parametrize("empty", ["''", "' '"])
+def test_an_empty_data_path_is_refused_not_read_as_no_file(empty: str):
+    """data.path '' is refused: an empty path read as none, and training went on with the
+    dataset's download (tinyshakespeare) instead of the file meant."""
+    result = invoke("train", "--config", TINY, "--set", f"data.path={empty}", "--print-config")
+    assert result.exit_code == 2 and result.stdout == ""
+    assert result.stderr == (f"error: {TINY} (with --set): data.path = {empty}: must name a "
+                             "file (null: the dataset's own data)\n")
+
+
+@pytest.mark.parametrize("value", ["#1 notes.txt", "my #1.txt", "'my #1.txt'"])
+def test_a_hash_in_a_set_path_is_part_of_the_path(value: str):
+    """--set data.path='#1 notes.txt' is that file: YAML reads an unquoted # after a space
+    (or at the start) as a comment, so the path was cut to 'my', or to null: the download,
+    trained on in silence. Text fields keep the text written, as they keep run.name=007."""
+    result = invoke("train", "--config", TINY, "--set", f"data.path={value}",
+                    "--set", "train.max_steps=5 # a number's comment is still one",
+                    "--print-config")
+    assert result.exit_code == 0, result.output
+    printed = yaml.safe_load(result.stdout)
+    assert printed["data"]["path"] == value.strip("'")
+    assert printed["train"]["max_steps"] == 5
+
+
 def test_bad_device_exits_2():
     result = invoke("train", "--config", TINY, "--device", "tpu")
     assert result.exit_code == 2
@@ -539,3 +563,24 @@ def test_end_to_end(tmp_path: Path, text_file: Path):
         "(`make train`: runs/tiny_shakespeare)"]
     result = invoke("sample", "--checkpoint", str(tmp_path / "nowhere"))
     assert result.exit_code == 2 and result.stderr.startswith("error: ")
+
+
+@pytest.mark.parametrize("target", ["train", "quick"])
+@pytest.mark.parametrize("data", ["my text.txt", "it's here.txt"])
+def test_make_passes_data_as_one_word(tmp_path: Path, target: str, data: str):
+    """``make train DATA='my text.txt'`` hands fbtrain the path as one --set value; split at
+    the space it was refused as an extra argument ('did you mean --config text.txt?')."""
+    import shlex
+    import shutil
+
+    if shutil.which("make") is None:
+        pytest.skip("no make here")
+    venv = tmp_path / "venv"
+    venv.mkdir()
+    (venv / ".installed").touch()  # newer than pyproject.toml: install has nothing to do
+    proc = subprocess.run(["make", "--no-print-directory", "-n", target, f"VENV={venv}",
+                           f"DATA={data}"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    words = shlex.split(proc.stdout.replace("\\\n", " "))
+    assert words[-2:] == ["--set", f"data.path={data}"]

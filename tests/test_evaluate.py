@@ -16,6 +16,7 @@ from fbtrain.checkpoint import CheckpointError
 from fbtrain.data.errors import DataError
 from fbtrain.data.streams import split
 from fbtrain.data.tokenizers import CharTokenizer
+from fbtrain.errors import ArgumentError
 from fbtrain.evaluate import evaluate_split, format_result, mean_loss
 from fbtrain.io import json_safe
 
@@ -418,3 +419,48 @@ def test_cli_eval_user_mistakes_one_line_a_bug_its_traceback(
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 1 and isinstance(result.exception, ValueError)
     assert "error:" not in result.stderr
+
+
+def test_eval_refuses_a_data_path_that_now_reads_other_text(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run's relative data.path read from another folder (or its file edited since) is
+    other text: eval refuses to score it as the run's own split (the checkpoint records the
+    sha256 of the splits it trained on), naming the path and --data-path, which scores it
+    on purpose."""
+    from test_train import make_cfg
+
+    from fbtrain.train import run
+
+    monkeypatch.chdir(tmp_path)  # make_cfg writes tmp_path/text.txt, read as text.txt
+    run_dir = run(make_cfg(tmp_path, data={"path": "text.txt"},
+                           train={"max_steps": 2, "eval_every": 2}), quiet=True)
+    (tmp_path / "b").mkdir()
+    reversed_text = (tmp_path / "text.txt").read_text(encoding="utf-8")[::-1]  # same vocab
+    (tmp_path / "b" / "text.txt").write_text(reversed_text, encoding="utf-8")
+    own = evaluate.run(str(run_dir), device="cpu")
+    assert evaluate.run(str(run_dir), split="train", device="cpu")["tokens"] > own["tokens"]
+
+    monkeypatch.chdir(tmp_path / "b")
+    for split_name in ("val", "train"):
+        with pytest.raises(DataError, match=rf"^data\.path text\.txt holds other text than "
+                           rf"checkpoint .*best\.pt was trained on \(the sha256 of its "
+                           rf"{split_name} split differs.*pass it as --data-path$"):
+            evaluate.run(str(run_dir), split=split_name, device="cpu")
+    other = evaluate.run(str(run_dir), data_path="text.txt", device="cpu")
+    assert other["loss"] != own["loss"]
+
+
+@pytest.mark.parametrize("empty", ["", "  "])
+def test_an_empty_data_path_is_refused_not_read_as_the_dataset(
+        run_dir: Path, empty: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--data-path ""`` (an unset shell variable) is refused: as data.path an empty
+    string means no file, so eval would score the dataset's download under its name."""
+    import fbtrain.data.corpus as corpus
+
+    def no_reading(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the data was read")
+
+    monkeypatch.setattr(corpus, "_read_corpus", no_reading)
+    with pytest.raises(ArgumentError, match=rf"^--data-path '{empty}': empty; give a text "
+                                            "file, or leave the flag out"):
+        evaluate.run(str(run_dir), data_path=empty, device="cpu")

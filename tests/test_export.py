@@ -313,3 +313,38 @@ def test_init_from_weights_that_hold_nan_is_refused_by_name(trained: Path,
         run(cfg, quiet=True)
     assert str(info.value) == (f"{damaged}: train.init_from's weights hold NaN or inf (in "
                                "head.bias); the checkpoint is damaged or its training diverged")
+
+
+def test_an_empty_out_is_refused_not_the_current_folder(
+        trained: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--out ""`` (an unset shell variable) is refused: Path("") is the current folder,
+    whose own config.json the export would replace."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "config.json").write_text('{"a project": "file"}')
+    result = CliRunner().invoke(app, ["export", "-c", str(trained), "--out", ""])
+    assert result.exit_code == 2 and result.stdout == ""
+    assert result.stderr == "error: --out '': empty; give the folder to export into\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json"]
+    assert (tmp_path / "config.json").read_text() == '{"a project": "file"}'
+
+
+def test_eval_of_an_export_checks_the_data_as_of_the_run(tmp_path: Path) -> None:
+    """An export carries the sha256 of the splits its run trained on, so eval of the export
+    refuses a data.path that now holds other text (an edited file; a relative path read from
+    another folder), as eval of the run does, instead of scoring it as the run's split."""
+    from fbtrain.data.errors import DataError
+
+    trained_here = run(make_cfg(tmp_path, train={"max_steps": 1, "eval_every": 1}), quiet=True)
+    out = tmp_path / "exported"
+    export_model(trained_here, out)
+    again = tmp_path / "again"
+    export_model(out, again)  # an export of an export keeps it too
+    before = [evaluate.run(str(p), device="cpu")["loss"] for p in (trained_here, out, again)]
+    assert before[0] == before[1] == before[2]
+    text = tmp_path / "text.txt"
+    text.write_text(text.read_text(encoding="utf-8")[::-1], encoding="utf-8")
+    for source in (trained_here, out, again):
+        with pytest.raises(DataError, match=r"holds other text than checkpoint .* was trained "
+                                            r"on \(the sha256 of its val split differs"):
+            evaluate.run(str(source), device="cpu")
+    assert evaluate.run(str(out), data_path=str(text), device="cpu")["loss"] != before[1]

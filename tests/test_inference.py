@@ -135,3 +135,20 @@ def test_window_scores_leaves_the_context_to_its_caller() -> None:
     spy.seen.clear()
     mean_loss(spy, TOKENS, TOKENS, batch_size=2)  # mean_loss: through inference()
     assert spy.seen == [(False, False, True)] and spy.training
+
+
+@pytest.mark.parametrize("precision", ["float32", "fp64", "FP32", ""])
+def test_a_precision_that_is_none_of_the_choices_is_refused(precision: str) -> None:
+    """A misspelt precision from Python (generate, evaluate.run, sample.run) is refused,
+    not run as fp16 autocast and reported under the name it was given."""
+    from fbtrain.data.tokenizers import CharTokenizer
+    from fbtrain.errors import ArgumentError
+    from fbtrain.evaluate import evaluate_split
+    from fbtrain.sample import generate
+
+    model = tiny_model()
+    with pytest.raises(ArgumentError, match=rf"^precision = '{precision}': must be one of "
+                                            "auto, fp32, bf16, fp16$"):
+        generate(model, CharTokenizer(VOCAB), VOCAB[0], 2, precision=precision)
+    with pytest.raises(ArgumentError, match="must be one of auto, fp32, bf16, fp16"):
+        evaluate_split(model, torch.arange(10) % len(VOCAB), 4, 2, precision=precision)

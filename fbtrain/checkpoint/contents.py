@@ -212,9 +212,11 @@ def export_model(source: str | Path, out: str | Path) -> tuple[Path, list[Path]]
 
     The checkpoint is checked as ``load_model`` checks it (weights that fit the config,
     finite), so an export always loads. Returns the file read and the files written."""
+    if not str(out).strip():  # Path("") is the current folder: its config.json replaced
+        raise ArgumentError(f"--out {str(out)!r}: empty; give the folder to export into")
     file = resolve_model(source)
     model, tokenizer, payload = load_model(file)
     config = payload.get("config") if isinstance(payload.get("config"), dict) else {}
     written = write_export(Path(out), model.state_dict(), payload["model_config"], tokenizer,
-                           step=payload.get("step"), config=config)
+                           step=payload.get("step"), config=config, data=payload.get("data"))
     return file, written

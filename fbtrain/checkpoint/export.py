@@ -7,8 +7,9 @@
     vocab.json          the vocabulary, as in a run directory
 
 The safetensors header's metadata also holds where the weights came from
-(``fbtrain.step``) and the run's training config (``fbtrain.config``, JSON), so that
-``fbtrain eval`` finds the data and the sequence length as it does for a run. This module
+(``fbtrain.step``), the run's training config (``fbtrain.config``, JSON) and the sha256 of
+the splits it trained on (``fbtrain.data``, JSON), so that ``fbtrain eval`` finds the data
+and the sequence length, and checks the data, as it does for a run. This module
 reads and writes the folder; :func:`fbtrain.checkpoint.contents.load_model` checks what it
 read, as for a checkpoint.
 
@@ -70,7 +71,7 @@ def export_folder(path: str | Path) -> Path | None:
 
 def write_export(out: Path, state: dict[str, torch.Tensor], model_config: dict[str, Any],
                  tokenizer: Tokenizer, *, step: Any = None,
-                 config: dict[str, Any] | None = None) -> list[Path]:
+                 config: dict[str, Any] | None = None, data: Any = None) -> list[Path]:
     """Write the three files into ``out`` (created if needed) as one set (see the module's
     docstring), removing temp files a killed export left there first.
 
@@ -90,6 +91,7 @@ def write_export(out: Path, state: dict[str, torch.Tensor], model_config: dict[s
     tensors = {name: t.detach().to("cpu").contiguous().clone() for name, t in state.items()}
     metadata = {"format": "pt", "fbtrain.step": json.dumps(step),
                 "fbtrain.config": json.dumps(config or {}),
+                "fbtrain.data": json.dumps(data),
                 FILES_KEY: json.dumps({CONFIG_FILE: _sha256(config_bytes),
                                        VOCAB_FILE: _sha256(vocab_bytes)})}
     contents = {WEIGHTS_FILE: save(tensors, metadata), CONFIG_FILE: config_bytes,
@@ -158,7 +160,7 @@ def _sha256(data: bytes) -> str:
 
 def read_export(folder: str | Path) -> dict[str, Any]:
     """An exported folder as a checkpoint-shaped dict (``model``, ``model_config``,
-    ``vocab``, ``tokenizer``, ``config``, ``step``): what ``load_model`` checks and uses.
+    ``vocab``, ``tokenizer``, ``config``, ``step``, ``data``): what ``load_model`` checks and uses.
 
     Every problem is a one-line :class:`CheckpointError` naming the file."""
     from safetensors import SafetensorError, safe_open
@@ -183,6 +185,7 @@ def read_export(folder: str | Path) -> dict[str, Any]:
     try:
         step = json.loads(metadata.get("fbtrain.step", "null"))
         config = json.loads(metadata.get("fbtrain.config", "{}"))
+        data = json.loads(metadata.get("fbtrain.data", "null"))
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{weights}: bad fbtrain metadata ({e})") from None
     _check_set(folder, metadata)
@@ -191,7 +194,7 @@ def read_export(folder: str | Path) -> dict[str, Any]:
     except DataError as e:
         raise CheckpointError(str(e)) from None
     return {"model": state, "model_config": model_config, "vocab": list(tokenizer.tokens),
-            "tokenizer": tokenizer.kind, "config": config, "step": step}
+            "tokenizer": tokenizer.kind, "config": config, "step": step, "data": data}
 
 
 def _check_set(folder: Path, metadata: dict[str, str]) -> None:

@@ -292,14 +292,23 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
         if not isinstance(section, dict):
             problems.append(f"--set {show(item)}: {parts[0]} is not a section")
             continue
-        if (_is_text_field(parts[0], parts[1])
-                and isinstance(value, (int, float, datetime.date))):
-            # run.name=007 stays "007" (not the integer 7), 2024-06-01 too (not a date).
+        if _is_text_field(parts[0], parts[1]) and (
+                isinstance(value, (int, float, datetime.date)) or _cut_at_a_hash(text)):
+            # run.name=007 stays "007" (not the integer 7), 2024-06-01 too (not a date);
+            # data.path='#1 notes.txt' too (YAML: a comment, so null: the download).
             value = text.strip()
         section[parts[1]] = value
     if problems:
         raise ConfigError(problems)
     return raw
+
+
+def _cut_at_a_hash(text: str) -> bool:
+    """Whether YAML reads part of the unquoted ``text`` as a comment (a ``#`` at its start
+    or after a space), which the value written did not mean."""
+    plain = text.strip()
+    return not plain.startswith(("'", '"')) and (plain.startswith("#") or " #" in plain
+                                                  or "\t#" in plain)
 
 
 def _is_text_field(section: str, key: str) -> bool:

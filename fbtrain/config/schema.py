@@ -132,6 +132,8 @@ class DataConfig(Section):
         if isinstance(shortest, int) and isinstance(longest, int) and shortest > longest:
             out.append(("train_min_program_len", shortest,
                         f"must be at most data.program_len ({longest})"))
+        if isinstance(self.path, str) and not self.path.strip():  # read as no file at all
+            out.append(("path", self.path, "must name a file (null: the dataset's own data)"))
         known = (*DOWNLOADED, "algorithmic")
         if self.url is None and self.path is None and self.dataset not in known:
             out.append(("dataset", self.dataset, f"has no usual address: use one of "
