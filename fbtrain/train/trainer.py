@@ -306,15 +306,21 @@ class Trainer:
     def _catch_up_evaluation(self, signals: StopSignals) -> None:
         """The evaluation (and sample) of the step resumed from, which a stop cut short:
         logged at that step as the uninterrupted run would have, before training on; a new
-        best is saved as best.pt, and last.pt is saved with the figure."""
+        best is saved as best.pt, and last.pt is saved with the figure. A stop now stops
+        here, before a step is trained: one cut short again is caught up by the next resume
+        (a step trained past it would lose its figure for good)."""
         step = self.state.step
         self.logger.info(f"step {step}: its evaluation was cut short by the stop; "
                          "evaluating it now")
-        # Stopped again, it is cut short again: the loop's first step saves and stops.
-        improved, _ = self.evaluator.at_step({}, signals, evaluated=True)
+        improved, cut = self.evaluator.at_step({}, signals, evaluated=True)
         if self.state.val_step == step:  # evaluated now (rank 0): saved with its figure,
             # step-N.pt too where the stop's own save wrote one
             self._save(numbered=step % self.cfg.checkpoint.every == 0, best=improved)
+        received = signals.received
+        if received is not None and not self.ctx.enabled:  # under DDP: at the next step
+            raise TrainingError(report.interrupted_line(
+                step, received, self.manager.last_path,
+                final=step >= self.cfg.train.max_steps, cut=cut), signal_exit_code(received))
 
     # ------------------------------------------------------------------ checkpoints
 
