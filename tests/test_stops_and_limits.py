@@ -9,6 +9,7 @@ rank of two gloo processes.
 from __future__ import annotations
 
 import errno
+import json
 import re
 import resource
 import signal
@@ -331,6 +332,43 @@ def test_running_out_of_memory_anywhere_else_is_one_line_and_exit_2(
     assert result.stderr.startswith("error: out of memory (it asked for 1.0 MiB): " + limit)
     assert result.stderr.endswith("; give the process more memory, or ask for less\n")
     assert len(result.stderr.splitlines()) == 1
+
+
+def test_an_evaluation_that_runs_out_of_memory_saves_the_step_first(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The evaluation after step 2 runs out of memory (its windows are scored 64 at a time,
+    more than a step may hold): one line naming the evaluation and train.eval_windows,
+    exit 2, and step 2 saved and logged first. It used to be lost: the step's save comes
+    after its evaluation."""
+    import fbtrain.train.evaluations as evaluations
+
+    real_scores = evaluations.window_scores
+    calls: list[int] = []
+
+    def window_scores(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 2:  # step 0's, then step 2's
+            raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. "
+                               "DefaultCPUAllocator: can't allocate memory: you tried to "
+                               "allocate 1048576 bytes.")
+        return real_scores(*args, **kwargs)
+
+    monkeypatch.setattr(evaluations, "window_scores", window_scores)
+    config = tmp_path / "cfg.yaml"
+    config.write_text(yaml.safe_dump(make_raw(tmp_path, train={"max_steps": 6, "eval_every": 2},
+                                              checkpoint={"every": 6})))
+    result = CliRunner().invoke(app, ["train", "--config", str(config), "--quiet"])
+    assert result.exit_code == 2, result.output
+    last = tmp_path / "runs" / "run" / "checkpoints" / "last.pt"
+    assert result.stderr.startswith("error: out of memory at step 2 evaluating 8 validation "
+                                    "windows of ")
+    assert result.stderr.endswith(f"the step was saved first ({last}); lower "
+                                  "train.eval_windows (the windows scored at once are at "
+                                  "most 64) and resume with --resume auto\n")
+    assert len(result.stderr.splitlines()) == 1
+    assert load_checkpoint(last)["step"] == 2
+    logged = [json.loads(line) for line in (last.parent.parent / "metrics.jsonl").open()]
+    assert logged[-1]["step"] == 2 and "loss" in logged[-1]
 
 
 def test_a_sample_that_runs_out_of_memory_says_so_and_is_not_drawn_again(

@@ -54,8 +54,8 @@ from fbtrain.metrics.console import Console, StatusLine
 from fbtrain.metrics.logger import MetricsLogger, text_block
 from fbtrain.metrics.tensorboard import SUBRUNS, hparams_of
 from fbtrain.rundir import ResumeChoice, RunDirectory
-from fbtrain.train.evaluations import Evaluator
-from fbtrain.train.oom import is_allocation_failure, out_of_memory, setting_up
+from fbtrain.train.evaluations import EVAL_BATCH, Evaluator
+from fbtrain.train.oom import evaluating, is_allocation_failure, out_of_memory, setting_up
 from fbtrain.train.pace import Clock, Pace
 from fbtrain.train.setup import (
     RunParts,
@@ -282,10 +282,17 @@ class Trainer:
         if self.on_step is not None:
             self.on_step(step)
         evaluated = step % cfg.train.eval_every == 0 or final
-        improved, cut = self.evaluator.at_step(record, signals, evaluated)
+        every = step % cfg.checkpoint.every == 0
+        try:
+            improved, cut = self.evaluator.at_step(record, signals, evaluated)
+        except (MemoryError, RuntimeError, SystemError, OSError) as e:
+            if not is_allocation_failure(e):
+                raise
+            # The trained step is kept, as for a log that cannot be written: saved first.
+            self._save(numbered=every or final, best=False)
+            raise evaluating(e, self.parts, step, self.manager.last_path, EVAL_BATCH) from None
         # Under DDP the stop the ranks agreed on at the step; alone, any signal so far.
         stop = result.stop if self.ctx.enabled else signals.received
-        every = step % cfg.checkpoint.every == 0
         # A log file that could not be written stops the run, but the step is saved first.
         failed = self.logger.failure is not None
         if every or final or improved or stop is not None or failed:
