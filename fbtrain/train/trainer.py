@@ -187,7 +187,7 @@ class Trainer:
         # or from another run's checkpoint): all, an earlier start's that saved nothing.
         new_run = self.parts.segment.new_run
         self.logger.truncate_after(-1 if new_run else self.state.step)
-        if resume_path is None:
+        if new_run:  # fresh, or from another run's checkpoint: this directory's first start
             self.logger.start_run(hparams_of(self.cfg, self.ctx.world_size),
                                   memory_weights=model_kind(self.cfg.model.kind).memory_mix,
                                   labelled=self.parts.data.labelled)
