@@ -338,8 +338,9 @@ def test_an_evaluation_that_runs_out_of_memory_saves_the_step_first(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The evaluation after step 2 runs out of memory (its windows are scored 64 at a time,
     more than a step may hold): one line naming the evaluation and train.eval_windows,
-    exit 2, and step 2 saved and logged first. It used to be lost: the step's save comes
-    after its evaluation."""
+    exit 2, and step 2 saved and logged first; so does the resume's evaluation of step 2.
+    The step used to be lost (its save comes after its evaluation), and the lines said
+    nothing of the evaluation."""
     import fbtrain.train.evaluations as evaluations
 
     real_scores = evaluations.window_scores
@@ -362,13 +363,21 @@ def test_an_evaluation_that_runs_out_of_memory_saves_the_step_first(
     last = tmp_path / "runs" / "run" / "checkpoints" / "last.pt"
     assert result.stderr.startswith("error: out of memory at step 2 evaluating 8 validation "
                                     "windows of ")
-    assert result.stderr.endswith(f"the step was saved first ({last}); lower "
-                                  "train.eval_windows (the windows scored at once are at "
-                                  "most 64) and resume with --resume auto\n")
+    fix = (f"step 2 is saved ({last}); lower train.eval_windows (the windows scored at "
+           "once are at most 64) and resume with --resume auto\n")
+    assert result.stderr.endswith(fix)
     assert len(result.stderr.splitlines()) == 1
     assert load_checkpoint(last)["step"] == 2
     logged = [json.loads(line) for line in (last.parent.parent / "metrics.jsonl").open()]
     assert logged[-1]["step"] == 2 and "loss" in logged[-1]
+    # The resume evaluates step 2 first: out of memory again, the same line, nothing lost.
+    calls.clear()
+    calls.append(1)  # its first evaluation is the second call
+    result = CliRunner().invoke(app, ["train", "--config", str(config), "--quiet",
+                                      "--resume", "auto"])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.startswith("error: out of memory at step 2 evaluating ")
+    assert result.stderr.endswith(fix) and load_checkpoint(last)["step"] == 2
 
 
 def test_a_sample_that_runs_out_of_memory_says_so_and_is_not_drawn_again(

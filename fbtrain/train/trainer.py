@@ -283,14 +283,7 @@ class Trainer:
             self.on_step(step)
         evaluated = step % cfg.train.eval_every == 0 or final
         every = step % cfg.checkpoint.every == 0
-        try:
-            improved, cut = self.evaluator.at_step(record, signals, evaluated)
-        except (MemoryError, RuntimeError, SystemError, OSError) as e:
-            if not is_allocation_failure(e):
-                raise
-            # The trained step is kept, as for a log that cannot be written: saved first.
-            self._save(numbered=every or final, best=False)
-            raise evaluating(e, self.parts, step, self.manager.last_path, EVAL_BATCH) from None
+        improved, cut = self._evaluate(record, signals, evaluated, save=every or final)
         # Under DDP the stop the ranks agreed on at the step; alone, any signal so far.
         stop = result.stop if self.ctx.enabled else signals.received
         # A log file that could not be written stops the run, but the step is saved first.
@@ -319,7 +312,7 @@ class Trainer:
         step = self.state.step
         self.logger.info(f"step {step}: its evaluation was cut short by the stop; "
                          "evaluating it now")
-        improved, cut = self.evaluator.at_step({}, signals, evaluated=True)
+        improved, cut = self._evaluate({}, signals, True, save=None)
         if self.state.val_step == step:  # evaluated now (rank 0): saved with its figure,
             # step-N.pt too where the stop's own save wrote one
             self._save(numbered=step % self.cfg.checkpoint.every == 0, best=improved)
@@ -328,6 +321,21 @@ class Trainer:
             raise TrainingError(report.interrupted_line(
                 step, received, self.manager.last_path,
                 final=step >= self.cfg.train.max_steps, cut=cut), signal_exit_code(received))
+
+    def _evaluate(self, record: dict[str, Any], signals: StopSignals, evaluated: bool,
+                  save: bool | None) -> tuple[bool, str]:
+        """:meth:`Evaluator.at_step`; one that runs out of memory stops the run with a line
+        naming the evaluation, the step saved first (a numbered checkpoint where ``save``;
+        None: the checkpoint resumed from holds it), as for a log that cannot be written."""
+        try:
+            return self.evaluator.at_step(record, signals, evaluated)
+        except (MemoryError, RuntimeError, SystemError, OSError) as e:
+            if not is_allocation_failure(e):
+                raise
+            if save is not None:
+                self._save(numbered=save, best=False)
+            raise evaluating(e, self.parts, self.state.step, self.manager.last_path,
+                             EVAL_BATCH) from None
 
     # ------------------------------------------------------------------ checkpoints
 
