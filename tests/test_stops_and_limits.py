@@ -380,6 +380,30 @@ def test_an_evaluation_that_runs_out_of_memory_saves_the_step_first(
     assert result.stderr.endswith(fix) and load_checkpoint(last)["step"] == 2
 
 
+def test_the_untrained_evaluation_that_runs_out_of_memory_names_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Step 0's evaluation, the first every run makes, out of memory: the line names the
+    evaluation and train.eval_windows (it said only 'give the process more memory, or ask
+    for less'), and that nothing was trained."""
+    import fbtrain.train.evaluations as evaluations
+
+    def window_scores(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: "
+                           "can't allocate memory: you tried to allocate 1048576 bytes.")
+
+    monkeypatch.setattr(evaluations, "window_scores", window_scores)
+    config = tmp_path / "cfg.yaml"
+    config.write_text(yaml.safe_dump(make_raw(tmp_path, train={"eval_windows": 100})))
+    result = CliRunner().invoke(app, ["train", "--config", str(config), "--quiet"])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.startswith("error: out of memory at step 0 evaluating ")
+    assert re.search(r"validation windows of 16 tokens, \d+ at a time \(train.eval_windows = 100\)",
+                     result.stderr), result.stderr
+    assert result.stderr.endswith("; nothing was trained yet; lower train.eval_windows (the "
+                                  "windows scored at once are at most 64)\n")
+    assert len(result.stderr.splitlines()) == 1
+
+
 def test_a_sample_that_runs_out_of_memory_says_so_and_is_not_drawn_again(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str]) -> None:

@@ -79,15 +79,17 @@ def out_of_memory(run: RunParts, index: int) -> OutOfMemory:
 def evaluating(error: BaseException, run: RunParts, step: int, saved: Path,
                batch: int) -> OutOfMemory:
     """The error for the evaluation of step ``step`` running out of memory (``error``: the
-    allocation that failed), the step saved as ``saved`` (before the line, or when the run
-    was resumed from it); ``batch``: the validation windows scored at once (at most)."""
+    allocation that failed): the step is saved as ``saved`` (before the line, or when the
+    run was resumed from it), or nothing was trained yet; ``batch``: the validation
+    windows scored at once (at most)."""
     windows, length = run.data.val_x.shape
     doing = (f"at step {step} evaluating {windows:,} validation windows of {length:,} tokens, "
              f"{min(batch, windows):,} at a time (train.eval_windows = "
              f"{run.cfg.train.eval_windows})")
-    return OutOfMemory(allocation_failed(
-        error, doing, f"step {step} is saved ({saved}); lower train.eval_windows (the "
-        f"windows scored at once are at most {batch}) and resume with --resume auto"))
+    fewer = f"lower train.eval_windows (the windows scored at once are at most {batch})"
+    fix = (f"step {step} is saved ({saved}); {fewer} and resume with --resume auto"
+           if saved.is_file() else f"nothing was trained yet; {fewer}")
+    return OutOfMemory(allocation_failed(error, doing, fix))
 
 
 def setting_up(error: BaseException) -> OutOfMemory:

@@ -38,7 +38,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -70,6 +70,7 @@ from fbtrain.train.signals import StopSignals
 from fbtrain.train.step import StepResult, TrainingError, train_step
 from fbtrain.train.step_graph import graphs_requested, step_function
 
+T = TypeVar("T")
 StepHook = Callable[[int], None]  # called with the step number after each step's training
 
 
@@ -238,7 +239,7 @@ class Trainer:
                              f"and train.max_steps is {max_steps}")
         prev_seq_len = plan.seq_len_at(max(0, progress.step - 1)) if progress.step else None
         if progress.step == 0 and max_steps > 0:
-            self.evaluator.untrained(signals)
+            self._evaluate(lambda: self.evaluator.untrained(signals), save=None)
         elif self.evaluator.missed():
             self._catch_up_evaluation(signals)
         self.logger.raise_failure()  # a log file that cannot be written: before training on
@@ -283,7 +284,8 @@ class Trainer:
             self.on_step(step)
         evaluated = step % cfg.train.eval_every == 0 or final
         every = step % cfg.checkpoint.every == 0
-        improved, cut = self._evaluate(record, signals, evaluated, save=every or final)
+        improved, cut = self._evaluate(lambda: self.evaluator.at_step(record, signals, evaluated),
+                                       save=every or final)
         # Under DDP the stop the ranks agreed on at the step; alone, any signal so far.
         stop = result.stop if self.ctx.enabled else signals.received
         # A log file that could not be written stops the run, but the step is saved first.
@@ -312,7 +314,8 @@ class Trainer:
         step = self.state.step
         self.logger.info(f"step {step}: its evaluation was cut short by the stop; "
                          "evaluating it now")
-        improved, cut = self._evaluate({}, signals, True, save=None)
+        improved, cut = self._evaluate(lambda: self.evaluator.at_step({}, signals, True),
+                                       save=None)
         if self.state.val_step == step:  # evaluated now (rank 0): saved with its figure,
             # step-N.pt too where the stop's own save wrote one
             self._save(numbered=step % self.cfg.checkpoint.every == 0, best=improved)
@@ -322,13 +325,13 @@ class Trainer:
                 step, received, self.manager.last_path,
                 final=step >= self.cfg.train.max_steps, cut=cut), signal_exit_code(received))
 
-    def _evaluate(self, record: dict[str, Any], signals: StopSignals, evaluated: bool,
-                  save: bool | None) -> tuple[bool, str]:
-        """:meth:`Evaluator.at_step`; one that runs out of memory stops the run with a line
-        naming the evaluation, the step saved first (a numbered checkpoint where ``save``;
-        None: the checkpoint resumed from holds it), as for a log that cannot be written."""
+    def _evaluate(self, evaluation: Callable[[], T], save: bool | None) -> T:
+        """``evaluation()`` (the :class:`Evaluator`'s); one that runs out of memory stops the
+        run with a line naming the evaluation, the step saved first (a numbered checkpoint
+        where ``save``; None: nothing to save, the step is the checkpoint resumed from or
+        step 0), as for a log that cannot be written."""
         try:
-            return self.evaluator.at_step(record, signals, evaluated)
+            return evaluation()
         except (MemoryError, RuntimeError, SystemError, OSError) as e:
             if not is_allocation_failure(e):
                 raise
