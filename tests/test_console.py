@@ -143,6 +143,29 @@ def test_terminal_run_at_80_columns(tmp_path: Path) -> None:
     assert not [ln for ln in shown if re.match(r"step \d+/6 \|", ln)]
 
 
+@pytest.mark.parametrize("columns", [0, 1])
+def test_a_terminal_of_unknown_width_still_shows_the_status_line(
+        monkeypatch: pytest.MonkeyPatch, columns: int) -> None:
+    """A pseudo-terminal nobody sized reports 0 columns (1 is no better): the status line
+    is the 80-column one. tqdm, given its width less one, drew nothing at all there (or
+    its own line, with no loss)."""
+    from fbtrain.metrics.console import Console
+
+    class UnsizedTTY(FakeTTY):
+        def fileno(self) -> int:
+            return 1
+
+    monkeypatch.setattr(os, "get_terminal_size",
+                        lambda fd=None: os.terminal_size((columns, 0)))
+    fake = UnsizedTTY()
+    monkeypatch.setattr(sys, "stdout", fake)
+    console = Console(total_steps=4)
+    console.progress(2, {"loss": 2.5, "lr": 1e-3, "tokens_per_sec": 999.0}, 30.0)
+    console.finish()
+    shown = [part for part in fake.getvalue().split("\r") if part.strip()][-1]
+    assert shown.startswith("step 2/4 50% | loss 2.5000 | 999 tok/s | eta 00:30 | lr "), shown
+
+
 # ----------------------------------------------------------------- eval, sample, download
 
 

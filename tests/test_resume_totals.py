@@ -73,6 +73,44 @@ def test_a_stop_on_an_evaluation_step_still_logs_that_validation_point(tmp_path,
         assert_same_tensors(want["model"], got["model"])
 
 
+@pytest.mark.parametrize("max_steps", [4, 2], ids=["mid-run", "last-step"])
+def test_a_stop_during_the_catch_up_evaluation_stops_before_training_on(
+        tmp_path, monkeypatch, own_sigint, max_steps):
+    """Ctrl-C again while the resume evaluates step 2 (cut short by the first stop): the
+    run stops there, exit 130, and the next resume evaluates step 2 after all. It used to
+    train step 3 before stopping (step 2's figure then lost for good), and, step 2 being
+    the last, exit 0 closing with the untrained model's validation loss."""
+    import fbtrain.train.evaluations as evaluations
+
+    train = {"max_steps": max_steps, "eval_every": 2, "schedule": "constant"}
+    straight = run(config_from_dict(make_raw(tmp_path, "straight", train=train)), quiet=True)
+    raw = make_raw(tmp_path, "stopped", train=train)
+    with pytest.raises(TrainingError, match="interrupted at step 2"):
+        run(config_from_dict(raw), quiet=True, on_step=_stop_at(2))
+    real_scores = evaluations.window_scores
+
+    def scores_then_sigint(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGINT)  # lands in the evaluation: cuts it short
+        return real_scores(*args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(evaluations, "window_scores", scores_then_sigint)
+        with pytest.raises(TrainingError, match=r"^interrupted at step 2 \(SIGINT\)") as stop:
+            run(config_from_dict(raw), resume="auto", quiet=True)
+    assert stop.value.exit_code == 130
+    stopped = tmp_path / "runs" / "stopped"
+    assert load_checkpoint(stopped / "checkpoints" / "last.pt")["step"] == 2
+    assert max(r["step"] for r in records(stopped)) == 2  # no step trained after the stop
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # the stopped run ignores it
+    run(config_from_dict(raw), resume="auto", quiet=True)
+
+    def validation(run_dir: Path) -> dict[int, float]:
+        return {r["step"]: r["val/loss"] for r in records(run_dir) if "val/loss" in r}
+
+    assert validation(stopped) == validation(straight)
+    assert sorted(validation(stopped)) == sorted({0, 2, max_steps})
+
+
 def test_a_resumed_run_closes_with_the_runs_totals(tmp_path, capsys, own_sigint):
     """The closing line of a resumed run: every token of the run, the training time of
     both segments, and this segment's rate, labelled; the checkpoint counts segments."""

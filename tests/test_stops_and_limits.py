@@ -9,6 +9,7 @@ rank of two gloo processes.
 from __future__ import annotations
 
 import errno
+import json
 import re
 import resource
 import signal
@@ -330,6 +331,76 @@ def test_running_out_of_memory_anywhere_else_is_one_line_and_exit_2(
              else "this process's address-space limit")
     assert result.stderr.startswith("error: out of memory (it asked for 1.0 MiB): " + limit)
     assert result.stderr.endswith("; give the process more memory, or ask for less\n")
+    assert len(result.stderr.splitlines()) == 1
+
+
+def test_an_evaluation_that_runs_out_of_memory_saves_the_step_first(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The evaluation after step 2 runs out of memory (its windows are scored 64 at a time,
+    more than a step may hold): one line naming the evaluation and train.eval_windows,
+    exit 2, and step 2 saved and logged first; so does the resume's evaluation of step 2.
+    The step used to be lost (its save comes after its evaluation), and the lines said
+    nothing of the evaluation."""
+    import fbtrain.train.evaluations as evaluations
+
+    real_scores = evaluations.window_scores
+    calls: list[int] = []
+
+    def window_scores(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 2:  # step 0's, then step 2's
+            raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. "
+                               "DefaultCPUAllocator: can't allocate memory: you tried to "
+                               "allocate 1048576 bytes.")
+        return real_scores(*args, **kwargs)
+
+    monkeypatch.setattr(evaluations, "window_scores", window_scores)
+    config = tmp_path / "cfg.yaml"
+    config.write_text(yaml.safe_dump(make_raw(tmp_path, train={"max_steps": 6, "eval_every": 2},
+                                              checkpoint={"every": 6})))
+    result = CliRunner().invoke(app, ["train", "--config", str(config), "--quiet"])
+    assert result.exit_code == 2, result.output
+    last = tmp_path / "runs" / "run" / "checkpoints" / "last.pt"
+    assert result.stderr.startswith("error: out of memory at step 2 evaluating 8 validation "
+                                    "windows of ")
+    fix = (f"step 2 is saved ({last}); lower train.eval_windows (the windows scored at "
+           "once are at most 64) and resume with --resume auto\n")
+    assert result.stderr.endswith(fix)
+    assert len(result.stderr.splitlines()) == 1
+    assert load_checkpoint(last)["step"] == 2
+    logged = [json.loads(line) for line in (last.parent.parent / "metrics.jsonl").open()]
+    assert logged[-1]["step"] == 2 and "loss" in logged[-1]
+    # The resume evaluates step 2 first: out of memory again, the same line, nothing lost.
+    calls.clear()
+    calls.append(1)  # its first evaluation is the second call
+    result = CliRunner().invoke(app, ["train", "--config", str(config), "--quiet",
+                                      "--resume", "auto"])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.startswith("error: out of memory at step 2 evaluating ")
+    assert result.stderr.endswith(fix) and load_checkpoint(last)["step"] == 2
+
+
+def test_the_untrained_evaluation_that_runs_out_of_memory_names_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Step 0's evaluation, the first every run makes, out of memory: the line names the
+    evaluation and train.eval_windows (it said only 'give the process more memory, or ask
+    for less'), and that nothing was trained."""
+    import fbtrain.train.evaluations as evaluations
+
+    def window_scores(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: "
+                           "can't allocate memory: you tried to allocate 1048576 bytes.")
+
+    monkeypatch.setattr(evaluations, "window_scores", window_scores)
+    config = tmp_path / "cfg.yaml"
+    config.write_text(yaml.safe_dump(make_raw(tmp_path, train={"eval_windows": 100})))
+    result = CliRunner().invoke(app, ["train", "--config", str(config), "--quiet"])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.startswith("error: out of memory at step 0 evaluating ")
+    assert re.search(r"validation windows of 16 tokens, \d+ at a time \(train.eval_windows = 100\)",
+                     result.stderr), result.stderr
+    assert result.stderr.endswith("; nothing was trained yet; lower train.eval_windows (the "
+                                  "windows scored at once are at most 64)\n")
     assert len(result.stderr.splitlines()) == 1
 
 

@@ -305,6 +305,29 @@ def test_tensorboard_layout_read_back(tmp_path: Path) -> None:
     assert any(d.HasField("session_end_info") for d in data.values())
 
 
+def test_a_new_run_from_another_runs_checkpoint_has_its_tensorboard_layout(
+        tmp_path: Path) -> None:
+    """--resume of another run's checkpoint into a new run directory starts a new run: its
+    events hold the Custom Scalars layout and the HParams experiment and session start,
+    as a fresh run's do. It had only a session end (so HParams left it out), no layout."""
+    from tensorboard.backend.event_processing.plugin_event_multiplexer import EventMultiplexer
+    from tensorboard.plugins.hparams import plugin_data_pb2
+
+    first = run(make_cfg(tmp_path, name="first", train={"max_steps": 2, "eval_every": 2},
+                         logging={"tensorboard": True}), quiet=True)
+    run(make_cfg(tmp_path, name="second", train={"max_steps": 3, "eval_every": 2},
+                 logging={"tensorboard": True}),
+        resume=str(first / "checkpoints" / "last.pt"), quiet=True)
+    mux = EventMultiplexer()
+    mux.AddRunsFromDirectory(str(tmp_path / "runs" / "second"))
+    mux.Reload()
+    assert "custom_scalars__config__" in mux.PluginRunToTagToContent("custom_scalars")["."]
+    content = mux.PluginRunToTagToContent("hparams")["."]
+    data = [plugin_data_pb2.HParamsPluginData.FromString(v) for v in content.values()]
+    kinds = {d.WhichOneof("data") for d in data}
+    assert kinds == {"experiment", "session_start_info", "session_end_info"}, kinds
+
+
 def test_fresh_start_drops_old_event_files(tmp_path: Path) -> None:
     """A run killed before its first checkpoint leaves events; a fresh start over it drops
     them from the run directory and from both sub-runs, so no stale curve remains."""

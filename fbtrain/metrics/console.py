@@ -50,16 +50,31 @@ class StatusBar(tqdm):
         self.n = step
         self.refresh()
 
+    def display(self, msg: str | None = None, pos: int | None = None) -> bool:
+        self._unsized()  # tqdm checks the rows before it draws
+        return super().display(msg, pos)
+
+    def _unsized(self) -> None:
+        """A terminal nobody sized (a bare pty) says 0 x 0, which tqdm reads as -1 x -1
+        (it keeps a column and a row free) and then draws nothing, or its own line: taken
+        as a terminal of unknown size instead (80 columns)."""
+        if (self.ncols or 0) < 1:
+            self.ncols = None
+        if (self.nrows or 0) < 1:
+            self.nrows = None
+
     @property
     def format_dict(self) -> dict[str, Any]:
         """tqdm's figures, with our rate (so ``{remaining}`` is the honest ETA) and our
         line as the format: everything but ``{remaining}`` written out."""
         d = super().format_dict
         d["rate"] = self._step_rate
+        self._unsized()
+        d["ncols"] = self.ncols
         total = self.total or 0
         eta = (self.format_interval(max(0, total - self.n) / self._step_rate)
                if total and self._step_rate else None)
-        line = status_line(self.n, total, self._postfix_items, eta, d.get("ncols") or 80)
+        line = status_line(self.n, total, self._postfix_items, eta, self.ncols or 80)
         line = line.replace("{", "{{").replace("}", "}}")
         if eta is not None:
             line = line.replace(f"| eta {eta}", "| eta {remaining}", 1)

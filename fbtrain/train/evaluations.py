@@ -85,8 +85,9 @@ class Evaluator:
             doing = ""
         except StopRequested:
             pass
-        if record:  # the training figures of a step whose evaluation was cut short
-            self.logger.log(step, record)
+        finally:  # the training figures of a step whose evaluation was cut short (or failed)
+            if record:
+                self.logger.log(step, record)
         return improved, doing
 
     def evaluate(self, record: dict[str, Any], signals: StopSignals,

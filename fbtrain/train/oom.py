@@ -10,6 +10,7 @@ own report is a traceback ending in ``DefaultCPUAllocator: can't allocate memory
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -23,7 +24,7 @@ if TYPE_CHECKING:
     from fbtrain.config import Config
     from fbtrain.train.setup import RunParts
 
-__all__ = ["OutOfMemory", "is_allocation_failure", "out_of_memory", "setting_up"]
+__all__ = ["OutOfMemory", "evaluating", "is_allocation_failure", "out_of_memory", "setting_up"]
 
 
 def device_limit(device: torch.device) -> MemoryLimit | None:
@@ -73,6 +74,22 @@ def out_of_memory(run: RunParts, index: int) -> OutOfMemory:
                 "keeps the tokens per step")
     return OutOfMemory(f"{what}, but {limit.holder} {format_bytes(limit.size)}{limit.how}: "
                        f"lower train.batch_size{hint}")
+
+
+def evaluating(error: BaseException, run: RunParts, step: int, saved: Path,
+               batch: int) -> OutOfMemory:
+    """The error for the evaluation of step ``step`` running out of memory (``error``: the
+    allocation that failed): the step is saved as ``saved`` (before the line, or when the
+    run was resumed from it), or nothing was trained yet; ``batch``: the validation
+    windows scored at once (at most)."""
+    windows, length = run.data.val_x.shape
+    doing = (f"at step {step} evaluating {windows:,} validation windows of {length:,} tokens, "
+             f"{min(batch, windows):,} at a time (train.eval_windows = "
+             f"{run.cfg.train.eval_windows})")
+    fewer = f"lower train.eval_windows (the windows scored at once are at most {batch})"
+    fix = (f"step {step} is saved ({saved}); {fewer} and resume with --resume auto"
+           if saved.is_file() else f"nothing was trained yet; {fewer}")
+    return OutOfMemory(allocation_failed(error, doing, fix))
 
 
 def setting_up(error: BaseException) -> OutOfMemory:

@@ -38,7 +38,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -54,8 +54,8 @@ from fbtrain.metrics.console import Console, StatusLine
 from fbtrain.metrics.logger import MetricsLogger, text_block
 from fbtrain.metrics.tensorboard import SUBRUNS, hparams_of
 from fbtrain.rundir import ResumeChoice, RunDirectory
-from fbtrain.train.evaluations import Evaluator
-from fbtrain.train.oom import is_allocation_failure, out_of_memory, setting_up
+from fbtrain.train.evaluations import EVAL_BATCH, Evaluator
+from fbtrain.train.oom import evaluating, is_allocation_failure, out_of_memory, setting_up
 from fbtrain.train.pace import Clock, Pace
 from fbtrain.train.setup import (
     RunParts,
@@ -70,6 +70,7 @@ from fbtrain.train.signals import StopSignals
 from fbtrain.train.step import StepResult, TrainingError, train_step
 from fbtrain.train.step_graph import graphs_requested, step_function
 
+T = TypeVar("T")
 StepHook = Callable[[int], None]  # called with the step number after each step's training
 
 
@@ -187,7 +188,7 @@ class Trainer:
         # or from another run's checkpoint): all, an earlier start's that saved nothing.
         new_run = self.parts.segment.new_run
         self.logger.truncate_after(-1 if new_run else self.state.step)
-        if resume_path is None:
+        if new_run:  # fresh, or from another run's checkpoint: this directory's first start
             self.logger.start_run(hparams_of(self.cfg, self.ctx.world_size),
                                   memory_weights=model_kind(self.cfg.model.kind).memory_mix,
                                   labelled=self.parts.data.labelled)
@@ -238,7 +239,7 @@ class Trainer:
                              f"and train.max_steps is {max_steps}")
         prev_seq_len = plan.seq_len_at(max(0, progress.step - 1)) if progress.step else None
         if progress.step == 0 and max_steps > 0:
-            self.evaluator.untrained(signals)
+            self._evaluate(lambda: self.evaluator.untrained(signals), save=None)
         elif self.evaluator.missed():
             self._catch_up_evaluation(signals)
         self.logger.raise_failure()  # a log file that cannot be written: before training on
@@ -282,10 +283,11 @@ class Trainer:
         if self.on_step is not None:
             self.on_step(step)
         evaluated = step % cfg.train.eval_every == 0 or final
-        improved, cut = self.evaluator.at_step(record, signals, evaluated)
+        every = step % cfg.checkpoint.every == 0
+        improved, cut = self._evaluate(lambda: self.evaluator.at_step(record, signals, evaluated),
+                                       save=every or final)
         # Under DDP the stop the ranks agreed on at the step; alone, any signal so far.
         stop = result.stop if self.ctx.enabled else signals.received
-        every = step % cfg.checkpoint.every == 0
         # A log file that could not be written stops the run, but the step is saved first.
         failed = self.logger.failure is not None
         if every or final or improved or stop is not None or failed:
@@ -306,15 +308,37 @@ class Trainer:
     def _catch_up_evaluation(self, signals: StopSignals) -> None:
         """The evaluation (and sample) of the step resumed from, which a stop cut short:
         logged at that step as the uninterrupted run would have, before training on; a new
-        best is saved as best.pt, and last.pt is saved with the figure."""
+        best is saved as best.pt, and last.pt is saved with the figure. A stop now stops
+        here, before a step is trained: one cut short again is caught up by the next resume
+        (a step trained past it would lose its figure for good)."""
         step = self.state.step
         self.logger.info(f"step {step}: its evaluation was cut short by the stop; "
                          "evaluating it now")
-        # Stopped again, it is cut short again: the loop's first step saves and stops.
-        improved, _ = self.evaluator.at_step({}, signals, evaluated=True)
+        improved, cut = self._evaluate(lambda: self.evaluator.at_step({}, signals, True),
+                                       save=None)
         if self.state.val_step == step:  # evaluated now (rank 0): saved with its figure,
             # step-N.pt too where the stop's own save wrote one
             self._save(numbered=step % self.cfg.checkpoint.every == 0, best=improved)
+        received = signals.received
+        if received is not None and not self.ctx.enabled:  # under DDP: at the next step
+            raise TrainingError(report.interrupted_line(
+                step, received, self.manager.last_path,
+                final=step >= self.cfg.train.max_steps, cut=cut), signal_exit_code(received))
+
+    def _evaluate(self, evaluation: Callable[[], T], save: bool | None) -> T:
+        """``evaluation()`` (the :class:`Evaluator`'s); one that runs out of memory stops the
+        run with a line naming the evaluation, the step saved first (a numbered checkpoint
+        where ``save``; None: nothing to save, the step is the checkpoint resumed from or
+        step 0), as for a log that cannot be written."""
+        try:
+            return evaluation()
+        except (MemoryError, RuntimeError, SystemError, OSError) as e:
+            if not is_allocation_failure(e):
+                raise
+            if save is not None:
+                self._save(numbered=save, best=False)
+            raise evaluating(e, self.parts, self.state.step, self.manager.last_path,
+                             EVAL_BATCH) from None
 
     # ------------------------------------------------------------------ checkpoints
 
