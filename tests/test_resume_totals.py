@@ -192,7 +192,11 @@ def test_following_the_interrupt_line_resumes_on_the_same_data(tmp_path, monkeyp
     dry = subprocess.run([*shlex.split(hint.group(1)), "-n", "VENV=/nonexistent/venv"],
                          cwd=root, capture_output=True, text=True, timeout=30)
     assert dry.returncode == 0, dry.stderr
-    assert f"--set data.path={data}" in dry.stdout and "--resume auto" in dry.stdout
+    lines = dry.stdout.replace("\\\n", " ").splitlines()  # the recipe's continued lines joined
+    [command] = [shlex.split(line) for line in lines if "fbtrain train" in line]
+    assert f"data.path={data}" in command and "--resume" in command, dry.stdout
+    assert command[command.index(f"data.path={data}") - 1] == "--set"
+    assert command[command.index("--resume") + 1] == "auto"
 
 
 def test_a_failed_download_under_make_names_the_make_target(tmp_path):

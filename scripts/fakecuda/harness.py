@@ -293,6 +293,22 @@ def _tensors(tree: Any, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
             yield from _tensors(value, f"{prefix}[{i}]")
 
 
+@contextlib.contextmanager
+def for_real(module: Any, name: str) -> Iterator[None]:
+    """Within: ``module.name`` (a function) runs on real tensors, fake mode or not."""
+    function = getattr(module, name)
+
+    def real(*args: Any, **kwargs: Any) -> Any:
+        with real_tensors():
+            return function(*args, **kwargs)
+
+    setattr(module, name, real)
+    try:
+        yield
+    finally:
+        setattr(module, name, function)
+
+
 def seams(mode: FakeCudaMode, checkpoints: Checkpoints) -> Any:
     """The trainer's Seams for fake CUDA (see the module's docstring)."""
     from fbtrain.train import data as train_data

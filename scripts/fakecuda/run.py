@@ -99,10 +99,14 @@ def real_run(args: argparse.Namespace, tmp: Path) -> Path:
 
 def evaluate(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     from fbtrain import evaluate as evaluation
+    from fbtrain.data import corpus, identity
 
     run_dir = real_run(args, tmp)
     syncs = harness.HostSyncs()
-    with harness.fake_cuda(), syncs:
+    # The text is read, tokenized and checked against the run's digest for real, on the
+    # CPU, as the trainer's data seam does (evaluate imports both when it runs).
+    with harness.for_real(corpus, "load_corpus"), harness.for_real(identity, "split_sha256"), \
+            harness.fake_cuda(), syncs:
         result = evaluation.run(str(run_dir), device="cuda", batch_size=2)
     return report(syncs, tokens=result["tokens"])
 
