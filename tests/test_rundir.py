@@ -416,6 +416,24 @@ def test_resume_auto_skips_a_truncated_last_pt_and_a_damaged_step(
     assert load_checkpoint(last)["step"] == 4
 
 
+@pytest.mark.parametrize("resume", ["", "  "])
+def test_an_empty_resume_is_refused_not_read_as_the_working_folder(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, resume: str) -> None:
+    """--resume "$UNSET" from inside another run's folder would resume that run's checkpoint
+    into this one (an empty path is the working folder)."""
+    raw, ckpts = _trained(tmp_path)
+    monkeypatch.chdir(ckpts.parent)
+    raw["run"]["name"] = "other"
+    (tmp_path / "cfg.yaml").write_text(__import__("yaml").safe_dump(raw))
+    result = CliRunner().invoke(app, ["train", "--config", str(tmp_path / "cfg.yaml"),
+                                      "--resume", resume])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.splitlines() == [
+        f"error: --resume {resume!r}: empty; give auto, a run directory or a checkpoint file "
+        "(or leave --resume out to start afresh)"]
+    assert not (Path(raw["run"]["out_dir"]) / "other" / "checkpoints").exists()
+
+
 def test_resume_auto_refuses_when_no_checkpoint_loads(tmp_path: Path) -> None:
     raw, ckpts = _trained(tmp_path)
     for p in ckpts.iterdir():

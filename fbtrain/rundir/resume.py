@@ -112,6 +112,9 @@ def choose_resume(resume: str | None, manager: CheckpointManager) -> ResumeChoic
     run directory, refused when it belongs to another run and this directory holds
     checkpoints of its own. Call as the directory's owner.
     """
+    if resume is not None and not resume.strip():  # an unset shell variable: not "."
+        raise ConfigError([f"--resume {resume!r}: empty; give auto, a run directory or a "
+                           "checkpoint file (or leave --resume out to start afresh)"])
     run_dir = manager.run_dir
     held = survey(manager)
     if resume is None:
