@@ -870,6 +870,15 @@ def test_warm_start_from_transformer(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert "layers.0-1.{attn.key.weight, attn.value.weight, attn.value.bias}" in out
 
 
+def test_init_from_under_home_is_read_there(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    source = run(make_cfg(tmp_path, "base", train={"max_steps": 2}), quiet=True)
+    monkeypatch.setenv("HOME", str(source.parent))
+    run(make_cfg(tmp_path, "warm", train={"max_steps": 1, "init_from": f"~/{source.name}"}))
+    assert f"warm start from {source / 'checkpoints' / 'best.pt'}: loaded" in \
+        capsys.readouterr().out
+
+
 def test_summarize_names() -> None:
     names = ["embed.weight", "layers.0.ln1.weight", "layers.1.ln1.weight", "layers.0.attn.r",
              "layers.1.attn.r", "layers.3.attn.r", "head.bias"]

@@ -47,7 +47,8 @@ def check_warm_start(source: str, model_cfg: ModelConfig) -> tuple[Path, dict[st
     """The ``train.init_from`` checkpoint ``source`` (a file, a run directory or an export:
     only the weights are needed), loaded: it must hold a model whose weights are finite and
     have the shapes ``model_cfg`` makes (the kind may differ, on purpose)."""
-    path = resolve_model(source, prefer="best")
+    # ~ is the home folder, as in data.path and run.out_dir (a config has no shell to expand it)
+    path = resolve_model(Path(source).expanduser(), prefer="best")
     init = read_export(path) if is_export(path) else read_checkpoint(path)
     if not (isinstance(init.get("model"), dict) and isinstance(init.get("vocab"), list)
             and isinstance(init.get("model_config"), dict)):
