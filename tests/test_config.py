@@ -181,6 +181,9 @@ def test_set_float_without_dot():
         ("=3", r"must look like section.key=value"),
         ("max_steps=3", r"key must be section.key \(or curriculum\)"),
         ("train.lr.x=3", r"key must be section.key"),
+        (".max_steps=3", r"key must be section.key \(or curriculum\); did you mean "
+                         r"train.max_steps=3\?"),
+        ("train.=3", r"key must be section.key"),
         ("train.lr=[1, 2", r"--set 'train.lr=\[1, 2': value '\[1, 2' is not valid YAML"),
     ],
 )

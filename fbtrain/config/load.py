@@ -282,8 +282,9 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
         if parts == ["curriculum"]:
             raw["curriculum"] = value
             continue
-        if len(parts) != 2:
-            meant = closest_keys(parts[-1]) if len(parts) == 1 else []
+        named = [part for part in parts if part.strip()]  # ".max_steps": no section named
+        if len(parts) != 2 or len(named) != 2:
+            meant = closest_keys(named[-1]) if len(named) == 1 else []
             hint = f"; did you mean {' or '.join(f'{k}={text}' for k in meant)}?" if meant else ""
             problems.append(f"--set {show(item)}: key must be section.key (or curriculum)"
                             f"{hint}")
