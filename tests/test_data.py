@@ -607,6 +607,14 @@ def test_split_too_short() -> None:
         split(torch.arange(10), 0.1)
 
 
+def test_a_text_too_short_to_split_is_named(tmp_path: Path) -> None:
+    path = tmp_path / "short.txt"
+    path.write_text("abcdefghij", encoding="utf-8")
+    with pytest.raises(DataError, match=rf"^data.path {re.escape(str(path))}: text too short "
+                                        r"to split: 10 tokens"):
+        load_corpus(DataConfig(path=str(path)))
+
+
 # ----------------------------------------------------------------------------- batches
 
 

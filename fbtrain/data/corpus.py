@@ -30,7 +30,7 @@ from fbtrain.config import DataConfig
 from fbtrain.config.limits import allocation_failed, is_allocation_failure
 from fbtrain.data import algorithmic, archives
 from fbtrain.data.bpe import chunks
-from fbtrain.data.errors import DataError, VocabularyError
+from fbtrain.data.errors import DataError, TooShortToSplit, VocabularyError
 from fbtrain.data.fetch import cache_dir
 from fbtrain.data.id_cache import cached_ids, ids_key
 from fbtrain.data.sources import SOURCES
@@ -88,15 +88,16 @@ def load_corpus(data_cfg: DataConfig, vocab: Sequence[str] | None = None, *,
     first). Raises DataError when the data does not fit ``vocab``, or this process's
     memory (an allocation that failed while reading or tokenizing it).
     """
+    where = (f"data.path {Path(data_cfg.path).expanduser()}" if data_cfg.path
+             else f"dataset {data_cfg.dataset}")
     try:
         return _read_corpus(data_cfg, vocab, any_text)
+    except TooShortToSplit as e:
+        raise DataError(f"{where}: {e}") from None
     except (MemoryError, RuntimeError, SystemError) as e:
         if not is_allocation_failure(e):
             raise
-        if data_cfg.path:
-            where, fix = f"data.path {Path(data_cfg.path).expanduser()}", "use a smaller file"
-        else:
-            where, fix = f"dataset {data_cfg.dataset}", "give the process more memory"
+        fix = "use a smaller file" if data_cfg.path else "give the process more memory"
         raise DataError(f"{where}: {allocation_failed(e, 'reading and tokenizing it', fix)}"
                         ) from None
 

@@ -14,6 +14,11 @@ class DataError(UserError):
     """A user-facing data problem; the message is one line naming the file/URL and the fix."""
 
 
+class TooShortToSplit(DataError):
+    """Too few tokens for a training and a validation split; the corpus loader names the
+    file or dataset (the splitting code never sees it)."""
+
+
 class VocabularyError(DataError):
     """The data does not fit a given vocabulary (tokens it lacks, or too many for byte ids),
     or the vocabulary given is none (entries its tokenizer cannot read): the one data problem

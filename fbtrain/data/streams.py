@@ -14,7 +14,7 @@ from typing import NamedTuple
 import torch
 
 from fbtrain.config import MAX_VAL_FRACTION
-from fbtrain.data.errors import DataError
+from fbtrain.data.errors import DataError, TooShortToSplit
 
 IGNORE_INDEX = -100  # a target position that no loss or metric counts (F.cross_entropy's default)
 
@@ -74,9 +74,9 @@ def split(ids: torch.Tensor, val_fraction: float) -> tuple[torch.Tensor, torch.T
 
 
 def check_split(n_train: int, n_val: int, val_fraction: float, unit: str = "tokens") -> None:
-    """DataError unless both splits hold at least 2 tokens (one prediction)."""
+    """TooShortToSplit unless both splits hold at least 2 tokens (one prediction)."""
     if n_train < 2 or n_val < 2:
-        raise DataError(
+        raise TooShortToSplit(
             f"text too short to split: {n_train + n_val} {unit} with data.val_fraction = "
             f"{val_fraction} gives {n_train} train / {n_val} validation; each needs at least 2"
         )
