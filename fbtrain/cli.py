@@ -63,10 +63,19 @@ class Precision(str, Enum):  # run.precision's choices (config.schema.PRECISIONS
     fp16 = "fp16"
 
 
+def _device_named(value: str | None) -> str | None:
+    """--device's callback: an empty value (an unset shell variable) is refused, not taken
+    as the default."""
+    if value is not None and not value.strip():
+        raise typer.BadParameter("empty; give auto, cpu, cuda or cuda:N (or leave --device "
+                                 "out)")
+    return value
+
+
 DeviceOption = Annotated[
     str | None,
     typer.Option(
-        "--device", metavar="auto|cpu|cuda|cuda:N",
+        "--device", metavar="auto|cpu|cuda|cuda:N", callback=_device_named,
         help="Where to run: auto (CUDA when available, else CPU), cpu, cuda or cuda:N.",
         show_default=False,
     ),

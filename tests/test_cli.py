@@ -584,3 +584,13 @@ def test_make_passes_data_as_one_word(tmp_path: Path, target: str, data: str):
     assert proc.returncode == 0, proc.stderr
     words = shlex.split(proc.stdout.replace("\\\n", " "))
     assert words[-2:] == ["--set", f"data.path={data}"]
+
+
+@pytest.mark.parametrize("command", [["train"], ["sample", "--checkpoint", "runs/x"],
+                                     ["eval", "--checkpoint", "runs/x"]])
+def test_an_empty_device_is_refused_not_taken_as_auto(command: list[str]):
+    result = invoke(*command, "--device", " ")
+    assert result.exit_code == 2
+    assert error_lines(result) == [f"error: fbtrain {command[0]}: invalid value for '--device': "
+                                   "empty; give auto, cpu, cuda or cuda:N (or leave --device "
+                                   "out)"]
