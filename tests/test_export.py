@@ -54,6 +54,8 @@ def test_export_then_sample_and_eval_as_from_the_run(trained: Path, tmp_path: Pa
         trained / "checkpoints" / "best.pt").stat().st_size / 2
     # The same text for the same seed, from the run and from the export.
     assert _sample(out) == _sample(trained)
+    # Any file of the export names it (config.json or vocab.json is no checkpoint of its own).
+    assert _sample(out / "config.json") == _sample(out / "vocab.json") == _sample(trained)
     from_run = evaluate.run(str(trained), device="cpu")
     from_export = evaluate.run(str(out), device="cpu")
     assert from_export["loss"] == from_run["loss"] and from_export["step"] == from_run["step"]

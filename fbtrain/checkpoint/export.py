@@ -61,10 +61,11 @@ def is_export(path: str | Path) -> bool:
 
 
 def export_folder(path: str | Path) -> Path | None:
-    """The exported model's folder ``path`` names: the folder itself or its weights file
-    (``exports/ts/model.safetensors``); None when it names no export."""
+    """The exported model's folder ``path`` names: the folder itself or one of its files
+    (``exports/ts/model.safetensors``, its ``config.json`` or ``vocab.json``); None when it
+    names no export."""
     path = Path(path)
-    if path.name == WEIGHTS_FILE and path.is_file() and is_export(path.parent):
+    if path.name in EXPORT_FILES and path.is_file() and is_export(path.parent):
         return path.parent
     return path if is_export(path) else None
 
