@@ -22,6 +22,7 @@ from fbtrain.checkpoint.contents import export_model
 from fbtrain.checkpoint.export import write_export
 from fbtrain.cli import app
 from fbtrain.config import ModelConfig
+from fbtrain.device import DeviceError
 from fbtrain.distributed import session
 from fbtrain.models import build_model
 from fbtrain.rundir import RunDirectory
@@ -350,3 +351,13 @@ def test_eval_of_an_export_checks_the_data_as_of_the_run(tmp_path: Path) -> None
                                             r"on \(the sha256 of its val split differs"):
             evaluate.run(str(source), device="cpu")
     assert evaluate.run(str(out), data_path=str(text), device="cpu")["loss"] != before[1]
+
+
+def test_load_model_names_a_device_this_machine_lacks(trained: Path) -> None:
+    """From Python as from the commands: "cuda" without CUDA is one line, "auto" a device."""
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(DeviceError, match="device 'cuda': CUDA is not available"):
+        load_model(trained, device="cuda")
+    model, _, _ = load_model(trained, device="auto")
+    assert next(model.parameters()).device.type == "cpu"

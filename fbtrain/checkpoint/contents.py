@@ -36,6 +36,7 @@ from fbtrain.checkpoint.state import (
 from fbtrain.config import ModelConfig
 from fbtrain.data.errors import DataError
 from fbtrain.data.tokenizers import make_tokenizer
+from fbtrain.device import resolve_device
 from fbtrain.errors import ArgumentError
 from fbtrain.models import build_model
 
@@ -159,8 +160,11 @@ def load_model(
     weights (built on ``device``: its initial weights are never made on the host only to
     be copied over) and put in eval mode; the tokenizer is the saved
     vocabulary's (``payload["tokenizer"]``: char, the default, or word). Anything missing
-    or not matching (keys, shapes, config fields) is a one-line :class:`CheckpointError`.
+    or not matching (keys, shapes, config fields) is a one-line :class:`CheckpointError`; a
+    device name this machine lacks (``"cuda"`` without CUDA), a one-line DeviceError.
     """
+    if isinstance(device, str):  # "auto" too, as the commands take it
+        device = resolve_device(device)
     file = resolve_model(path, prefer=prefer)
     if is_export(file):
         payload, file = read_export(file), file / WEIGHTS_FILE
