@@ -4,7 +4,8 @@ Thin on purpose (as torchtitan's ``train.py`` and litgpt's ``__main__.py``): eac
 parses its flags, calls one ``run()`` and maps the errors a user can cause to one line on
 stderr and an exit code. Nothing else happens here.
 
-Exit codes and the one-line errors: :mod:`fbtrain.cli_errors`.
+Exit codes and the one-line errors: :mod:`fbtrain.cli_errors`; the flags several commands
+share and the callbacks that check them: :mod:`fbtrain.cli_options`.
 
 Heavy modules (torch and everything that imports it) are imported inside the commands, so
 ``fbtrain --help`` and ``fbtrain --version`` answer at once.
@@ -12,19 +13,23 @@ Heavy modules (torch and everything that imports it) are imported inside the com
 
 from __future__ import annotations
 
-import importlib
 import json
 import sys
-from collections.abc import Callable
-from enum import Enum
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 
 from fbtrain import __version__
 from fbtrain.cli_errors import OneLineErrors, fail, user_errors
-from fbtrain.config.schema import CONTEXTS, SPLITS  # light: no torch
-from fbtrain.errors import ArgumentError
+from fbtrain.cli_options import (
+    CheckpointOption,
+    Context,
+    DeviceOption,
+    PrecisionOption,
+    Split,
+    count_rule,
+    sampling_rule,
+)
 from fbtrain.messages import format_bytes
 from fbtrain.startup import prepare_process
 
@@ -50,77 +55,6 @@ app = typer.Typer(
     rich_markup_mode=None,  # help text is printed as written: no [markup] eaten
     context_settings={"help_option_names": ["-h", "--help"]},
 )
-
-
-Split = Enum("Split", {name: name for name in SPLITS}, type=str)  # eval's --split
-Context = Enum("Context", {name: name for name in CONTEXTS}, type=str)  # eval's --context
-
-
-class Precision(str, Enum):  # run.precision's choices (config.schema.PRECISIONS)
-    auto = "auto"
-    fp32 = "fp32"
-    bf16 = "bf16"
-    fp16 = "fp16"
-
-
-def _device_named(value: str | None) -> str | None:
-    """--device's callback: an empty value (an unset shell variable) is refused, not taken
-    as the default."""
-    if value is not None and not value.strip():
-        raise typer.BadParameter("empty; give auto, cpu, cuda or cuda:N (or leave --device "
-                                 "out)")
-    return value
-
-
-DeviceOption = Annotated[
-    str | None,
-    typer.Option(
-        "--device", metavar="auto|cpu|cuda|cuda:N", callback=_device_named,
-        help="Where to run: auto (CUDA when available, else CPU), cpu, cuda or cuda:N.",
-        show_default=False,
-    ),
-]
-PrecisionOption = Annotated[
-    Precision | None,
-    typer.Option(
-        "--precision", show_default="the run's run.precision",
-        help="Autocast to run the model at: auto (bf16 on CUDA, fp32 on CPU), fp32, bf16 "
-        "or fp16. The default, the run's own, is what its validation was scored at.",
-    ),
-]
-CheckpointOption = Annotated[
-    str,
-    typer.Option(
-        "--checkpoint", "-c", metavar="PATH|RUN_DIR",
-        help="A checkpoint file, a run directory (its best.pt, else last.pt), or a folder "
-        "written by fbtrain export.",
-    ),
-]
-
-
-def _rule(module: str, checker: str, name: str) -> Callable[[Any], Any]:
-    """Option callback applying the library's own rule for argument ``name``
-    (``fbtrain.<module>.<checker>(name, value)``, imported on use so ``--help`` stays
-    fast): each rule is written once, there. None (a flag not given) passes."""
-
-    def check(value: Any) -> Any:
-        if value is not None:
-            rule = getattr(importlib.import_module(f"fbtrain.{module}"), checker)
-            try:
-                rule(name, value)
-            except ArgumentError as e:
-                raise typer.BadParameter(str(e)) from None
-        return value
-
-    return check
-
-
-def _sampling_rule(name: str) -> Callable[[Any], Any]:
-    return _rule("sample", "check_argument", name)
-
-
-def _count(name: str) -> Callable[[Any], Any]:
-    return _rule("evaluate", "check_count", name)
 
 
 def _show_version(value: bool) -> None:
@@ -257,33 +191,33 @@ def sample(
     ] = None,
     length: Annotated[
         int,
-        typer.Option("--length", "-n", metavar="N", callback=_sampling_rule("length"),
+        typer.Option("--length", "-n", metavar="N", callback=sampling_rule("length"),
                      help="Tokens to generate per sample: characters (bytes for enwik8, "
                           "words for algorithmic programs)."),
     ] = 500,
     temperature: Annotated[
         float,
         typer.Option("--temperature", "-t", metavar="T",
-                     callback=_sampling_rule("temperature"),
+                     callback=sampling_rule("temperature"),
                      help="Softmax temperature: lower is more conservative."),
     ] = 0.8,
     top_k: Annotated[
         int | None,
-        typer.Option("--top-k", metavar="K", callback=_sampling_rule("top_k"), show_default=False,
+        typer.Option("--top-k", metavar="K", callback=sampling_rule("top_k"), show_default=False,
                      help="Sample only from the K most likely characters."),
     ] = None,
     top_p: Annotated[
         float | None,
-        typer.Option("--top-p", metavar="P", show_default=False, callback=_sampling_rule("top_p"),
+        typer.Option("--top-p", metavar="P", show_default=False, callback=sampling_rule("top_p"),
                      help="Nucleus sampling: the smallest set of characters whose "
                      "probability adds up to P (0 < P <= 1)."),
     ] = None,
     num_samples: Annotated[
-        int, typer.Option("--num-samples", metavar="N", callback=_sampling_rule("num_samples"),
+        int, typer.Option("--num-samples", metavar="N", callback=sampling_rule("num_samples"),
                           help="Independent samples to draw."),
     ] = 1,
     seed: Annotated[
-        int, typer.Option("--seed", metavar="S", callback=_sampling_rule("seed"),
+        int, typer.Option("--seed", metavar="S", callback=sampling_rule("seed"),
                           help="Random seed (same seed, same text)."),
     ] = 1337,
     device: DeviceOption = None,
@@ -320,12 +254,12 @@ def evaluate(
     ] = Split.val,
     seq_len: Annotated[
         int | None,
-        typer.Option("--seq-len", metavar="N", callback=_count("seq_len"), show_default=False,
+        typer.Option("--seq-len", metavar="N", callback=count_rule("seq_len"), show_default=False,
                      help="Window length (default: the last curriculum stage's length)."),
     ] = None,
     batch_size: Annotated[
         int,
-        typer.Option("--batch-size", "-b", metavar="B", callback=_count("batch_size"),
+        typer.Option("--batch-size", "-b", metavar="B", callback=count_rule("batch_size"),
                      help="Windows per forward pass."),
     ] = 64,
     data_path: Annotated[

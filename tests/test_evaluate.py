@@ -381,7 +381,8 @@ def test_eval_reproduces_the_validation_line_of_its_run(bf16_run: Path) -> None:
 def test_cli_eval_precision_flag_overrides_the_runs(bf16_run: Path) -> None:
     from typer.testing import CliRunner
 
-    from fbtrain.cli import Precision, app
+    from fbtrain.cli import app
+    from fbtrain.cli_options import Precision
     from fbtrain.config.schema import PRECISIONS
 
     assert tuple(p.value for p in Precision) == PRECISIONS  # the flag's choices are the key's

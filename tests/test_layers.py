@@ -28,7 +28,7 @@ LAYERS: list[set[str]] = [
     {"evaluate", "sample", "sample_budget"},
     {"rundir"},
     {"train"},
-    {"cli_errors", "cli", "__main__"},
+    {"cli_errors", "cli_options", "cli", "__main__"},
 ]
 
 
