@@ -45,6 +45,7 @@ import torch
 import fbtrain.train.report as report
 from fbtrain.checkpoint.best import heal_best
 from fbtrain.checkpoint.contents import summarize_names
+from fbtrain.checkpoint.files import CheckpointManager
 from fbtrain.config import Config
 from fbtrain.config.kinds import model_kind
 from fbtrain.device import matmul_precision
@@ -103,6 +104,25 @@ def run(cfg: Config, *, resume: str | None = None, quiet: bool = False,
             raise peer_lost(ctx, trainer.manager.last_path, trainer.completed) from None
 
 
+def say_finished(cfg: Config, ctx: DistContext, manager: CheckpointManager,
+                 choice: ResumeChoice, *, quiet: bool) -> None:
+    """A run resumed with nothing left to train (``choice``, loaded): that it is done, and
+    its closing line (no segment recorded; no file written but a best.pt put right, which a
+    save that failed left behind the best the run recorded)."""
+    assert choice.path is not None and choice.payload is not None
+    console = Console(enabled=ctx.is_main, quiet=quiet)
+    done, closing = report.finished_lines(manager.run_dir, choice.path, choice.payload,
+                                          cfg.train.max_steps)
+    console.info(f"run directory: {manager.run_dir}")
+    progress = choice.payload.get("progress")
+    best = progress.get("best_val_loss") if isinstance(progress, dict) else None
+    healed = heal_best(manager, best) if ctx.is_main else None
+    for line in (healed, done):
+        if line:
+            console.info(line)
+    console.result(closing)
+
+
 class Trainer:
     """One training run: :meth:`fit` owns the run directory, builds the run, trains.
 
@@ -150,7 +170,7 @@ class Trainer:
             started = self.pace.clock()
             choice = resume_choice(self.cfg, self.directory, resume)
             if finished(self.cfg, choice):  # said before any data is loaded (or downloaded)
-                self._say_finished(choice)
+                say_finished(self.cfg, self.ctx, self.manager, choice, quiet=self.quiet)
                 return self.run_dir
             try:
                 self.parts, self.state, resume_path = set_up(
@@ -211,23 +231,6 @@ class Trainer:
             sampling=events["sample"].spent)
         self.logger.result(report.summary(self.parts, self.state, spent))
         self.ctx.barrier()
-
-    def _say_finished(self, choice: ResumeChoice) -> None:
-        """A run resumed with nothing left to train: that it is done, and its closing line
-        (no segment recorded; no file written but a best.pt put right, which a save that
-        failed left behind the best the run recorded)."""
-        assert choice.path is not None and choice.payload is not None
-        console = Console(enabled=self.ctx.is_main, quiet=self.quiet)
-        done, closing = report.finished_lines(self.run_dir, choice.path, choice.payload,
-                                              self.cfg.train.max_steps)
-        console.info(f"run directory: {self.run_dir}")
-        progress = choice.payload.get("progress")
-        best = progress.get("best_val_loss") if isinstance(progress, dict) else None
-        healed = heal_best(self.manager, best) if self.ctx.is_main else None
-        for line in (healed, done):
-            if line:
-                console.info(line)
-        console.result(closing)
 
     # ------------------------------------------------------------------ loop
 
